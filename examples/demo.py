@@ -1,0 +1,52 @@
+"""The quick-start demo (``make demo``): offline, on the bundled sample images.
+
+Lists VGG16's layers and extracts relu3_3 / relu4_3 features. Pretrained weights are used when
+they are cached; otherwise the demo says so in one line and continues with seeded random weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+import featurehooks as fh
+
+HERE = Path(__file__).parent
+IMAGES = sorted((HERE / "images").glob("*.png"))
+
+
+def load_images(paths: list[Path], size: int = 224) -> torch.Tensor:
+    """Images as a float batch in [0, 1], resized to ``size`` x ``size``."""
+    arrays = [np.asarray(Image.open(p).convert("RGB").resize((size, size))) for p in paths]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+
+
+def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
+    try:
+        return fh.FeatureExtractor("vgg16", layers)
+    except fh.WeightsUnavailableError as exc:
+        print(f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
+              "using seeded random weights", file=sys.stderr)
+        torch.manual_seed(0)
+        return fh.FeatureExtractor("vgg16", layers, weights=None)
+
+
+def main() -> None:
+    print("VGG16 layers (first 10 of", len(fh.list_layers("vgg16")), "):")
+    for row in fh.list_layers("vgg16")[:10]:
+        print(f"  {row.name:<10} {row.path:<12} {row.type:<10} channels={row.channels} stride={row.stride}")
+    layers = ["relu3_3", "relu4_3"]
+    with make_extractor(layers) as extractor:
+        images = load_images(IMAGES)
+        features = extractor(images)
+    print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> weights {extractor.weights}")
+    for name, value in features.items():
+        print(f"  {name}: shape {tuple(value.shape)}, mean activation {value.mean():.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The hook session: the one place that registers, collects from, and removes forward hooks.
+
+A session hooks the requested modules of one model. Each forward collects into a fresh dict;
+with ``stop_early`` the hook of the last requested module to fire raises ``StopForward``, which
+the caller catches, so nothing after the deepest tap runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
+
+
+class StopForward(Exception):
+    """Raised by the last hook to end a forward early; never escapes the session's ``run``."""
+
+
+class RepeatedCallError(RuntimeError):
+    """A hooked module ran more than once in one forward, so its outputs would overwrite each other."""
+
+
+class HookSession:
+    """Forward hooks on ``taps`` (module path -> output names) of ``model``, removed by ``remove()``.
+
+    Args:
+        model: the model whose submodules are hooked.
+        taps: module path -> the output names its output is stored under.
+        detach: store detached outputs (no graph).
+        stop_early: raise StopForward once every tapped module has fired.
+    """
+
+    def __init__(
+        self, model: nn.Module, taps: Mapping[str, Sequence[str]], *, detach: bool, stop_early: bool
+    ) -> None:
+        self.taps = {path: tuple(names) for path, names in taps.items()}
+        self.detach = detach
+        self.stop_early = stop_early
+        self.clone_paths: set[str] = set()
+        self.track_versions = False
+        self.last_mutated: set[str] = set()
+        self._store: dict[str, Any] | None = None
+        self._fired: dict[str, torch.Tensor | None] = {}
+        self._versions: dict[str, int] = {}
+        self._handles: list[RemovableHandle] = []
+        modules = dict(model.named_modules())
+        try:
+            for path in self.taps:
+                self._handles.append(modules[path].register_forward_hook(self._hook(path)))
+        except BaseException:
+            self.remove()
+            raise
+
+    @property
+    def active(self) -> bool:
+        """Whether hooks are still registered."""
+        return bool(self._handles)
+
+    def _hook(self, path: str) -> Callable[[nn.Module, Any, Any], None]:
+        names = self.taps[path]
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            store = self._store
+            if store is None:
+                return
+            if path in self._fired:
+                raise RepeatedCallError(
+                    f"module {path!r} ran more than once in one forward, so its outputs would overwrite "
+                    "each other; tap a module that runs once (its parent block, or the layer that feeds it)"
+                )
+            if self.detach:
+                output = tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+            if path in self.clone_paths:
+                output = tree_map_only(torch.Tensor, torch.Tensor.clone, output)
+            is_tensor = isinstance(output, torch.Tensor)
+            self._fired[path] = output if is_tensor else None
+            if self.track_versions and is_tensor:
+                self._versions[path] = output._version
+            for name in names:
+                store[name] = output
+            if self.stop_early and len(self._fired) == len(self.taps):
+                raise StopForward
+
+        return hook
+
+    def begin(self, store: dict[str, Any]) -> None:
+        """Start collecting a new forward into ``store``; outputs of earlier forwards are forgotten."""
+        self._store = store
+        self._fired = {}
+        self._versions = {}
+
+    def mutated_paths(self) -> set[str]:
+        """Tapped outputs changed in place after capture during the last collection (needs track_versions)."""
+        return {
+            path
+            for path, version in self._versions.items()
+            if (tensor := self._fired.get(path)) is not None and tensor._version != version
+        }
+
+    def run(self, forward: Callable[[], Any]) -> dict[str, Any]:
+        """Call ``forward()`` and return the collected outputs keyed by output name.
+
+        Raises:
+            RuntimeError: a tapped module never ran (the model's forward skips it).
+        """
+        store: dict[str, Any] = {}
+        self.begin(store)
+        try:
+            try:
+                forward()
+            except StopForward:
+                pass
+            missing = [path for path in self.taps if path not in self._fired]
+            if missing:
+                raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
+            self.last_mutated = self.mutated_paths() if self.track_versions else set()
+        finally:
+            self._store = None
+            self._fired = {}
+        return store
+
+    def remove(self) -> None:
+        """Remove every hook; safe to call twice."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
