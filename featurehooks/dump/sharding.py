@@ -1,0 +1,87 @@
+"""Splitting a dump across torch.distributed ranks (torchrun), without padding or duplicates.
+
+Rows are grouped in fixed chunks (the batch size); each rank takes one contiguous run of the pending
+chunks. Batches are always whole chunks, so every row is computed in the same batch whatever the
+number of ranks or restarts, and the bytes written do not depend on them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Distributed", "chunk_rows", "split_contiguous"]
+
+
+def chunk_rows(chunk: int, chunk_size: int, num_rows: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of chunk number ``chunk``."""
+    start = chunk * chunk_size
+    return start, min(start + chunk_size, num_rows)
+
+
+def split_contiguous(items: Sequence[int], parts: int, part: int) -> list[int]:
+    """Part ``part`` of ``parts`` contiguous, non-padded pieces of ``items`` (sizes differ by at most one)."""
+    base, extra = divmod(len(items), parts)
+    start = part * base + min(part, extra)
+    stop = start + base + (1 if part < extra else 0)
+    return list(items[start:stop])
+
+
+@dataclass
+class Distributed:
+    """Rank and world size of this process, and the collectives a dump needs (no-ops when alone).
+
+    With ``WORLD_SIZE > 1`` in the environment (torchrun sets it) and no process group yet, one is
+    created (``nccl`` for CUDA devices, else ``gloo``) and destroyed by ``close()``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False
+
+    @classmethod
+    def from_environment(cls, device: torch.device) -> Distributed:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), owns_group=False)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return cls()
+        if not dist.is_available():
+            raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=60))
+        return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank reports ``ok``."""
+        if self.world_size == 1:
+            return ok
+        flags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(flags, bool(ok))
+        return all(flags)
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
