@@ -1,0 +1,267 @@
+"""Pure loss functions: Gram matrices, channel normalization, feature distances, total variation, reductions.
+
+Every function here is stateless and works on plain tensors; the modules in ``featurehooks.losses``
+are thin shells around them. Numerically sensitive steps (Gram matrices, channel normalization) run
+in float32 with autocast disabled, so they stay finite under fp16/bf16 mixed precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Literal, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "DISTANCES",
+    "Distance",
+    "GramNormalization",
+    "Reduction",
+    "channel_normalize",
+    "check_reduction",
+    "feature_distance",
+    "gram_matrix",
+    "per_sample_mean",
+    "reduce_loss",
+    "resolve_distance",
+    "total_variation",
+]
+
+Reduction = Literal["mean", "sum", "none"]
+GramNormalization = Literal["chw", "hw", "none"]
+# A distance maps (input, target) to elementwise (or per-position) values whose first dim is the batch.
+Distance = Union[str, Callable[[Tensor, Tensor], Tensor]]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_GRAM_NORMALIZATIONS = ("chw", "hw", "none")
+_CHARBONNIER_EPS = 1e-3
+_COSINE_EPS = 1e-8
+
+
+def _float32_or_wider(x: Tensor) -> Tensor:
+    """``x`` as float32, or unchanged when it already is float32 or float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _no_autocast(x: Tensor) -> AbstractContextManager[None]:
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> Tensor:
+    r"""Batched Gram matrix :math:`G = F F^\top` of feature maps, in float32 with autocast disabled.
+
+    Under autocast ``bmm`` would run in float16 and overflow for large activations, so the inputs
+    are upcast to float32 (float64 stays float64) and the result keeps that dtype.
+
+    Args:
+        features: feature maps; every dimension after the channel dimension is flattened.
+        normalization: ``"chw"`` divides by ``C * H * W`` (Johnson et al. 2016), ``"hw"`` by ``H * W``,
+            ``"none"`` leaves the raw sums (Gatys et al. 2016; piq's ``StyleLoss``).
+
+    Returns:
+        The Gram matrices.
+
+    Shape:
+        features: ``(B, C, H, W)`` or ``(B, C, N)``; output: ``(B, C, C)``, float32 or float64.
+
+    Example:
+        >>> gram_matrix(torch.ones(2, 4, 8, 8)).shape
+        torch.Size([2, 4, 4])
+
+    References:
+        Gatys, Ecker, Bethge (2016). Image Style Transfer Using Convolutional Neural Networks. CVPR.
+        Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
+        Super-Resolution. ECCV.
+    """
+    if not isinstance(features, Tensor):
+        raise TypeError(f"features must be a Tensor, got {type(features).__name__}")
+    if features.dim() < 3:
+        raise ValueError(f"features must have shape (B, C, H, W) or (B, C, N), got {tuple(features.shape)}")
+    if normalization not in _GRAM_NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {_GRAM_NORMALIZATIONS}, not {normalization!r}")
+    batch, channels = features.shape[:2]
+    with _no_autocast(features):
+        flat = _float32_or_wider(features).reshape(batch, channels, -1)
+        gram = torch.bmm(flat, flat.transpose(1, 2))
+    positions = flat.shape[-1]
+    if normalization == "chw":
+        gram = gram / (channels * positions)
+    elif normalization == "hw":
+        gram = gram / positions
+    return gram
+
+
+def channel_normalize(features: Tensor, dim: int = 1, eps: float = 1e-10) -> Tensor:
+    r"""Scale each feature vector to unit length: :math:`x / \sqrt{\sum_c x_c^2 + \epsilon}`.
+
+    ``eps`` sits inside the square root, so an all-zero feature vector maps to zero with a finite
+    gradient (lpips and piq put it outside, where ``sqrt``'s gradient at zero is infinite and the
+    backward pass yields NaN). Computed in float32 (float64 stays float64) with autocast disabled.
+
+    Args:
+        features: feature maps.
+        dim: the channel dimension.
+        eps: added to the squared norm before the square root.
+
+    Returns:
+        Features of unit norm along ``dim`` (zero where the input is zero).
+
+    Shape:
+        features: ``(B, C, H, W)`` (any shape); output: the same shape, float32 or float64.
+
+    Example:
+        >>> channel_normalize(torch.tensor([[[[3.0]], [[4.0]]]])).flatten().tolist()
+        [0.6000000238418579, 0.800000011920929]
+
+    References:
+        Zhang, Isola, Efros, Shechtman, Wang (2018). The Unreasonable Effectiveness of Deep Features
+        as a Perceptual Metric. CVPR.
+    """
+    if eps <= 0:
+        raise ValueError(f"eps must be positive (it keeps the gradient at zero finite), got {eps}")
+    with _no_autocast(features):
+        x = _float32_or_wider(features)
+        return x * torch.rsqrt(x.pow(2).sum(dim=dim, keepdim=True) + eps)
+
+
+def per_sample_mean(values: Tensor) -> Tensor:
+    """Mean over every dimension except the first (the batch).
+
+    Shape:
+        values: ``(B, ...)``; output: ``(B,)``.
+    """
+    if values.dim() == 0:
+        raise ValueError("expected a tensor with a batch dimension, got a scalar")
+    return values.reshape(values.shape[0], -1).mean(dim=1)
+
+
+def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:
+    """Reduce per-sample losses over the batch: ``"mean"``, ``"sum"`` or ``"none"`` (unchanged).
+
+    Shape:
+        values: ``(B,)``; output: scalar, or ``(B,)`` for ``"none"``.
+    """
+    check_reduction(reduction)
+    if reduction == "mean":
+        return values.mean()
+    if reduction == "sum":
+        return values.sum()
+    return values
+
+
+def check_reduction(reduction: str) -> None:
+    """Raise ValueError unless ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"``."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+
+
+def _squared(x: Tensor, y: Tensor) -> Tensor:
+    return (x - y).pow(2)
+
+
+def _absolute(x: Tensor, y: Tensor) -> Tensor:
+    return (x - y).abs()
+
+
+def _smooth_l1(x: Tensor, y: Tensor) -> Tensor:
+    x, y = torch.broadcast_tensors(x, y)
+    return F.smooth_l1_loss(x, y, reduction="none", beta=1.0)
+
+
+def _charbonnier(x: Tensor, y: Tensor) -> Tensor:
+    return torch.sqrt((x - y).pow(2) + _CHARBONNIER_EPS**2)
+
+
+def _cosine(x: Tensor, y: Tensor) -> Tensor:
+    return 1 - F.cosine_similarity(x, y, dim=1, eps=_COSINE_EPS)
+
+
+DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "mse": _squared,
+    "l2": _squared,
+    "l1": _absolute,
+    "mae": _absolute,
+    "smooth_l1": _smooth_l1,
+    "charbonnier": _charbonnier,
+    "cosine": _cosine,
+}
+"""Named distances. ``"mse"``/``"l2"``: squared difference; ``"l1"``/``"mae"``: absolute difference;
+``"smooth_l1"``: Huber with beta 1; ``"charbonnier"``: :math:`\\sqrt{d^2 + 10^{-6}}`; ``"cosine"``:
+one minus the cosine similarity over the channel dimension (dim 1)."""
+
+
+def resolve_distance(distance: Distance) -> Callable[[Tensor, Tensor], Tensor]:
+    """The elementwise function for a distance name, or the callable itself."""
+    if callable(distance):
+        return distance
+    if isinstance(distance, str) and distance in DISTANCES:
+        return DISTANCES[distance]
+    raise ValueError(f"distance must be one of {sorted(DISTANCES)} or a callable, not {distance!r}")
+
+
+def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") -> Tensor:
+    """Per-sample distance between two feature maps: the mean of the elementwise distance over C, H, W.
+
+    The target's batch dimension may be 1 (it broadcasts over the input's batch).
+
+    Args:
+        input: features of the input.
+        target: features of the target.
+        distance: a name from ``DISTANCES`` or a callable ``(input, target) -> Tensor`` whose result
+            has the batch as its first dimension (it is averaged over all other dimensions).
+
+    Returns:
+        One value per sample.
+
+    Shape:
+        input: ``(B, C, H, W)``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``; output: ``(B,)``.
+    """
+    return per_sample_mean(resolve_distance(distance)(input, target))
+
+
+def total_variation(images: Tensor, norm: Literal["l1", "l2"] = "l1", reduction: Reduction = "mean") -> Tensor:
+    r"""Total variation: how much neighbouring pixels differ, a smoothness prior for generated images.
+
+    Per sample, the mean over channels and positions of the vertical neighbour differences plus the
+    same mean of the horizontal ones; ``"l1"`` takes their absolute values (anisotropic TV),
+    ``"l2"`` their squares (Mahendran and Vedaldi's :math:`\beta = 2`). Being means, values do not
+    grow with the image size.
+
+    Args:
+        images: a batch of images (or feature maps).
+        norm: ``"l1"`` or ``"l2"``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` over the batch.
+
+    Returns:
+        The total variation.
+
+    Shape:
+        images: ``(B, C, H, W)`` with ``H, W >= 2``; output: scalar, or ``(B,)`` for ``"none"``.
+
+    Example:
+        >>> float(total_variation(torch.zeros(1, 3, 8, 8)))
+        0.0
+
+    References:
+        Rudin, Osher, Fatemi (1992). Nonlinear total variation based noise removal algorithms.
+        Mahendran, Vedaldi (2015). Understanding Deep Image Representations by Inverting Them. CVPR.
+    """
+    if not isinstance(images, Tensor) or images.dim() != 4:
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(f"images must have shape (B, C, H, W), got {shape}")
+    if images.shape[-1] < 2 or images.shape[-2] < 2:
+        raise ValueError(f"total variation needs H and W of at least 2, got {tuple(images.shape)}")
+    if norm not in ("l1", "l2"):
+        raise ValueError(f"norm must be 'l1' or 'l2', not {norm!r}")
+    check_reduction(reduction)
+    x = _float32_or_wider(images)
+    dy = x[:, :, 1:, :] - x[:, :, :-1, :]
+    dx = x[:, :, :, 1:] - x[:, :, :, :-1]
+    if norm == "l1":
+        dy, dx = dy.abs(), dx.abs()
+    else:
+        dy, dx = dy.pow(2), dx.pow(2)
+    return reduce_loss(per_sample_mean(dy) + per_sample_mean(dx), reduction)

@@ -1,0 +1,254 @@
+"""The shell shared by feature losses: extractor, layer weights, targets, resizing and reduction.
+
+A feature loss runs in three steps (the template of piq and lpips): features of input and target
+from a frozen backbone, a per-layer statistic of each (the features, normalized features or Gram
+matrices), then a per-layer, per-sample distance, summed over layers with weights and reduced over
+the batch. Subclasses only define the statistic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..backbones import BackboneSpec, WeightsSpec
+from ..extractor import FeatureExtractor
+from ..functional import Distance, Reduction, check_reduction, feature_distance, reduce_loss, resolve_distance
+
+LayerWeights = Union[Mapping[str, float], Sequence[float], None]
+Resize = Union[int, tuple[int, int], None]
+
+
+def resolve_layer_weights(layer_weights: LayerWeights, layers: Sequence[str]) -> list[float]:
+    """One float per layer from a dict by name, a sequence aligned with ``layers``, or None (all 1)."""
+    if layer_weights is None:
+        return [1.0] * len(layers)
+    if isinstance(layer_weights, Mapping):
+        unknown = [name for name in layer_weights if name not in layers]
+        if unknown:
+            raise ValueError(f"layer_weights names layers that are not in layers={list(layers)}: {unknown}")
+        missing = [name for name in layers if name not in layer_weights]
+        if missing:
+            raise ValueError(f"layer_weights has no weight for {missing}; give one per layer in {list(layers)}")
+        return [float(layer_weights[name]) for name in layers]
+    if isinstance(layer_weights, (str, bytes)) or not isinstance(layer_weights, Iterable):
+        raise TypeError(f"layer_weights must be a dict by layer name or a sequence of floats, not {layer_weights!r}")
+    weights = [float(w) for w in layer_weights]
+    if len(weights) != len(layers):
+        raise ValueError(f"got {len(weights)} layer_weights for {len(layers)} layers {list(layers)}; give one per layer")
+    return weights
+
+
+def check_resize(resize: Resize) -> tuple[int, int] | None:
+    """``None``, or ``(height, width)`` from an int (square) or a pair of positive ints."""
+    if resize is None:
+        return None
+    size = (resize, resize) if isinstance(resize, int) else tuple(resize)
+    if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        raise ValueError(f"resize must be None, a positive int or (height, width), not {resize!r}")
+    return (size[0], size[1])
+
+
+def as_layer_list(layers: str | Sequence[str]) -> list[str]:
+    """Layer names as a list; a single string is one layer."""
+    names = [layers] if isinstance(layers, str) else list(layers)
+    if not names:
+        raise ValueError("layers is empty; name at least one layer, e.g. layers=['relu3_3']")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"layer names must be strings, got {name!r}")
+    return names
+
+
+class FeatureLoss(nn.Module):
+    """Base class of losses computed on features of a frozen backbone (see PerceptualLoss, StyleLoss).
+
+    Holds a ``FeatureExtractor`` in ``mode="grad"``: the backbone stays outside the module tree, so
+    the loss has no parameters, adds nothing to ``state_dict()`` and stays in eval mode whatever its
+    parent does. Pass an existing ``FeatureExtractor`` as ``backbone`` to share one extractor (and
+    one forward, see ``LossGroup`` and ``from_features``) between several losses.
+
+    A fixed target (``set_target``) is computed once and kept out of ``state_dict()``: it is
+    derived from an image, not learned, and saving it would make checkpoints large and their keys
+    depend on whether a target was set. Call ``set_target`` again after loading a checkpoint.
+    """
+
+    default_layers: tuple[str, ...] = ("relu3_3",)
+
+    def __init__(
+        self,
+        backbone: BackboneSpec | FeatureExtractor,
+        layers: str | Sequence[str] | None,
+        *,
+        layer_weights: LayerWeights,
+        distance: Distance,
+        reduction: Reduction,
+        weights: WeightsSpec,
+        input_range: tuple[float, float],
+        resize: Resize,
+    ) -> None:
+        super().__init__()
+        if isinstance(backbone, FeatureExtractor):
+            if backbone.mode != "grad":
+                raise ValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
+            names = as_layer_list(layers) if layers is not None else list(backbone.layers)
+            missing = [name for name in names if name not in backbone.layers]
+            if missing:
+                raise ValueError(
+                    f"layers {missing} are not computed by the shared FeatureExtractor (it has {backbone.layers}); "
+                    "build it over the union of the layers of every loss that shares it"
+                )
+            self.extractor = backbone
+        else:
+            names = as_layer_list(layers if layers is not None else self.default_layers)
+            self.extractor = FeatureExtractor(backbone, names, weights=weights, mode="grad", input_range=input_range)
+        self.layers: list[str] = names
+        self.layer_weights = resolve_layer_weights(layer_weights, names)
+        self.distance = distance
+        self._distance: Callable[[Tensor, Tensor], Tensor] = resolve_distance(distance)
+        check_reduction(reduction)
+        self.reduction: Reduction = reduction
+        self.resize = check_resize(resize)
+        self._target: list[Tensor] | None = None
+
+    # -- features ---------------------------------------------------------------------------------
+
+    def features(self, images: Tensor) -> dict[str, Tensor]:
+        """Features of ``images`` (resized first if ``resize`` is set) for every layer of the extractor."""
+        if self.resize is not None and tuple(images.shape[-2:]) != self.resize:
+            images = F.interpolate(images, size=self.resize, mode="bilinear", align_corners=False, antialias=True)
+        return self.extractor(images)
+
+    def target_features(self, target: Tensor) -> dict[str, Tensor]:
+        """Features of a target: without a graph unless the target itself requires grad."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and target.requires_grad):
+            return self.features(target)
+
+    def statistic(self, features: Tensor) -> Tensor:
+        """The per-layer quantity that is compared (the features themselves here)."""
+        return features
+
+    def _statistics(self, features: Mapping[str, Tensor], side: str) -> list[Tensor]:
+        if not isinstance(features, Mapping):
+            raise TypeError(f"{side} features must be a dict of layer name -> Tensor, got {type(features).__name__}")
+        missing = [name for name in self.layers if name not in features]
+        if missing:
+            raise ValueError(f"{side} features lack layers {missing}; got {list(features)}")
+        return [self.statistic(features[name]) for name in self.layers]
+
+    # -- fixed target ------------------------------------------------------------------------------
+
+    @property
+    def has_target(self) -> bool:
+        """Whether a fixed target was set with ``set_target`` (then call the loss without a target)."""
+        return self._target is not None
+
+    @torch.no_grad()
+    def set_target(self, target: Tensor) -> None:
+        """Compute the target's statistics once and reuse them for every call without a target.
+
+        Shape:
+            target: ``(1, C, H, W)`` (broadcast over the input batch) or ``(B, C, H, W)``.
+        """
+        target = target.to(self.extractor.mean.device)
+        self._target = [stat.detach() for stat in self._statistics(self.features(target), "target")]
+
+    def clear_target(self) -> None:
+        """Forget the fixed target; the loss then needs a target on every call."""
+        self._target = None
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureLoss:
+        super()._apply(fn, recurse)
+        if self._target is not None:  # follow the device, keep the (float32) dtype: Grams overflow in fp16
+            device = self.extractor.mean.device
+            self._target = [stat.to(device) for stat in self._target]
+        return self
+
+    # -- loss --------------------------------------------------------------------------------------
+
+    def _check_images(self, input: Tensor, target: Tensor) -> None:
+        """Raise before any forward if the target cannot be compared with the input."""
+        if not isinstance(target, Tensor):
+            raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+        if not isinstance(input, Tensor):
+            raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+        if input.dim() != 4 or target.dim() != 4:
+            raise ValueError(
+                f"input and target must be (B, C, H, W) images, got {tuple(input.shape)} and {tuple(target.shape)}"
+            )
+        same_size = input.shape[1:] == target.shape[1:] or not self._needs_same_size()
+        if not same_size or target.shape[0] not in (1, input.shape[0]) or input.shape[1] != target.shape[1]:
+            raise ValueError(self._shape_message(tuple(input.shape), tuple(target.shape)))
+
+    def _needs_same_size(self) -> bool:
+        return self.resize is None
+
+    def _shape_message(self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> str:
+        return (
+            f"input {input_shape} and target {target_shape} do not match: the target needs the input's "
+            "(C, H, W) and a batch of 1 or the input's batch"
+        )
+
+    def _target_statistics(self, input: Tensor, target: Tensor | None) -> list[Tensor]:
+        if target is None:
+            if self._target is None:
+                raise ValueError(f"{type(self).__name__} needs a target: pass one, or call set_target(image) once")
+            return self._target
+        if self._target is not None:
+            raise ValueError(
+                f"this {type(self).__name__} has a fixed target from set_target(); call it without a target "
+                "or call clear_target() first"
+            )
+        self._check_images(input, target)
+        return self._statistics(self.target_features(target), "target")
+
+    def forward(self, input: Tensor, target: Tensor | None = None) -> Tensor:
+        """The loss of ``input`` against ``target`` (or against the fixed target from ``set_target``).
+
+        Shape:
+            input: ``(B, C, H, W)`` in ``input_range``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``;
+            output: scalar, or ``(B,)`` with ``reduction="none"``.
+        """
+        target_stats = self._target_statistics(input, target)
+        return self._combine(self._statistics(self.features(input), "input"), target_stats)
+
+    def from_features(
+        self, input_features: Mapping[str, Tensor], target_features: Mapping[str, Tensor] | None = None
+    ) -> Tensor:
+        """The loss from feature dicts computed elsewhere, e.g. by one shared ``FeatureExtractor``.
+
+        Extra layers in the dicts are ignored. Without ``target_features``, the fixed target is used.
+
+        Shape:
+            features: ``{layer: (B, C, H, W)}``; output: scalar, or ``(B,)`` with ``reduction="none"``.
+        """
+        input_stats = self._statistics(input_features, "input")
+        if target_features is None:
+            if self._target is None:
+                raise ValueError(f"{type(self).__name__} needs target features, or call set_target(image) once")
+            return self._combine(input_stats, self._target)
+        if self._target is not None:
+            raise ValueError(
+                f"this {type(self).__name__} has a fixed target from set_target(); pass no target_features"
+            )
+        return self._combine(input_stats, self._statistics(target_features, "target"))
+
+    def _combine(self, input_stats: list[Tensor], target_stats: list[Tensor]) -> Tensor:
+        terms = []
+        for name, weight, a, b in zip(self.layers, self.layer_weights, input_stats, target_stats):
+            if a.shape[1:] != b.shape[1:] or b.shape[0] not in (1, a.shape[0]):
+                raise ValueError(
+                    f"layer {name!r}: input {tuple(a.shape)} and target {tuple(b.shape)} do not match "
+                    "(the target's batch may be 1 or the input's)"
+                )
+            terms.append(weight * feature_distance(a, b, self._distance))
+        return reduce_loss(sum(terms[1:], terms[0]), self.reduction)
+
+    def extra_repr(self) -> str:
+        weights = "" if all(w == 1.0 for w in self.layer_weights) else f", layer_weights={self.layer_weights}"
+        resize = f", resize={self.resize}" if self.resize is not None else ""
+        return f"layers={self.layers}{weights}, distance={self.distance!r}, reduction={self.reduction!r}{resize}"

@@ -1,0 +1,95 @@
+"""LossGroup: several losses on one image with one backbone forward per shared extractor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+from ._base import FeatureLoss
+
+__all__ = ["LossGroup"]
+
+
+class LossGroup(nn.Module):
+    r"""A weighted sum of named losses that share backbone forwards.
+
+    Feature losses built on the same ``FeatureExtractor`` (pass one extractor, created over the
+    union of their layers, as their ``backbone``) get their features from a single forward of the
+    input and at most one forward of the target per call. Losses with a fixed target
+    (``set_target``) use it and ignore the call's target; the others compare with the call's
+    target. Losses whose ``takes_target`` is False (``TotalVariationLoss``) get the input only;
+    any other module is called as ``loss(input, target)``.
+
+    Args:
+        losses: name -> loss module, in the order the terms are reported.
+        weights: name -> weight of that term; missing names weigh 1.
+
+    Shape:
+        input, target: ``(B, C, H, W)``; output: scalar, or ``(B,)`` when the members use
+        ``reduction="none"``.
+
+    Example:
+        >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], mode="grad", weights=None)
+        >>> group = LossGroup(
+        ...     {"content": PerceptualLoss(ext, ["relu3_3"]), "style": StyleLoss(ext, ["relu2_2", "relu3_3"])},
+        ...     weights={"style": 10.0},
+        ... )
+        >>> x, y = torch.rand(2, 3, 64, 64, requires_grad=True), torch.rand(2, 3, 64, 64)
+        >>> sorted(group.terms(x, y))  # one backbone forward for x and one for y
+        ['content', 'style']
+    """
+
+    def __init__(self, losses: Mapping[str, nn.Module], weights: Mapping[str, float] | None = None) -> None:
+        super().__init__()
+        if not losses:
+            raise ValueError("LossGroup needs at least one loss")
+        for name, loss in losses.items():
+            if not isinstance(loss, nn.Module):
+                raise TypeError(f"loss {name!r} must be an nn.Module, got {type(loss).__name__}")
+        weights = dict(weights or {})
+        unknown = [name for name in weights if name not in losses]
+        if unknown:
+            raise ValueError(f"weights name losses that are not in the group: {unknown}; it has {list(losses)}")
+        reductions = {getattr(loss, "reduction", None) for loss in losses.values()} - {None}
+        if len(reductions) > 1:
+            raise ValueError(f"the losses of a group must share one reduction, got {sorted(reductions)}")
+        self.losses = nn.ModuleDict(losses)
+        self.weights = {name: float(weights.get(name, 1.0)) for name in losses}
+
+    def terms(self, input: Tensor, target: Tensor | None = None) -> dict[str, Tensor]:
+        """Each loss times its weight, by name (useful for logging); their sum is ``forward``."""
+        input_features: dict[tuple[int, object], dict[str, Tensor]] = {}
+        target_features: dict[tuple[int, object], dict[str, Tensor]] = {}
+        result: dict[str, Tensor] = {}
+        for name, loss in self.losses.items():
+            if isinstance(loss, FeatureLoss):
+                key = (id(loss.extractor), loss.resize)
+                if key not in input_features:
+                    input_features[key] = loss.features(input)
+                if loss.has_target:
+                    value = loss.from_features(input_features[key])
+                else:
+                    if target is None:
+                        raise ValueError(
+                            f"loss {name!r} has no fixed target: pass a target, or call "
+                            f"group.losses[{name!r}].set_target(image) once"
+                        )
+                    loss._check_images(input, target)
+                    if key not in target_features:
+                        target_features[key] = loss.target_features(target)
+                    value = loss.from_features(input_features[key], target_features[key])
+            elif not getattr(loss, "takes_target", True) or target is None:
+                value = loss(input)
+            else:
+                value = loss(input, target)
+            result[name] = self.weights[name] * value
+        return result
+
+    def forward(self, input: Tensor, target: Tensor | None = None) -> Tensor:
+        """The weighted sum of every loss."""
+        values = list(self.terms(input, target).values())
+        return sum(values[1:], values[0])
+
+    def extra_repr(self) -> str:
+        return f"weights={self.weights}"

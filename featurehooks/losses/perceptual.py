@@ -1,0 +1,95 @@
+"""PerceptualLoss: distances between deep features of an output and a target (content loss)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..backbones import BackboneSpec, WeightsSpec
+from ..extractor import FeatureExtractor
+from ..functional import Distance, Reduction, channel_normalize
+from ._base import FeatureLoss, LayerWeights, Resize
+
+__all__ = ["PerceptualLoss"]
+
+
+class PerceptualLoss(FeatureLoss):
+    r"""Perceptual (feature reconstruction, content) loss on a frozen pretrained backbone.
+
+    For each layer and sample, the elementwise ``distance`` between the features of input and
+    target is averaged over C, H and W; layers are summed with ``layer_weights``; ``reduction``
+    acts over the batch. Target features are computed without a graph unless the target requires
+    grad; a target with batch 1 is broadcast over the input batch.
+
+    Relations to reference implementations (tested): with ``reduction="none"`` on ``relu3_3``,
+    ``256 *`` this loss equals piq's ``ContentLoss``; with ``normalize_features=True``, layers
+    ``relu1_2 ... relu5_3`` and ``layer_weights`` equal to their channel counts it equals
+    ``lpips.LPIPS(net="vgg", lpips=False)`` (see the ``lpips_vgg`` preset).
+
+    Args:
+        backbone: backbone name (``"vgg16"``), ``nn.Module``, or a shared ``FeatureExtractor``
+            built with ``mode="grad"`` (then ``weights`` and ``input_range`` are taken from it).
+        layers: layers to compare; default ``("relu3_3",)``, or every layer of a shared extractor.
+        layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``);
+            default 1 each.
+        distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ``"charbonnier"``, ``"cosine"``
+            (over channels), or a callable ``(input, target) -> Tensor``; see ``functional.DISTANCES``.
+        normalize_features: scale each feature vector to unit length over channels first (LPIPS).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        weights: backbone weights, as for ``FeatureExtractor``.
+        input_range: the value range of the images you pass, e.g. ``(0, 1)`` or ``(-1, 1)``.
+        resize: resize input and target to ``(H, W)`` (or a square) before the backbone.
+
+    Shape:
+        input: ``(B, 3, H, W)``; target: ``(B, 3, H, W)`` or ``(1, 3, H, W)``; output: scalar, or
+        ``(B,)`` with ``reduction="none"``.
+
+    Example:
+        >>> loss_fn = PerceptualLoss("vgg16", layers=["relu2_2", "relu3_3"], weights=None)
+        >>> output = torch.rand(2, 3, 64, 64, requires_grad=True)
+        >>> loss = loss_fn(output, torch.rand(2, 3, 64, 64))
+        >>> loss.backward()
+
+    References:
+        Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
+        Super-Resolution. ECCV. https://arxiv.org/abs/1603.08155
+
+        Zhang, Isola, Efros, Shechtman, Wang (2018). The Unreasonable Effectiveness of Deep
+        Features as a Perceptual Metric. CVPR. https://arxiv.org/abs/1801.03924
+    """
+
+    def __init__(
+        self,
+        backbone: BackboneSpec | FeatureExtractor = "vgg16",
+        layers: str | Sequence[str] | None = None,
+        *,
+        layer_weights: LayerWeights = None,
+        distance: Distance = "mse",
+        normalize_features: bool = False,
+        reduction: Reduction = "mean",
+        weights: WeightsSpec = "DEFAULT",
+        input_range: tuple[float, float] = (0.0, 1.0),
+        resize: Resize = None,
+    ) -> None:
+        super().__init__(
+            backbone,
+            layers,
+            layer_weights=layer_weights,
+            distance=distance,
+            reduction=reduction,
+            weights=weights,
+            input_range=input_range,
+            resize=resize,
+        )
+        self.normalize_features = normalize_features
+
+    def statistic(self, features: Tensor) -> Tensor:
+        """Features in float32 (float64 stays), unit-normalized over channels if ``normalize_features``."""
+        if self.normalize_features:
+            return channel_normalize(features)
+        return features.to(torch.promote_types(features.dtype, torch.float32))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", normalize_features=True" if self.normalize_features else "")

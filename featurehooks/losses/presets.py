@@ -1,0 +1,157 @@
+"""Published loss configurations, one function each, built on one shared extractor where they combine losses.
+
+Layer choices and per-layer weights follow the papers; loss scales follow featurehooks' conventions
+(means over C, H, W and over C x C), so term weights are featurehooks' own where noted.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..backbones import WeightsSpec
+from ..extractor import FeatureExtractor
+from ..functional import Reduction
+from .group import LossGroup
+from .perceptual import PerceptualLoss
+from .style import StyleLoss
+
+__all__ = [
+    "GATYS2016_CONTENT_LAYERS",
+    "GATYS2016_STYLE_LAYERS",
+    "JOHNSON2016_CONTENT_LAYERS",
+    "JOHNSON2016_STYLE_LAYERS",
+    "LPIPS_VGG_CHANNELS",
+    "LPIPS_VGG_LAYERS",
+    "PIX2PIXHD_LAYERS",
+    "PIX2PIXHD_WEIGHTS",
+    "gatys2016",
+    "johnson2016",
+    "lpips_vgg",
+    "pix2pixhd",
+]
+
+JOHNSON2016_CONTENT_LAYERS = ("relu2_2",)
+JOHNSON2016_STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
+GATYS2016_CONTENT_LAYERS = ("relu4_2",)
+GATYS2016_STYLE_LAYERS = ("relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1")
+PIX2PIXHD_LAYERS = ("relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1")
+PIX2PIXHD_WEIGHTS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1.0)
+LPIPS_VGG_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3")
+LPIPS_VGG_CHANNELS = (64, 128, 256, 512, 512)
+
+
+def johnson2016(
+    style_image: Tensor | None = None,
+    *,
+    content_weight: float = 1.0,
+    style_weight: float = 5.0,
+    weights: WeightsSpec = "DEFAULT",
+    input_range: tuple[float, float] = (0.0, 1.0),
+    reduction: Reduction = "mean",
+) -> LossGroup:
+    """Johnson et al.'s loss for fast style transfer: VGG16 content on relu2_2, style on relu1_2-relu4_3.
+
+    One VGG16 forward (to relu4_3) serves both terms. Gram matrices are normalized by C*H*W and
+    compared by mean squared error, as in the authors' code; ``content_weight=1, style_weight=5``
+    are their defaults. Call the group as ``loss(output, content_batch)``; the style image's
+    Grams are computed once (pass ``style_image`` or call ``group.losses["style"].set_target``).
+
+    Example:
+        >>> loss_fn = johnson2016(torch.rand(1, 3, 64, 64), weights=None)
+        >>> loss_fn(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
+        torch.Size([])
+
+    References:
+        Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
+        Super-Resolution. ECCV. https://arxiv.org/abs/1603.08155
+    """
+    layers = list(dict.fromkeys(JOHNSON2016_STYLE_LAYERS + JOHNSON2016_CONTENT_LAYERS))
+    extractor = FeatureExtractor("vgg16", layers, weights=weights, mode="grad", input_range=input_range)
+    content = PerceptualLoss(extractor, JOHNSON2016_CONTENT_LAYERS, reduction=reduction)
+    style = StyleLoss(extractor, JOHNSON2016_STYLE_LAYERS, reduction=reduction, target=style_image)
+    return LossGroup({"content": content, "style": style}, weights={"content": content_weight, "style": style_weight})
+
+
+def gatys2016(
+    content_image: Tensor | None = None,
+    style_image: Tensor | None = None,
+    *,
+    content_weight: float = 1.0,
+    style_weight: float = 1e6,
+    weights: WeightsSpec = "DEFAULT",
+    input_range: tuple[float, float] = (0.0, 1.0),
+) -> LossGroup:
+    """Gatys et al.'s style-transfer loss: VGG19 content on relu4_2, style on relu1_1 ... relu5_1.
+
+    Both targets are fixed images whose features and Grams are computed once; the group is then
+    called with the image being optimized alone. Grams are normalized by C*H*W, so the default
+    ``style_weight=1e6`` matches the PyTorch tutorial's balance rather than the paper's alpha/beta.
+
+    Example:
+        >>> loss_fn = gatys2016(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), weights=None)
+        >>> loss_fn(torch.rand(1, 3, 64, 64)).shape
+        torch.Size([])
+
+    References:
+        Gatys, Ecker, Bethge (2016). Image Style Transfer Using Convolutional Neural Networks. CVPR.
+    """
+    layers = list(dict.fromkeys(GATYS2016_STYLE_LAYERS + GATYS2016_CONTENT_LAYERS))
+    extractor = FeatureExtractor("vgg19", layers, weights=weights, mode="grad", input_range=input_range)
+    content = PerceptualLoss(extractor, GATYS2016_CONTENT_LAYERS)
+    style = StyleLoss(extractor, GATYS2016_STYLE_LAYERS, target=style_image)
+    if content_image is not None:
+        content.set_target(content_image)
+    return LossGroup({"content": content, "style": style}, weights={"content": content_weight, "style": style_weight})
+
+
+def pix2pixhd(
+    *,
+    weights: WeightsSpec = "DEFAULT",
+    input_range: tuple[float, float] = (0.0, 1.0),
+    reduction: Reduction = "mean",
+) -> PerceptualLoss:
+    """pix2pixHD's VGG loss: VGG19 relu1_1 ... relu5_1, L1 distance, layer weights 1/32, 1/16, 1/8, 1/4, 1.
+
+    pix2pixHD's generator outputs lie in [-1, 1]: pass ``input_range=(-1, 1)`` for such images.
+
+    References:
+        Wang, Liu, Zhu, Tao, Kautz, Catanzaro (2018). High-Resolution Image Synthesis and Semantic
+        Manipulation with Conditional GANs. CVPR. https://arxiv.org/abs/1711.11585
+    """
+    return PerceptualLoss(
+        "vgg19",
+        PIX2PIXHD_LAYERS,
+        layer_weights=PIX2PIXHD_WEIGHTS,
+        distance="l1",
+        weights=weights,
+        input_range=input_range,
+        reduction=reduction,
+    )
+
+
+def lpips_vgg(
+    *,
+    weights: WeightsSpec = "DEFAULT",
+    input_range: tuple[float, float] = (0.0, 1.0),
+    reduction: Reduction = "mean",
+) -> PerceptualLoss:
+    """The LPIPS baseline ("lin" layers off) on VGG16: unit-normalized relu1_2 ... relu5_3 features.
+
+    Squared differences of channel-normalized features, summed over channels and averaged over
+    positions per layer (layer weights equal to the channel counts), summed over layers; equal to
+    ``lpips.LPIPS(net="vgg", lpips=False)`` (tested). LPIPS expects images in [-1, 1]; here
+    ``input_range`` says what you pass, and the value for the same image is the same either way.
+
+    References:
+        Zhang, Isola, Efros, Shechtman, Wang (2018). The Unreasonable Effectiveness of Deep
+        Features as a Perceptual Metric. CVPR. https://arxiv.org/abs/1801.03924
+    """
+    return PerceptualLoss(
+        "vgg16",
+        LPIPS_VGG_LAYERS,
+        layer_weights=LPIPS_VGG_CHANNELS,
+        normalize_features=True,
+        weights=weights,
+        input_range=input_range,
+        reduction=reduction,
+    )

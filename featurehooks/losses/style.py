@@ -1,0 +1,107 @@
+"""StyleLoss: distances between Gram matrices of deep features (texture statistics)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..backbones import BackboneSpec, WeightsSpec
+from ..extractor import FeatureExtractor
+from ..functional import Distance, GramNormalization, Reduction, gram_matrix
+from ._base import FeatureLoss, LayerWeights, Resize
+
+__all__ = ["StyleLoss"]
+
+_GRAM_NORMALIZATIONS = ("chw", "hw", "none")
+
+
+class StyleLoss(FeatureLoss):
+    r"""Style loss: per layer and sample, the mean over C x C of the squared difference of Gram matrices.
+
+    Gram matrices are computed in float32 with autocast disabled (they overflow in float16). The
+    target may differ in size from the input, since a Gram matrix is C x C whatever H and W are.
+    For a fixed style image, call ``set_target(style)`` (or pass ``target=``) once: its Grams are
+    computed a single time, kept in float32 on the module's device, and the loss is then called
+    with the input alone. They are not written to ``state_dict()``.
+
+    With ``gram_normalization="none"`` this equals piq's ``StyleLoss`` (tested).
+
+    Args:
+        backbone: backbone name, ``nn.Module``, or a shared ``FeatureExtractor`` (``mode="grad"``).
+        layers: layers whose Grams are compared; default Johnson et al.'s VGG16 style layers
+            ``("relu1_2", "relu2_2", "relu3_3", "relu4_3")``, or every layer of a shared extractor.
+        layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``).
+        distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ... or a callable; averaged over C x C.
+        gram_normalization: ``"chw"`` (default, Johnson et al.), ``"hw"`` or ``"none"`` (Gatys et al., piq).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        weights: backbone weights, as for ``FeatureExtractor``.
+        input_range: the value range of the images you pass.
+        resize: resize images to ``(H, W)`` (or a square) before the backbone.
+        target: a fixed style image, same as calling ``set_target(target)``.
+
+    Shape:
+        input: ``(B, 3, H, W)``; target: ``(B, 3, H', W')`` or ``(1, 3, H', W')``; output: scalar,
+        or ``(B,)`` with ``reduction="none"``.
+
+    Example:
+        >>> style = torch.rand(1, 3, 96, 96)
+        >>> loss_fn = StyleLoss("vgg16", layers=["relu1_2", "relu2_2"], weights=None, target=style)
+        >>> loss_fn(torch.rand(2, 3, 64, 64)).shape
+        torch.Size([])
+
+    References:
+        Gatys, Ecker, Bethge (2016). Image Style Transfer Using Convolutional Neural Networks. CVPR.
+
+        Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
+        Super-Resolution. ECCV. https://arxiv.org/abs/1603.08155
+    """
+
+    default_layers = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
+
+    def __init__(
+        self,
+        backbone: BackboneSpec | FeatureExtractor = "vgg16",
+        layers: str | Sequence[str] | None = None,
+        *,
+        layer_weights: LayerWeights = None,
+        distance: Distance = "mse",
+        gram_normalization: GramNormalization = "chw",
+        reduction: Reduction = "mean",
+        weights: WeightsSpec = "DEFAULT",
+        input_range: tuple[float, float] = (0.0, 1.0),
+        resize: Resize = None,
+        target: Tensor | None = None,
+    ) -> None:
+        if gram_normalization not in _GRAM_NORMALIZATIONS:
+            raise ValueError(f"gram_normalization must be one of {_GRAM_NORMALIZATIONS}, not {gram_normalization!r}")
+        super().__init__(
+            backbone,
+            layers,
+            layer_weights=layer_weights,
+            distance=distance,
+            reduction=reduction,
+            weights=weights,
+            input_range=input_range,
+            resize=resize,
+        )
+        self.gram_normalization: GramNormalization = gram_normalization
+        if target is not None:
+            self.set_target(target)
+
+    def statistic(self, features: Tensor) -> Tensor:
+        """The Gram matrix of one layer's features (float32)."""
+        return gram_matrix(features, self.gram_normalization)
+
+    def _needs_same_size(self) -> bool:
+        return False
+
+    def _shape_message(self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> str:
+        return (
+            f"input {input_shape} and target {target_shape} do not match: the target needs the input's "
+            "channels and a batch of 1 or the input's batch (its size may differ)"
+        )
+
+    def extra_repr(self) -> str:
+        fixed = ", fixed target" if self.has_target else ""
+        return super().extra_repr() + f", gram_normalization={self.gram_normalization!r}{fixed}"
