@@ -1,13 +1,29 @@
-"""The ``featurehooks`` command: ``layers`` lists a backbone's tappable layers."""
+"""The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid).
+
+Exit status: 0 success, 1 the run failed (I/O error), 2 bad input (unknown backbone or layer,
+missing images, an existing output without ``--resume``/``--overwrite``), 130 interrupted
+(finish with ``--resume``), 141 output pipe closed (``featurehooks layers vgg16 | head``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import FeatureHooksError
 from .layers import list_layers
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+
+class UserError(Exception):
+    """A mistake in the command line, reported in one line."""
 
 
 def _layers(args: argparse.Namespace) -> int:
@@ -22,17 +38,214 @@ def _layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weights(text: str) -> str | None:
+    return None if text.lower() in ("none", "random") else text
+
+
+def _size(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _extractor(args: argparse.Namespace) -> Any:
+    import torch
+
+    from .extractor import FeatureExtractor
+
+    weights = _weights(args.weights)
+    if weights is None:
+        torch.manual_seed(args.seed)  # random init, identical on every rank and every run
+    extractor = FeatureExtractor(args.backbone, args.layers, weights=weights, mode="detach")
+    return extractor.to(_device(args.device))
+
+
+def _sizes(args: argparse.Namespace) -> dict[str, Any]:
+    sizes: dict[str, Any] = {}
+    if args.resize is not ...:
+        sizes["resize_size"] = args.resize
+    if args.crop is not ...:
+        sizes["crop_size"] = args.crop
+    return sizes
+
+
+def _extract(args: argparse.Namespace) -> int:
+    from .dump import dump_features
+
+    extractor = _extractor(args)
+    result = dump_features(
+        extractor,
+        args.sources,
+        args.out,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        pool=args.pool,
+        dtype=args.dtype,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        **_sizes(args),
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        manifest = result.manifest
+        shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
+        skipped = len(manifest["skipped"])
+        note = f"; {skipped} unreadable input(s) zero-filled, see manifest.json" if skipped else ""
+        print(f"wrote {manifest['num_rows']} rows to {result.out_dir}: {shapes} {manifest['dtype']}{note}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    import torch
+
+    from .dump import decode_image, transform_for
+    from .viz import save_feature_grid
+
+    extractor = _extractor(args)
+    try:
+        picture = decode_image(args.image)
+    except FileNotFoundError:
+        raise UserError(f"no such image: {args.image}") from None
+    except Exception as exc:  # Pillow's errors for unreadable files vary
+        raise UserError(f"cannot read image {args.image}: {exc}") from None
+    sizes = {"resize_size": "weights", "crop_size": "weights", **_sizes(args)}
+    transform = transform_for(extractor.preprocessing, extractor.input_range, **sizes)
+    image = transform(picture)[None].to(next(iter(extractor.buffers())).device)
+    with torch.no_grad():
+        features = extractor(image)
+    path = save_feature_grid(
+        args.out, features, image, channels=args.channels, tile_size=args.tile_size, input_range=extractor.input_range
+    )
+    print(f"wrote {path} ({', '.join(features)}; {args.channels} most active channels each)")
+    return 0
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
+    parser.add_argument(
+        "--layers", required=True, nargs="+", metavar="LAYER", help="layer names or module paths (see `featurehooks layers`)"
+    )
+    parser.add_argument(
+        "--weights",
+        default="DEFAULT",
+        help="DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
+        "or 'none' for seeded random init (default: DEFAULT)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
+    parser.add_argument(
+        "--resize", type=_size, default=..., metavar="N", help="shorter-side resize, or 'none' (default: from the weights)"
+    )
+    parser.add_argument(
+        "--crop", type=_size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+_EXTRACT_EPILOG = """\
+examples:
+  featurehooks extract images/ --backbone vgg16 --layers relu3_3 relu4_3 --out feats/
+  featurehooks extract 'data/**/*.jpg' --backbone resnet50 --layers layer4 --pool avg --dtype float16 --out feats/
+  torchrun --nproc-per-node 4 -m featurehooks extract images/ --backbone resnet50 --layers layer4 --out feats/
+
+writes <layer>.npy (rows x feature shape), index.csv (row,valid,path) and manifest.json to --out.
+Unreadable images keep their row, zero-filled, with valid=0 and a reason in manifest.json.
+An interrupted run is finished with --resume; a complete output is replaced only with --overwrite.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``featurehooks`` command."""
     parser = argparse.ArgumentParser(
-        prog="featurehooks", description="Named intermediate features from frozen pretrained vision backbones."
+        prog="featurehooks",
+        description="Named intermediate features from frozen pretrained vision backbones.",
+        epilog="exit status: 0 ok, 1 failed, 2 bad input, 130 interrupted (rerun with --resume)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    extract = commands.add_parser(
+        "extract",
+        help="dump features of image files to <layer>.npy + manifest.json (resumable, torchrun-aware)",
+        description="Extract features of every image in SRC and write them to --out, one .npy per layer.",
+        epilog=_EXTRACT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    extract.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
+    extract.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    _model_options(extract)
+    extract.add_argument("--batch-size", type=_positive, default=64, metavar="N", help="images per batch (default: 64)")
+    extract.add_argument(
+        "--workers", type=_non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
+    )
+    extract.add_argument("--pool", choices=("avg", "max"), default=None, help="pool maps over space (default: keep maps)")
+    extract.add_argument("--dtype", choices=("float16", "float32"), default="float32", help="on-disk dtype")
+    mode = extract.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="finish an interrupted dump in DIR")
+    mode.add_argument("--overwrite", action="store_true", help="replace the dump in DIR")
+    extract.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    extract.set_defaults(run=_extract)
+
     layers = commands.add_parser("layers", help="list a backbone's layers: name, alias, path, type, channels, stride")
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
     layers.add_argument("--input-size", type=int, default=None, help="spatial size used to derive strides")
     layers.set_defaults(run=_layers)
+
+    show = commands.add_parser(
+        "show",
+        help="save a PNG grid of each layer's most active feature maps for one image",
+        description="Draw, for each layer, the input image and its most active channels (viridis, min-max scaled).",
+        epilog="example:\n  featurehooks show cat.jpg --backbone vgg16 --layers relu2_2 relu3_3 relu4_3 --out grid.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("image", metavar="IMAGE", help="an image file")
+    show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")
+    _model_options(show)
+    show.add_argument("--channels", type=_positive, default=8, metavar="K", help="maps per layer (default: 8)")
+    show.add_argument("--tile-size", type=_positive, default=96, metavar="PX", help="tile side in pixels (default: 96)")
+    show.set_defaults(run=_show)
     return parser
+
+
+def _error(message: object) -> None:
+    text = str(message).strip().splitlines()
+    print(f"featurehooks: error: {text[0] if text else type(message).__name__}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (FeatureHooksError, ImportError, ValueError, FileNotFoundError) as exc:
-        print(f"featurehooks: error: {exc}", file=sys.stderr)
-        return 2
+    except (UserError, FeatureHooksError, ImportError, ValueError, TypeError, LookupError, FileNotFoundError, FileExistsError) as exc:
+        _error(exc)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # `featurehooks layers vgg16 | head`: stop quietly, and keep Python from failing on the final flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("featurehooks: interrupted; rerun with --resume to finish", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        _error(f"{exc}")
+        return EXIT_FAILED
