@@ -7,7 +7,9 @@ the caller catches, so nothing after the deepest tap runs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -46,6 +48,8 @@ class HookSession:
         self._store: dict[str, Any] | None = None
         self._fired: dict[str, torch.Tensor | None] = {}
         self._versions: dict[str, int] = {}
+        self._versions_at_stop: dict[str, int] = {}
+        self.stop_point_only = False
         self._handles: list[RemovableHandle] = []
         modules = dict(model.named_modules())
         try:
@@ -82,8 +86,11 @@ class HookSession:
                 self._versions[path] = output._version
             for name in names:
                 store[name] = output
-            if self.stop_early and len(self._fired) == len(self.taps):
-                raise StopForward
+            if len(self._fired) == len(self.taps):
+                if self.stop_early:
+                    raise StopForward
+                if self.track_versions:  # what an early exit would have returned, for a dry run without one
+                    self._versions_at_stop = {p: t._version for p, t in self._fired.items() if t is not None}
 
         return hook
 
@@ -92,9 +99,16 @@ class HookSession:
         self._store = store
         self._fired = {}
         self._versions = {}
+        self._versions_at_stop = {}
 
     def mutated_paths(self) -> set[str]:
-        """Tapped outputs changed in place after capture during the last collection (needs track_versions)."""
+        """Tapped outputs changed in place after capture in the last forward (needs track_versions).
+
+        Without early exit, changes made after the last tap fired still count unless
+        ``stop_point_only``: a dry run without early exit then answers for a run with one.
+        """
+        if self.stop_point_only:
+            return {path for path, version in self._versions.items() if self._versions_at_stop.get(path) != version}
         return {
             path
             for path, version in self._versions.items()
@@ -122,6 +136,44 @@ class HookSession:
             self._store = None
             self._fired = {}
         return store
+
+    def verify_on_meta(self, model: nn.Module, args: tuple[Any, ...]) -> bool:
+        """Dry-run the whole forward on meta tensors (shapes only, no compute) with ``args``' shapes.
+
+        A tapped module that runs twice raises RepeatedCallError now rather than mid-training, and
+        taps changed in place before the forward would end (a conv before ``ReLU(inplace=True)``)
+        are cloned from then on. Returns False when the model cannot run on the meta device; the
+        session then keeps tracking versions so the caller can check real forwards instead.
+        """
+        state = {
+            name: torch.empty_like(tensor, device="meta")
+            for name, tensor in chain(model.named_parameters(), model.named_buffers())
+        }
+        meta_args = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), args)
+        stop_early = self.stop_early
+        self.track_versions, self.stop_early, self.stop_point_only = True, False, stop_early
+        try:
+            with torch.no_grad():
+                self.run(lambda: torch.func.functional_call(model, state, meta_args, strict=False))
+        except RepeatedCallError:
+            raise
+        except Exception:  # data-dependent Python control flow, ops without meta kernels, ...
+            return False
+        finally:
+            self.stop_early, self.stop_point_only = stop_early, False
+        self.clone_paths |= self.last_mutated
+        self.track_versions = False
+        return True
+
+    def clone_from_now_on(self, paths: set[str]) -> None:
+        """Clone these taps in later forwards: they were found changed in place after capture."""
+        warnings.warn(
+            f"outputs of {', '.join(sorted(paths))} are changed in place later in the forward "
+            "(an in-place activation or +=); they are cloned from now on",
+            stacklevel=4,
+        )
+        self.clone_paths |= paths
+        self.track_versions = False
 
     def remove(self) -> None:
         """Remove every hook; safe to call twice."""

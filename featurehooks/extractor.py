@@ -5,13 +5,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from itertools import chain
 from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor, nn
 
-from ._hooks import HookSession, RepeatedCallError
+from ._hooks import HookSession
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .layers import FeatureInfo, LayerIndex, describe
 
@@ -45,13 +44,6 @@ def _resolve_taps(index: LayerIndex, layers: LayerSpec) -> tuple[dict[str, list[
 def _check_mode(mode: str) -> None:
     if mode not in ("detach", "grad"):
         raise ValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
-
-
-def _meta_state(model: nn.Module) -> dict[str, Tensor]:
-    return {
-        name: torch.empty_like(tensor, device="meta")
-        for name, tensor in chain(model.named_parameters(), model.named_buffers())
-    }
 
 
 class FeatureExtractor(nn.Module):
@@ -125,8 +117,9 @@ class FeatureExtractor(nn.Module):
         self._register_normalization(loaded.preprocessing)
         self._range_checked = False
         self._session = HookSession(model, taps, detach=mode == "detach", stop_early=early_exit)
+        size = self.preprocessing.crop_size or 224
         try:
-            self._verify_on_meta()
+            self._session.verify_on_meta(model, (torch.empty(1, self.in_channels or 3, size, size),))
         except BaseException:
             self._session.remove()
             raise
@@ -145,25 +138,6 @@ class FeatureExtractor(nn.Module):
         self.register_buffer("mean", (low + mean * (high - low)).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", (std * (high - low)).view(1, -1, 1, 1), persistent=False)
         self._normalizes = pre.mean is not None or (low, high) != (0.0, 1.0)
-
-    def _verify_on_meta(self) -> None:
-        """Shape-only dry run: taps later changed in place (a ``conv`` before ``ReLU(inplace=True)``) get
-        cloned, and a tapped module that runs twice is reported now rather than mid-training.
-        When the model cannot run on the meta device, the same checks run on the first real forward.
-        """
-        size = self.preprocessing.crop_size or 224
-        x = torch.empty((1, self.in_channels or 3, size, size), device="meta")
-        state = _meta_state(self._model)
-        self._session.track_versions = True
-        try:
-            with torch.no_grad():
-                self._session.run(lambda: torch.func.functional_call(self._model, state, (x,), strict=False))
-        except RepeatedCallError:
-            raise
-        except Exception:  # the model cannot run on meta tensors; check on real input instead
-            return
-        self._session.clone_paths = self._session.last_mutated
-        self._session.track_versions = False
 
     @property
     def feature_info(self) -> list[FeatureInfo]:
@@ -226,19 +200,10 @@ class FeatureExtractor(nn.Module):
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             store = self._session.run(lambda: self._model(x))
-            if self._session.track_versions and self._session.last_mutated:
-                self._clone_from_now_on(self._session.last_mutated)
+            if self._session.track_versions and self._session.last_mutated:  # the meta dry run was impossible
+                self._session.clone_from_now_on(self._session.last_mutated)
                 store = self._session.run(lambda: self._model(x))
         return {name: store[name] for name in self.layers}
-
-    def _clone_from_now_on(self, paths: set[str]) -> None:
-        warnings.warn(
-            f"outputs of {', '.join(sorted(paths))} are changed in place later in the forward; "
-            "they are cloned from now on (the first batch was run twice)",
-            stacklevel=3,
-        )
-        self._session.clone_paths |= paths
-        self._session.track_versions = False
 
     def close(self) -> None:
         """Remove every hook from the backbone; the extractor cannot be called afterwards."""
@@ -283,12 +248,25 @@ def capture(module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad") -> Ite
     session = HookSession(module, taps, detach=mode == "detach", stop_early=False)
     collected: dict[str, Any] = {}
     ordered: dict[str, Any] = {}
+    state = {"verified": False, "dry_run": False}
 
-    def start_forward(_module: nn.Module, _args: Any) -> None:
+    def start_forward(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        if state["dry_run"]:
+            return
+        if not state["verified"]:  # first forward: learn which taps need a clone, on meta tensors
+            state["verified"] = state["dry_run"] = True
+            try:
+                session.verify_on_meta(module, args)
+            finally:
+                state["dry_run"] = False
         collected.clear()
         session.begin(collected)
 
     def finish_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if state["dry_run"]:
+            return
+        if session.track_versions and (mutated := session.mutated_paths()):
+            session.clone_from_now_on(mutated)
         ordered.clear()
         ordered.update((name, collected[name]) for name in out_names if name in collected)
 

@@ -37,7 +37,7 @@ def write_seeded_weights(name: str, member: str = "DEFAULT") -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(SEED)
-        model = tvm.get_model(name, weights=None, num_classes=len(weights.meta["categories"]))
+        model = tvm.get_model(name, weights=None)
         torch.save(model.state_dict(), path)
     return path
 

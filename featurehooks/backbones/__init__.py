@@ -11,6 +11,7 @@ from torch import nn
 from torchvision.models import WeightsEnum
 
 from . import timm_models, torchvision_models
+from ._files import is_state_dict_file, read_state_dict
 from .base import Backbone, Preprocessing
 
 BackboneSpec = Union[str, nn.Module]
@@ -38,10 +39,11 @@ def load_backbone(
     """Build a backbone and load its weights; ``mean``/``std`` override the weights' normalization.
 
     A user's ``nn.Module`` is deep-copied, so freezing and hooking never touch the caller's object;
-    it gets no normalization unless ``mean`` and ``std`` are given.
+    it keeps its own weights (or loads a local file given as ``weights``) and gets no normalization
+    unless ``mean`` and ``std`` are given.
     """
     if isinstance(spec, nn.Module):
-        backbone = Backbone(copy.deepcopy(spec), type(spec).__name__, None, Preprocessing())
+        backbone = _own_module(spec, weights)
     elif isinstance(spec, str) and spec.startswith(timm_models.PREFIX):
         backbone = timm_models.load(spec[len(timm_models.PREFIX):], weights)
     elif isinstance(spec, str):
@@ -54,6 +56,20 @@ def load_backbone(
         pre = backbone.preprocessing
         backbone.preprocessing = Preprocessing(tuple(mean), tuple(std), pre.resize_size, pre.crop_size, pre.interpolation)
     return backbone
+
+
+def _own_module(module: nn.Module, weights: WeightsSpec) -> Backbone:
+    """A deep copy of the user's module; ``weights`` may name a local file to load into it."""
+    model = copy.deepcopy(module)
+    if is_state_dict_file(weights):
+        model.load_state_dict(read_state_dict(weights))  # type: ignore[arg-type]
+        return Backbone(model, type(module).__name__, str(weights), Preprocessing())
+    if weights not in ("DEFAULT", None):
+        raise ValueError(
+            f"weights={weights!r} cannot apply to an nn.Module: pass a local state-dict file, or "
+            "'DEFAULT'/None to use the module's own weights"
+        )
+    return Backbone(model, type(module).__name__, None, Preprocessing())
 
 
 def build_architecture(spec: str) -> tuple[nn.Module, Preprocessing]:
