@@ -99,7 +99,10 @@ class FeatureExtractor(nn.Module):
         if not low < high:
             raise ValueError(f"input_range must be (low, high) with low < high, got {input_range}")
         loaded = load_backbone(
-            backbone, weights, mean=tuple(mean) if mean is not None else None, std=tuple(std) if std is not None else None
+            backbone,
+            weights,
+            mean=tuple(mean) if mean is not None else None,
+            std=tuple(std) if std is not None else None,
         )
         model = loaded.model.eval().requires_grad_(False)
         object.__setattr__(self, "_model", model)  # outside the module tree: see the class docstring
@@ -143,7 +146,8 @@ class FeatureExtractor(nn.Module):
     def feature_info(self) -> list[FeatureInfo]:
         """Channels and stride of each requested layer, in request order (a meta-device forward)."""
         size = self.preprocessing.crop_size or 224
-        rows = {row.path: row for row in describe(self._model, (1, self.in_channels or 3, size, size), self.backbone_name)}
+        shape = (1, self.in_channels or 3, size, size)
+        rows = {row.path: row for row in describe(self._model, shape, self.backbone_name)}
         return [rows[self._index.resolve(name)] for name in self._requested_names()]
 
     def _requested_names(self) -> list[str]:

@@ -53,7 +53,8 @@ def test_list_layers_timm_and_module() -> None:
 
 
 def test_list_layers_include_filter() -> None:
-    assert [r.path for r in fh.list_layers("vgg16", include=["relu1_2", "features.30"])] == ["features.3", "features.30"]
+    rows = fh.list_layers("vgg16", include=["relu1_2", "features.30"])
+    assert [r.path for r in rows] == ["features.3", "features.30"]
 
 
 def test_unknown_layer_names_the_three_closest(vgg16_cached) -> None:

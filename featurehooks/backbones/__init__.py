@@ -17,7 +17,15 @@ from .base import Backbone, Preprocessing
 BackboneSpec = Union[str, nn.Module]
 WeightsSpec = Union[str, "os.PathLike[str]", WeightsEnum, None]
 
-__all__ = ["Backbone", "BackboneSpec", "Preprocessing", "WeightsSpec", "available_backbones", "build_architecture", "load_backbone"]
+__all__ = [
+    "Backbone",
+    "BackboneSpec",
+    "Preprocessing",
+    "WeightsSpec",
+    "available_backbones",
+    "build_architecture",
+    "load_backbone",
+]
 
 
 def available_backbones(include: str | None = None) -> list[str]:
@@ -54,7 +62,9 @@ def load_backbone(
         raise ValueError("give both mean and std, or neither")
     if mean is not None and std is not None:
         pre = backbone.preprocessing
-        backbone.preprocessing = Preprocessing(tuple(mean), tuple(std), pre.resize_size, pre.crop_size, pre.interpolation)
+        backbone.preprocessing = Preprocessing(
+            tuple(mean), tuple(std), pre.resize_size, pre.crop_size, pre.interpolation
+        )
     return backbone
 
 
