@@ -132,6 +132,8 @@ class ImageFiles(Dataset):
             image = self.transform(decode_image(self.paths[index]))
         except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
             return Sample(torch.zeros(self.shape), _describe(exc))
+        if tuple(image.shape) != self.shape:
+            return Sample(torch.zeros(self.shape), f"size {tuple(image.shape)} differs from {self.shape}; set a crop")
         return Sample(image, "")
 
 

@@ -1,0 +1,235 @@
+"""dump_features: rows equal direct FeatureExtractor outputs; manifest, index, sources, overwrite rules."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from featurehooks import FeatureExtractor
+from featurehooks.dump import decode_image, list_images, read_manifest, transform_for
+from featurehooks.io import dump_features
+
+CROP = 32
+RESIZE = 36
+
+
+def make_images(folder: Path, count: int, *, seed: int = 0) -> list[Path]:
+    """``count`` small RGB PNGs of varying sizes (so the resize and crop matter), some in a subfolder."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        sub = folder / ("nested" if i % 3 == 2 else "")
+        sub.mkdir(parents=True, exist_ok=True)
+        height, width = 40 + (i % 4) * 6, 48 - (i % 3) * 4
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        path = sub / f"img_{i:03d}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def resnet(resnet18_cached: Path) -> FeatureExtractor:
+    """The real path: torchvision resnet18 with (seeded) pretrained weights from the hub cache."""
+    return FeatureExtractor("resnet18", ["layer1", "layer3"], weights="DEFAULT")
+
+
+def tiny_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(3, 8, 3, stride=2), relu1=nn.ReLU(), conv2=nn.Conv2d(8, 16, 3, stride=2), relu2=nn.ReLU()
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def extractor() -> FeatureExtractor:
+    """A tiny conv net (fast on a busy CPU) for the logic of the dump; layers named like resnet's."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    return FeatureExtractor(tiny_net(), {"relu1": "layer1", "conv2": "layer3"}, mean=mean, std=std)
+
+
+def expected(ext: FeatureExtractor, paths: list[str], pool: str | None = None) -> dict[str, np.ndarray]:
+    transform = transform_for(ext.preprocessing, ext.input_range, RESIZE, CROP)
+    batch = torch.stack([transform(decode_image(p)) for p in paths])
+    with torch.no_grad():
+        feats = ext(batch)
+    if pool == "avg":
+        feats = {k: v.mean(dim=(2, 3)) for k, v in feats.items()}
+    elif pool == "max":
+        feats = {k: v.amax(dim=(2, 3)) for k, v in feats.items()}
+    return {k: v.numpy() for k, v in feats.items()}
+
+
+def dump(ext: FeatureExtractor, source: object, out: Path, **kwargs: object):
+    options = {"batch_size": 4, "num_workers": 0, "progress": False, "resize_size": RESIZE, "crop_size": CROP}
+    options.update(kwargs)
+    return dump_features(ext, source, out, **options)
+
+
+def test_rows_equal_direct_outputs_of_a_pretrained_backbone(resnet: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 5)
+    result = dump(resnet, tmp_path / "imgs", tmp_path / "out", batch_size=3)
+    reference = expected(resnet, list_images(tmp_path / "imgs"))
+    for layer in ["layer1", "layer3"]:
+        np.testing.assert_allclose(result.load(layer), reference[layer], rtol=1e-5, atol=1e-6)
+    assert result.manifest["backbone"] == "resnet18"
+    assert result.manifest["weights"] == resnet.weights == "ResNet18_Weights.IMAGENET1K_V1"
+
+
+@pytest.mark.parametrize("pool", [None, "avg", "max"])
+def test_rows_equal_direct_extractor_outputs(extractor: FeatureExtractor, tmp_path: Path, pool: str | None) -> None:
+    make_images(tmp_path / "imgs", 7)
+    result = dump(extractor, tmp_path / "imgs", tmp_path / "out", pool=pool)
+    names = list_images(tmp_path / "imgs")
+    reference = expected(extractor, names, pool)
+    for layer in ["layer1", "layer3"]:
+        stored = np.load(tmp_path / "out" / f"{layer}.npy")
+        assert stored.dtype == np.float32
+        assert stored.shape == reference[layer].shape
+        np.testing.assert_allclose(stored, reference[layer], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(result.load(layer), stored)
+    assert result.num_rows == 7 and result.skipped == []
+
+
+def test_manifest_and_index_describe_the_dump(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 5)
+    dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg", dtype="float16")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["backbone"] == "Sequential" and manifest["weights"] is None
+    assert manifest["layers"] == ["layer1", "layer3"]
+    assert manifest["shapes"] == {"layer1": [5, 8], "layer3": [5, 16]}
+    assert manifest["dtype"] == "float16" and manifest["pool"] == "avg"
+    pre = manifest["preprocessing"]
+    assert pre["resize_size"] == RESIZE and pre["crop_size"] == CROP and pre["input_range"] == [0.0, 1.0]
+    assert pre["mean"] == pytest.approx(list(extractor.preprocessing.mean))
+    assert set(manifest["versions"]) >= {"featurehooks", "torch", "torchvision", "numpy", "pillow", "python"}
+    assert manifest["num_rows"] == manifest["num_valid"] == 5 and manifest["skipped"] == []
+    assert np.load(tmp_path / "out" / "layer3.npy").dtype == np.float16
+    lines = (tmp_path / "out" / "index.csv").read_text().splitlines()
+    assert lines[0] == "row,valid,path"
+    assert [line.split(",", 2)[2] for line in lines[1:]] == list_images(tmp_path / "imgs")
+    assert not (tmp_path / "out" / ".journal").exists()
+    assert read_manifest(tmp_path / "out") == manifest
+
+
+def test_default_preprocessing_comes_from_the_weights(resnet: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 2)
+    result = dump_features(resnet, tmp_path / "imgs", tmp_path / "out", pool="avg", num_workers=0, progress=False)
+    pre = result.manifest["preprocessing"]
+    assert (pre["resize_size"], pre["crop_size"]) == (256, 224)
+    assert pre["image_shape"] == [3, 224, 224]
+
+
+def test_sources_folder_glob_and_list_agree(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    paths = make_images(tmp_path / "imgs", 6)
+    (tmp_path / "imgs" / "notes.txt").write_text("not an image")  # ignored in folders: not an image suffix
+    by_folder = dump(extractor, tmp_path / "imgs", tmp_path / "a", pool="avg")
+    by_glob = dump(extractor, str(tmp_path / "imgs" / "**" / "*.png"), tmp_path / "b", pool="avg")
+    by_list = dump(extractor, sorted(str(p) for p in paths), tmp_path / "c", pool="avg")
+    assert by_folder.num_rows == by_glob.num_rows == by_list.num_rows == 6
+    for other in ("b", "c"):
+        assert (tmp_path / "a" / "layer3.npy").read_bytes() == (tmp_path / other / "layer3.npy").read_bytes()
+
+
+def test_dataset_source_of_prepared_tensors(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    images = torch.rand(6, 3, CROP, CROP, generator=torch.Generator().manual_seed(3))
+    dataset = torch.utils.data.TensorDataset(images, torch.arange(6))  # (image, label) items
+    result = dump(extractor, dataset, tmp_path / "out", batch_size=4)
+    with torch.no_grad():
+        reference = extractor(images)
+    np.testing.assert_allclose(result.load("layer3"), reference["layer3"].numpy(), rtol=1e-5, atol=1e-6)
+    assert result.manifest["inputs"]["kind"] == "dataset"
+    assert (tmp_path / "out" / "index.csv").read_text().splitlines()[1] == "0,1,dataset[0]"
+
+
+def test_decoding_workers_do_not_change_the_bytes(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 9)
+    dump(extractor, tmp_path / "imgs", tmp_path / "a", num_workers=0, batch_size=4)
+    dump(extractor, tmp_path / "imgs", tmp_path / "b", num_workers=2, batch_size=4)
+    for name in ("layer1.npy", "layer3.npy", "index.csv", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_complete_output_is_not_overwritten_without_overwrite(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 3)
+    dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg")
+    before = (tmp_path / "out" / "layer3.npy").read_bytes()
+    with pytest.raises(FileExistsError, match="complete dump.*overwrite"):
+        dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg")
+    assert (tmp_path / "out" / "layer3.npy").read_bytes() == before
+    # resume on a complete dump with the same settings is a no-op
+    again = dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg", resume=True)
+    assert again.manifest["status"] == "complete"
+    # overwrite replaces it, here with different settings; files of the old layers are removed
+    other = FeatureExtractor(tiny_net(), {"relu2": "layer2"})
+    replaced = dump(other, tmp_path / "imgs", tmp_path / "out", overwrite=True)
+    assert replaced.manifest["layers"] == ["layer2"]
+    assert not (tmp_path / "out" / "layer3.npy").exists()
+
+
+def test_resume_refuses_different_settings(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 3)
+    dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg")
+    with pytest.raises(ValueError, match="pool differ"):
+        dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="max", resume=True)
+    make_images(tmp_path / "imgs", 4, seed=1)  # one more input
+    with pytest.raises(ValueError, match="inputs"):
+        dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg", resume=True)
+
+
+def test_stray_outputs_without_manifest_are_protected(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    make_images(tmp_path / "imgs", 2)
+    (tmp_path / "out").mkdir()
+    np.save(tmp_path / "out" / "layer3.npy", np.zeros(3))
+    with pytest.raises(FileExistsError, match="layer3.npy"):
+        dump(extractor, tmp_path / "imgs", tmp_path / "out")
+    assert dump(extractor, tmp_path / "imgs", tmp_path / "out", overwrite=True).num_rows == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pool": "mean"}, "pool"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"resume": True, "overwrite": True}, "not both"),
+        ({"crop_size": 0}, "crop_size"),
+    ],
+)
+def test_bad_options_are_value_errors(extractor: FeatureExtractor, tmp_path: Path, options: dict, message: str) -> None:
+    make_images(tmp_path / "imgs", 1)
+    with pytest.raises(ValueError, match=message):
+        dump(extractor, tmp_path / "imgs", tmp_path / "out", **options)
+
+
+def test_missing_inputs_are_file_not_found(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        dump(extractor, tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no images"):
+        dump(extractor, tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="no files match"):
+        dump(extractor, str(tmp_path / "*.jpg"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_crop_images_must_share_a_size(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, size in enumerate([(40, 40), (40, 40), (50, 40)]):
+        Image.new("RGB", size, (i * 40, 0, 0)).save(folder / f"{i}.png")
+    result = dump(extractor, folder, tmp_path / "out", resize_size=None, crop_size=None, pool="avg")
+    assert result.manifest["preprocessing"]["image_shape"] == [3, 40, 40]
+    assert [s["row"] for s in result.skipped] == [2]
+    assert "differs" in result.skipped[0]["reason"] or "size" in result.skipped[0]["reason"]
