@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .sharding import Distributed, chunk_rows, split_contiguous
 from .sources import ImageFiles, SourceSpec, TensorRows, collate, decode_image, first_tensor, inputs_digest, list_images
@@ -136,12 +136,20 @@ class _Inputs:
 
 
 def _resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any) -> _Inputs:
+    if isinstance(source, Tensor):
+        if source.dim() != 4:
+            raise ValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
+        source = TensorDataset(source)
     if isinstance(source, Dataset):
         count = len(source)  # type: ignore[arg-type]
         if count == 0:
             raise ValueError("the dataset is empty")
         shape = tuple(first_tensor(source[0]).shape)
         return _Inputs([f"dataset[{i}]" for i in range(count)], source, shape, None)
+    if not isinstance(source, (str, os.PathLike, list, tuple)):
+        raise TypeError(
+            f"source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, not {type(source).__name__}"
+        )
     names = list_images(source)
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
     shape = transform.output_shape()
@@ -418,8 +426,9 @@ def _broadcast_plan(
         raise kinds.get(error[0], ValueError)(error[1])
     names, image_shape, transform = plan["inputs"]
     if names is None:  # a dataset: every rank holds its own copy
-        count = len(source)  # type: ignore[arg-type]
-        plan["inputs"] = _Inputs([f"dataset[{i}]" for i in range(count)], source, image_shape, None)  # type: ignore[arg-type]
+        dataset = TensorDataset(source) if isinstance(source, Tensor) else source
+        count = len(dataset)  # type: ignore[arg-type]
+        plan["inputs"] = _Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
     else:
         plan["inputs"] = _Inputs(names, None, image_shape, transform)
     return plan

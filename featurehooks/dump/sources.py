@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 __all__ = ["IMAGE_SUFFIXES", "ImageFiles", "Sample", "SourceSpec", "TensorRows", "decode_image", "list_images"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
-SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset]
+SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor]
 _GLOB_CHARS = set("*?[")
 
 

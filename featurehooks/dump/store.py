@@ -155,7 +155,11 @@ class DumpStore:
 
     def open_journal(self, rank: int) -> None:
         self.journal_dir.mkdir(parents=True, exist_ok=True)
-        self._journal = open(self.journal_dir / f"rank-{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        path = self.journal_dir / f"rank-{rank}.jsonl"
+        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        self._journal = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if torn:  # a kill cut the last line short: end it, so the next record starts on a line of its own
+            self._journal.write("\n")
 
     def commit(self, chunk: int, start: int, stop: int, skipped: Sequence[tuple[int, str]]) -> None:
         """Record chunk ``chunk`` (rows ``start:stop``) as done, after flushing its rows to disk."""
