@@ -1,0 +1,79 @@
+"""torchrun sharding: a 2-rank CPU (gloo) dump writes the same bytes as a single process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from featurehooks.cli import main
+from featurehooks.dump.sharding import Distributed, chunk_rows, split_contiguous
+
+
+@pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])
+def test_split_is_contiguous_complete_and_unpadded(items: int, parts: int) -> None:
+    pieces = [split_contiguous(list(range(items)), parts, part) for part in range(parts)]
+    assert [x for piece in pieces for x in piece] == list(range(items))  # no duplicates, no gaps, in order
+    assert max(map(len, pieces)) - min(map(len, pieces)) <= 1
+
+
+def test_chunks_cover_the_rows() -> None:
+    assert [chunk_rows(c, 4, 10) for c in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_single_process_needs_no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    alone = Distributed.from_environment(torch.device("cpu"))
+    assert (alone.rank, alone.world_size, alone.owns_group) == (0, 1, False)
+    assert alone.broadcast("x") == "x" and alone.all_ok(True)
+
+
+def make_inputs(folder: Path) -> None:
+    """13 images (7 chunks of 2: uneven shards) including one corrupt file, so skipped rows cross ranks."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        Image.fromarray(rng.integers(0, 256, (40, 36 + i, 3), dtype=np.uint8)).save(folder / f"img_{i:02d}.png")
+    (folder / "img_05b.png").write_bytes(b"\x89PNG broken")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+ARGS = [
+    "--backbone", "resnet18", "--weights", "DEFAULT", "--layers", "layer1", "layer2",
+    "--batch-size", "2", "--workers", "1", "--resize", "36", "--crop", "32", "--device", "cpu", "-q",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_rank_torchrun_equals_one_process(tmp_path: Path, resnet18_cached: Path) -> None:
+    make_inputs(tmp_path / "imgs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TORCH_HOME (seeded weights) is inherited
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "featurehooks", "extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "two"), *ARGS,
+    ]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote 13 rows") == 1  # only rank 0 reports
+    assert main(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "one"), *ARGS]) == 0
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == ["index.csv", "layer1.npy", "layer2.npy", "manifest.json"]
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    rows = [line.split(",", 2) for line in (tmp_path / "two" / "index.csv").read_text().splitlines()[1:]]
+    assert [(row, valid) for row, valid, path in rows if valid == "0"] == [("6", "0")]  # img_05b.png, row 6
+    assert rows[6][2].endswith("img_05b.png")
