@@ -1,0 +1,213 @@
+"""The featurehooks command: extract round trips, layers table, show, help, and one-line error exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from featurehooks import FeatureExtractor
+from featurehooks.cli import main
+from featurehooks.io import dump_features
+
+SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3", "-q"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("cli_images")
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 256, (40, 44, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+def extract(images: Path, out: Path, *extra: str) -> int:
+    return main(["extract", str(images), "--out", str(out), "--backbone", "resnet18", *SIZES, *extra])
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featurehooks: error: "), stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_extract_round_trip_equals_the_library(
+    images: Path, tmp_path: Path, resnet18_cached: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert extract(images, tmp_path / "cli", "--layers", "layer1", "layer2", "--pool", "avg", "--dtype", "float16") == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote 5 rows to {tmp_path / 'cli'}: layer1 (5, 64), layer2 (5, 128) float16")
+    ext = FeatureExtractor("resnet18", ["layer1", "layer2"], weights="DEFAULT")
+    dump_features(
+        ext, images, tmp_path / "lib", batch_size=3, num_workers=0, pool="avg", dtype="float16",
+        resize_size=36, crop_size=32, progress=False,
+    )  # fmt: skip
+    for name in ("layer1.npy", "layer2.npy", "index.csv", "manifest.json"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name
+
+
+def test_extract_with_random_weights_is_seeded(images: Path, tmp_path: Path) -> None:
+    for out in ("a", "b"):
+        assert extract(images, tmp_path / out, "--layers", "layer1", "--weights", "none", "--pool", "max") == 0
+    assert (tmp_path / "a" / "layer1.npy").read_bytes() == (tmp_path / "b" / "layer1.npy").read_bytes()
+    torch.manual_seed(0)
+    ext = FeatureExtractor("resnet18", ["layer1"], weights=None)
+    mine = dump_features(
+        ext, images, tmp_path / "c", batch_size=3, num_workers=0, pool="max", resize_size=36, crop_size=32, progress=False
+    )
+    np.testing.assert_array_equal(mine.load("layer1"), np.load(tmp_path / "a" / "layer1.npy"))
+
+
+def test_existing_output_needs_resume_or_overwrite(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ("--layers", "layer1", "--weights", "none", "--pool", "avg")
+    assert extract(images, tmp_path / "out", *args) == 0
+    capsys.readouterr()
+    assert extract(images, tmp_path / "out", *args) == 2
+    assert "--overwrite" in one_error_line(capsys.readouterr().err)
+    assert extract(images, tmp_path / "out", *args, "--resume") == 0  # complete: nothing left to do
+    assert extract(images, tmp_path / "out", *args, "--overwrite") == 0
+    with pytest.raises(SystemExit) as exit_info:
+        extract(images, tmp_path / "out", *args, "--resume", "--overwrite")
+    assert exit_info.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layers", "layer9", "--weights", "none"], "did you mean 'layer4'"),
+        (["--layers", "layer1", "--weights", "IMAGENET9K"], "unknown weights"),
+        (["--layers", "layer1", "--weights", "missing.pth"], "weights file not found"),
+    ],
+)
+def test_bad_model_options_exit_2_with_one_line(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert extract(images, tmp_path / "out", *argv) == 2
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_and_unknown_backbone_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["extract", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--backbone", "resnet18",
+                 "--layers", "layer1", "--weights", "none", "-q"])  # fmt: skip
+    assert code == 2 and "no such file or folder" in one_error_line(capsys.readouterr().err)
+    assert main(["layers", "resnt18"]) == 2
+    assert "did you mean 'resnet18'" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["extract", "x", "--backbone", "vgg16", "--layers", "relu3_3"],  # no --out
+        ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--batch-size", "0"],
+        ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--pool", "mean"],
+        ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--crop", "-3"],
+        ["frobnicate"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["extract"], ["layers"], ["show"]])
+def test_help_describes_every_command(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    expected = {
+        (): ["extract", "layers", "show", "exit status"],
+        ("extract",): ["--layers", "--pool", "--dtype", "--resume", "--overwrite", "torchrun", "index.csv"],
+        ("layers",): ["backbone", "--input-size"],
+        ("show",): ["IMAGE", "--channels", "--out"],
+    }[tuple(command)]
+    for word in expected:
+        assert word in text
+
+
+def test_layers_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layers", "vgg16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["name", "alias", "path", "type", "channels", "stride"]
+    assert ["relu3_3", "relu3_3", "features.15", "ReLU", "256", "4"] in [line.split() for line in lines]
+
+
+def test_interrupt_exits_130_with_a_hint(
+    images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import featurehooks.dump
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(featurehooks.dump, "dump_features", interrupted)
+    assert extract(images, tmp_path / "out", "--layers", "layer1", "--weights", "none") == 130
+    assert "--resume" in capsys.readouterr().err
+
+
+def run_cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "featurehooks", *args], capture_output=True, text=True, **kwargs)
+
+
+def test_real_process_error_exit_has_no_traceback(tmp_path: Path) -> None:
+    done = run_cli("extract", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--backbone", "vgg16",
+                   "--layers", "relu3_3", "--weights", "none")  # fmt: skip
+    assert done.returncode == 2
+    one_error_line(done.stderr)
+
+
+def test_closed_pipe_exits_quietly() -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `featurehooks layers vgg16 | head -0`
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "featurehooks", "layers", "vgg16"], stdout=write_end, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141
+    assert done.stderr == ""
+
+
+def test_show_writes_a_png_grid(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "grid.png"
+    code = main(["show", str(images / "0.png"), "--backbone", "vgg16", "--weights", "none", "--layers", "relu1_2",
+                 "relu2_2", "--out", str(out), "--channels", "4", "--tile-size", "32", "--resize", "32", "--crop", "32"])  # fmt: skip
+    assert code == 0 and "wrote" in capsys.readouterr().out
+    with Image.open(out) as grid:
+        assert grid.format == "PNG" and grid.mode == "RGB"
+        assert grid.size == (5 * 32 + 4 * 2, 2 * (14 + 32) + 2)  # image + 4 maps; 2 layers
+
+
+@pytest.mark.parametrize(
+    ("setup", "layers", "message"),
+    [
+        ("missing", ["relu1_2"], "no such image"),
+        ("corrupt", ["relu1_2"], "cannot read image"),
+        ("ok", ["classifier.6"], "not a feature map"),
+    ],
+)
+def test_show_errors_exit_2(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: str, layers: list[str], message: str
+) -> None:
+    path = {"missing": tmp_path / "none.png", "corrupt": tmp_path / "bad.png", "ok": images / "1.png"}[setup]
+    if setup == "corrupt":
+        path.write_bytes(b"nope")
+    code = main(["show", str(path), "--backbone", "vgg16", "--weights", "none", "--layers", *layers,
+                 "--out", str(tmp_path / "g.png"), "--resize", "32", "--crop", "32"])  # fmt: skip
+    assert code == 2
+    assert message in one_error_line(capsys.readouterr().err)
