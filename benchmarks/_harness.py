@@ -1,0 +1,564 @@
+"""The timing harness shared by the benchmark scripts.
+
+Every script answers one question by timing *contenders* (zero-argument callables that do the same
+work in different ways) side by side in one process:
+
+- warm-up calls first (which also check that contenders agree on their outputs),
+- then interleaved repetitions ``A B C A B C ...`` (the order rotates each round, so no contender
+  always runs right after the same neighbour), with ``torch.cuda.synchronize()`` around each sample
+  on a GPU,
+- medians and quartiles per contender, and ratios of medians taken from the same run.
+
+Results go to ``benchmarks/results/<name>.json`` (with the machine and library versions),
+``<name>.md`` (a Markdown table) and ``<name>.png`` (a bar chart of the ratios).
+
+Weights: contenders must run the same weights. :func:`seeded_torch_home` points ``TORCH_HOME`` at a
+folder (a fresh temporary one unless given) and :func:`seeded_hub_weights` writes seeded random
+torchvision weights where ``weights="DEFAULT"``, lpips and piq look for them, with the recipe of
+``tests/conftest.py``. Your own ``~/.cache/torch`` is never written to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SEED = 0
+LIBRARIES = ("featurehooks", "torch", "torchvision", "timm", "lpips", "piq", "numpy", "matplotlib")
+
+
+# --------------------------------------------------------------------------------------------------
+# command line and environment
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark script shares."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds bf16 autocast + channels_last runs)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions: checks the script, not speed")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores; 1 if --quick)")
+    p.add_argument("--budget", type=float, default=None, help="seconds of timed repetitions per table row group")
+    p.add_argument("--min-reps", type=int, default=None, help="fewest interleaved rounds per group")
+    p.add_argument("--max-reps", type=int, default=None, help="most interleaved rounds per group")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per contender before timing")
+    p.add_argument("--torch-home", default=None, help="TORCH_HOME with (or for) seeded weights; default: a temp dir")
+    p.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
+    p.add_argument("--tag", default="", help="suffix for the result file names (e.g. _cuda)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    return p
+
+
+@dataclass
+class Settings:
+    """Resolved run settings (defaults depend on --device and --quick)."""
+
+    device: torch.device
+    quick: bool
+    budget: float
+    min_reps: int
+    max_reps: int
+    warmup: int
+    out: Path
+    tag: str
+    plot: bool
+    command: str
+    threads: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def settings(args: argparse.Namespace, *, budget: float, quick_budget: float = 0.0) -> Settings:
+    """Apply the shared options: threads, seeds, device checks; fill defaults by device and mode."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but torch.cuda.is_available() is False")
+    threads = args.threads or (1 if args.quick else None)  # one thread: robust next to a parallel test run
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(SEED)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows stay fp32 for every contender alike
+        torch.backends.cudnn.allow_tf32 = False
+    if args.quick:
+        defaults = {"budget": quick_budget, "min_reps": 2, "max_reps": 2, "warmup": 1}
+    else:
+        defaults = {"budget": budget, "min_reps": 5, "max_reps": 60 if device.type == "cuda" else 25, "warmup": 2}
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    return Settings(
+        device=device,
+        quick=args.quick,
+        budget=pick["budget"],
+        min_reps=pick["min_reps"],
+        max_reps=pick["max_reps"],
+        warmup=pick["warmup"],
+        out=Path(args.out),
+        tag=args.tag,
+        plot=not args.no_plot,
+        command=" ".join(["python", *[_rel(a) for a in sys.argv]]),
+        threads=torch.get_num_threads(),
+    )
+
+
+def _rel(arg: str) -> str:
+    with contextlib.suppress(ValueError):
+        return str(Path(arg).resolve().relative_to(Path.cwd()))
+    return arg
+
+
+@contextlib.contextmanager
+def seeded_torch_home(path: str | None) -> Iterator[Path]:
+    """Point TORCH_HOME (and HF_HOME) at ``path``, or at a temporary folder removed afterwards."""
+    saved = {k: os.environ.get(k) for k in ("TORCH_HOME", "HF_HOME", "HF_HUB_OFFLINE")}
+    with contextlib.ExitStack() as stack:
+        home = Path(path) if path else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fh_bench_")))
+        os.environ["TORCH_HOME"] = str(home)
+        os.environ["HF_HOME"] = str(home / "huggingface")
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        try:
+            yield home
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def seeded_hub_weights(name: str) -> Path:
+    """Seeded random weights of torchvision model ``name`` where its DEFAULT weights are cached.
+
+    Same recipe as ``tests/conftest.py`` (seed 0, ``get_model(name, weights=None)``), so lpips, piq,
+    torchvision and featurehooks all read one identical file.
+    """
+    import torchvision.models as tvm
+
+    from featurehooks.backbones._files import hub_checkpoint_path
+    from featurehooks.backbones.torchvision_models import resolve_weights
+
+    weights = resolve_weights(name, "DEFAULT")
+    path = hub_checkpoint_path(weights.url)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = torch.random.get_rng_state()
+        torch.manual_seed(SEED)
+        model = tvm.get_model(name, weights=None, num_classes=len(weights.meta["categories"]))
+        torch.random.set_rng_state(state)
+        tmp = path.with_suffix(".partial")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(path)
+    return path
+
+
+def load_seeded(name: str) -> torch.nn.Module:
+    """A plain torchvision model (no hooks) with the seeded cached weights, frozen and in eval mode."""
+    import torchvision.models as tvm
+
+    path = seeded_hub_weights(name)
+    model = tvm.get_model(name, weights=None)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds per call of every contender, from one interleaved run."""
+
+    samples: dict[str, list[float]]
+    rounds: int
+    calls_per_sample: int
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+    def quartiles(self, name: str) -> tuple[float, float]:
+        values = sorted(self.samples[name])
+        if len(values) < 4:
+            return values[0], values[-1]
+        q = statistics.quantiles(values, n=4)
+        return q[0], q[2]
+
+
+def time_interleaved(
+    contenders: dict[str, Callable[[], Any]],
+    cfg: Settings,
+    *,
+    budget: float | None = None,
+    min_sample_s: float = 0.0,
+) -> Timing:
+    """Warm up, then time ``A B C A B C ...`` rounds until ``budget`` seconds (within min/max reps).
+
+    On a GPU each sample is fenced by ``torch.cuda.synchronize()``; calls shorter than
+    ``min_sample_s`` are repeated inside one sample (the same count for every contender).
+    """
+    names = list(contenders)
+    warm: dict[str, float] = {}
+    for name in names:
+        for _ in range(max(cfg.warmup, 1)):
+            sync(cfg.device)
+            start = time.perf_counter()
+            contenders[name]()
+            sync(cfg.device)
+            warm[name] = time.perf_counter() - start
+    fastest = min(warm.values())
+    inner = max(1, math.ceil(min_sample_s / max(fastest, 1e-6))) if min_sample_s else 1
+    round_s = sum(warm.values()) * inner
+    budget = cfg.budget if budget is None else budget
+    reps = int(min(cfg.max_reps, max(cfg.min_reps, budget // max(round_s, 1e-9))))
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = contenders[name]
+            sync(cfg.device)
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(cfg.device)
+            samples[name].append((time.perf_counter() - start) / inner)
+    return Timing(samples, reps, inner)
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated during one call of ``fn`` above what was allocated before it.
+
+    CUDA: the caching allocator's peak. CPU: the running sum of the profiler's allocation events.
+    """
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        sync(device)
+        del result
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+        del result
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return int(peak)
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """Largest absolute difference between two tensors or equal-length sequences/dicts of tensors."""
+    if isinstance(a, dict):
+        a = list(a.values())
+    if isinstance(b, dict):
+        b = list(b.values())
+    if isinstance(a, torch.Tensor):
+        a = [a]
+    if isinstance(b, torch.Tensor):
+        b = [b]
+    if len(a) != len(b):
+        raise ValueError(f"contenders returned {len(a)} and {len(b)} outputs")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x.shape != y.shape:
+            raise ValueError(f"contenders disagree on shape: {tuple(x.shape)} vs {tuple(y.shape)}")
+        worst = max(worst, float((x.detach().float() - y.detach().float()).abs().max()))
+    return worst
+
+
+# --------------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class Row:
+    """One contender in one group: its timing summary and its ratio to the group's baseline."""
+
+    name: str
+    median_ms: float
+    p25_ms: float
+    p75_ms: float
+    ratio: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """Contenders timed together (one case, mode, batch and precision), with their baseline."""
+
+    case: str
+    params: dict[str, Any]
+    baseline: str
+    rounds: int
+    calls_per_sample: int
+    rows: list[Row]
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def has(self, name: str) -> bool:
+        return any(r.name == name for r in self.rows)
+
+
+def make_group(case: str, params: dict[str, Any], timing: Timing, baseline: str, extras: dict[str, dict] | None = None) -> Group:
+    """Summarize ``timing`` as rows with ratios to ``baseline`` (ratio > 1: slower than the baseline)."""
+    base = timing.median(baseline)
+    rows = []
+    for name in timing.samples:
+        q1, q3 = timing.quartiles(name)
+        median = timing.median(name)
+        rows.append(Row(name, median * 1e3, q1 * 1e3, q3 * 1e3, median / base, dict((extras or {}).get(name, {}))))
+    return Group(case, params, baseline, timing.rounds, timing.calls_per_sample, rows)
+
+
+def ratio(group: Group, a: str, b: str) -> float:
+    """median(a) / median(b) within one group (same run, same rounds)."""
+    return group.row(a).median_ms / group.row(b).median_ms
+
+
+@dataclass
+class Target:
+    """A claim checked against ratios measured in this run."""
+
+    claim: str
+    group: str
+    measured: float
+    limit: float
+    kind: str  # "<=": measured must not exceed limit; ">=": must reach it
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.limit if self.kind == "<=" else self.measured >= self.limit
+
+
+def _version(module: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - an optional library may be missing or broken
+        return None
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """Hardware, threads and library versions, for the JSON and the Markdown header."""
+    info: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "git_commit": _git_commit(),
+        "load_average_at_end": loadavg(),
+        "versions": {name: _version(name) for name in LIBRARIES},
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    hw = info.get("gpu") or f"{info['cpu']} ({info['cpu_count']} cores, {info['torch_threads']} torch threads)"
+    v = info["versions"]
+    libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "torchvision", "timm", "lpips", "piq") if v.get(k))
+    return f"{hw}; {libs}; featurehooks {v.get('featurehooks')} @ {info.get('git_commit')}; {info['date_utc']}"
+
+
+def _fmt_params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def markdown(title: str, cfg: Settings, info: dict[str, Any], groups: Sequence[Group], targets: Sequence[Target],
+             notes: Sequence[str] = (), extra_columns: Sequence[tuple[str, str, str]] = ()) -> str:
+    """A Markdown report: command, machine, target verdicts, then one table per group.
+
+    ``extra_columns``: (row.extra key, column header, format spec) appended to every table.
+    """
+    lines = [f"## {title}", "", f"Command: `{cfg.command}`  ", f"Machine: {machine_line(info)}", ""]
+    if cfg.quick:
+        lines += ["**Quick mode**: tiny sizes, two rounds; these numbers check the script, not speed.", ""]
+    if targets:
+        lines += ["| target | group | measured | limit | met |", "|---|---|---:|---:|:---:|"]
+        for t in targets:
+            lines.append(f"| {t.claim} | {t.group} | {t.measured:.3f}x | {t.kind} {t.limit:.2f}x | "
+                         f"{'yes' if t.met else '**no**'} |")
+        lines.append("")
+    lines += [f"- {n}" for n in notes]
+    if notes:
+        lines.append("")
+    for g in groups:
+        lines += [f"### {g.case} ({_fmt_params(g.params)})", "",
+                  f"{g.rounds} interleaved rounds, {g.calls_per_sample} call(s) per sample; ratio = median / "
+                  f"median of *{g.baseline}*.", ""]
+        header = "| contender | median ms | IQR ms | ratio |" + "".join(f" {h} |" for _, h, _ in extra_columns)
+        lines += [header, "|---|---:|---:|---:|" + "---:|" * len(extra_columns)]
+        for r in g.rows:
+            cells = "".join(
+                f" {format(r.extra[k], spec) if isinstance(r.extra.get(k), (int, float)) else r.extra.get(k, '')} |"
+                for k, _, spec in extra_columns
+            )
+            lines.append(f"| {r.name} | {r.median_ms:.2f} | {r.p25_ms:.2f}–{r.p75_ms:.2f} | {r.ratio:.3f} |{cells}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(path: Path, title: str, groups: Sequence[Group], *, xlabel: str = "time / baseline (lower is faster)") -> None:
+    """Horizontal bars of each contender's ratio, one panel per group; saved small (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(1, len(g.rows)) * 0.28 + 0.55 for g in groups]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(7.5, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, g in zip(axes[:, 0], groups):
+        names = [r.name for r in g.rows][::-1]
+        values = [r.ratio for r in g.rows][::-1]
+        colors = ["#d62728" if n.startswith("FeatureExtractor") or n.startswith("featurehooks") else "#7f7f7f"
+                  for n in names]
+        ax.barh(names, values, color=colors, height=0.7)
+        ax.axvline(1.0, color="black", lw=0.8)
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.2f}", va="center", fontsize=7)
+        ax.set_title(f"{g.case} ({_fmt_params(g.params)})", fontsize=8, loc="left")
+        ax.tick_params(labelsize=7)
+        ax.set_xlim(0, max(values) * 1.18)
+    axes[-1, 0].set_xlabel(xlabel, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets: Sequence[Target],
+         config: dict[str, Any], notes: Sequence[str] = (), extra_columns: Sequence[tuple[str, str, str]] = ()) -> dict[str, Any]:
+    """Write ``<name><tag>.json``, ``.md`` and ``.png`` under ``cfg.out``; return the JSON payload."""
+    info = machine(cfg.device)
+    payload = {
+        "benchmark": name,
+        "title": title,
+        "command": cfg.command,
+        "quick": cfg.quick,
+        "machine": info,
+        "config": config,
+        "notes": list(notes),
+        "targets": [{**t.__dict__, "met": t.met} for t in targets],
+        "groups": [
+            {
+                "case": g.case, "params": g.params, "baseline": g.baseline, "rounds": g.rounds,
+                "calls_per_sample": g.calls_per_sample,
+                "rows": [{"name": r.name, "median_ms": r.median_ms, "p25_ms": r.p25_ms, "p75_ms": r.p75_ms,
+                          "ratio": r.ratio, **r.extra} for r in g.rows],
+            }
+            for g in groups
+        ],
+    }
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    stem = cfg.out / f"{name}{cfg.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(title, cfg, info, groups, targets, notes, extra_columns) + "\n")
+    if cfg.plot and groups:
+        chart(stem.with_suffix(".png"), f"{title} — {machine_line(info)}", groups)
+    return payload
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x224,4x112"`` -> ``[(1, 224), (4, 112)]`` (batch, square image size)."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            batch, size = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"bad shape {item!r}: write BATCHxSIZE, e.g. 4x224") from None
+        shapes.append((batch, size))
+    return shapes
+
+
+def precisions(cfg: Settings) -> list[str]:
+    """``fp32`` everywhere; on CUDA also ``bf16`` (autocast, with channels_last models and inputs)."""
+    return ["fp32", "bf16"] if cfg.cuda else ["fp32"]
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``"bf16"``, nothing for ``"fp32"``."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def images(batch: int, size: int, cfg: Settings, precision: str, *, seed: int = SEED) -> torch.Tensor:
+    """Seeded images in [0, 1] on the device; channels_last under ``bf16``."""
+    x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(seed)).to(cfg.device)
+    return x.contiguous(memory_format=torch.channels_last) if precision == "bf16" else x
+
+
+def loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other processes on the machine make timings noisy."""
+    with contextlib.suppress(OSError, AttributeError):
+        return [round(v, 2) for v in os.getloadavg()]
+    return None
+
+
+def log(message: str) -> None:
+    """Progress to stderr (stdout stays free for the Markdown)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,312 @@
+"""Question 1: what does hook-based extraction with early exit cost, next to the alternatives?
+
+Contenders, all fed the same [0, 1] images and the same seeded weights, all normalizing the input
+the same way (``(x - mean) / std`` with the weights' mean/std), all returning the same tensors:
+
+- bare full forward: the whole classification model (logits), no hooks;
+- bare truncated forward (**the floor**, every ratio's denominator): a hand-written loop over the
+  model's modules up to the deepest requested layer, collecting the taps;
+- FeatureExtractor (early exit): ``featurehooks.FeatureExtractor(...)``;
+- hooks without early exit: ``FeatureExtractor(..., early_exit=False)`` (the whole network runs);
+- torchvision FX: ``torchvision.models.feature_extraction.create_feature_extractor``;
+- timm forward_intermediates: ``model.forward_intermediates(stop_early=True, intermediates_only=True)``
+  (timm models only).
+
+Modes: ``no-grad`` (inference) and ``grad`` (forward, then ``torch.autograd.grad`` of the summed
+feature means back to the input, as a loss would). Cases: VGG16 relu3_3; VGG16 relu1_2…relu5_3;
+ResNet50 layer1…layer4; timm ConvNeXt-T stages.1+stages.2. Shapes: a small and a large batch.
+With ``--device cuda`` every group also runs under bf16 autocast with channels_last.
+
+    python benchmarks/extraction.py                  # CPU, a few minutes on 2 cores
+    python benchmarks/extraction.py --device cuda    # adds bf16 + channels_last groups
+    python benchmarks/extraction.py --quick          # seconds: checks the script, not speed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+import featurehooks as fh  # noqa: E402
+
+FLOOR = "bare truncated forward"
+FULL = "bare full forward"
+FE = "FeatureExtractor (early exit)"
+NO_EE = "hooks without early exit"
+FX = "torchvision FX"
+TIMM = "timm forward_intermediates"
+
+VGG_ALL = ["relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3"]
+RESNET_ALL = ["layer1", "layer2", "layer3", "layer4"]
+TIMM_MODEL = "convnext_tiny"
+TIMM_LAYERS = ["stages.1", "stages.2"]
+
+
+@dataclass
+class Models:
+    """Everything one case times: extractors in both modes, a plain model and the bare/FX functions."""
+
+    detach: fh.FeatureExtractor
+    grad: fh.FeatureExtractor
+    detach_full: fh.FeatureExtractor
+    grad_full: fh.FeatureExtractor
+    plain: nn.Module  # a separate, hook-free copy of the same weights
+    truncated: Callable[[Tensor], list[Tensor]]
+    fx: Callable[[Tensor], list[Tensor]] | None
+    timm: Callable[[Tensor], list[Tensor]] | None
+
+    def all_modules(self) -> list[nn.Module]:
+        return [self.detach, self.grad, self.detach_full, self.grad_full, self.plain]
+
+
+def _extractors(backbone: str, layers: list[str], weights: Any) -> tuple[fh.FeatureExtractor, ...]:
+    return tuple(
+        fh.FeatureExtractor(backbone, layers, weights=weights, mode=mode, early_exit=early)
+        for early in (True, False)
+        for mode in ("detach", "grad")
+    )
+
+
+def _tv_fx(plain: nn.Module, paths: list[str]) -> Callable[[Tensor], list[Tensor]]:
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    graph = create_feature_extractor(plain, return_nodes={p: p for p in paths}).eval()
+    return lambda x: list(graph(x).values())
+
+
+def build_vgg(layers: list[str]) -> Models:
+    H.seeded_hub_weights("vgg16")
+    detach, grad, detach_full, grad_full = _extractors("vgg16", layers, "DEFAULT")
+    plain = H.load_seeded("vgg16")
+    paths = detach.paths
+    positions = {int(p.split(".")[1]) for p in paths}
+    last = max(positions)
+    features = plain.features
+
+    def truncated(x: Tensor) -> list[Tensor]:
+        out = []
+        for i in range(last + 1):
+            x = features[i](x)
+            if i in positions:
+                out.append(x)
+        return out
+
+    return Models(detach, grad, detach_full, grad_full, plain, truncated, _tv_fx(plain, paths), None)
+
+
+def build_resnet(layers: list[str]) -> Models:
+    H.seeded_hub_weights("resnet50")
+    detach, grad, detach_full, grad_full = _extractors("resnet50", layers, "DEFAULT")
+    plain = H.load_seeded("resnet50")
+    wanted = set(detach.paths)
+    stages = ["layer1", "layer2", "layer3", "layer4"]
+    last = max(stages.index(p) for p in wanted)
+
+    def truncated(x: Tensor) -> list[Tensor]:
+        x = plain.maxpool(plain.relu(plain.bn1(plain.conv1(x))))
+        out = []
+        for name in stages[: last + 1]:
+            x = getattr(plain, name)(x)
+            if name in wanted:
+                out.append(x)
+        return out
+
+    return Models(detach, grad, detach_full, grad_full, plain, truncated, _tv_fx(plain, detach.paths), None)
+
+
+def build_timm(layers: list[str]) -> Models:
+    import timm
+
+    torch.manual_seed(H.SEED)
+    detach, grad, detach_full, grad_full = _extractors(f"timm/{TIMM_MODEL}", layers, None)
+    state = detach.backbone.state_dict()
+    for ext in (grad, detach_full, grad_full):  # every contender runs the same weights
+        ext.backbone.load_state_dict(state)
+    plain = timm.create_model(TIMM_MODEL, pretrained=False)
+    plain.load_state_dict(state)
+    plain.eval().requires_grad_(False)
+    indices = sorted(int(p.split(".")[1]) for p in detach.paths)
+
+    def truncated(x: Tensor) -> list[Tensor]:
+        x = plain.stem(x)
+        out = []
+        for i in range(indices[-1] + 1):
+            x = plain.stages[i](x)
+            if i in indices:
+                out.append(x)
+        return out
+
+    def intermediates(x: Tensor) -> list[Tensor]:
+        return plain.forward_intermediates(x, indices=indices, stop_early=True, intermediates_only=True)
+
+    try:
+        fx = _tv_fx(plain, detach.paths)
+    except Exception as exc:  # noqa: BLE001 - FX tracing fails on some models; that is a finding, not a crash
+        H.log(f"torchvision FX cannot trace {TIMM_MODEL}: {type(exc).__name__}: {exc}")
+        fx = None
+    return Models(detach, grad, detach_full, grad_full, plain, truncated, fx, intermediates)
+
+
+CASES: dict[str, tuple[str, Callable[[], Models]]] = {
+    "vgg16-relu3_3": ("VGG16 relu3_3", lambda: build_vgg(["relu3_3"])),
+    "vgg16-all": ("VGG16 relu1_2…relu5_3", lambda: build_vgg(VGG_ALL)),
+    "resnet50-all": ("ResNet50 layer1…layer4", lambda: build_resnet(RESNET_ALL)),
+    "timm-convnext": (f"timm {TIMM_MODEL} stages.1+stages.2", lambda: build_timm(TIMM_LAYERS)),
+}
+
+
+def _normalizer(ext: fh.FeatureExtractor) -> Callable[[Tensor], Tensor]:
+    mean, std = ext.mean.clone(), ext.std.clone()  # own copies: same values, same op as the extractor
+    return lambda x: (x - mean) / std
+
+
+def contenders(m: Models, x: Tensor, mode: str, precision: str, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Zero-argument callables for one group; each returns the features (no-grad) or the input gradient (grad)."""
+    norm = _normalizer(m.detach)
+    feats: dict[str, Callable[[Tensor], Any]] = {
+        FULL: lambda t: [m.plain(norm(t))],
+        FLOOR: lambda t: m.truncated(norm(t)),
+        FE: lambda t: list((m.grad if mode == "grad" else m.detach)(t).values()),
+        NO_EE: lambda t: list((m.grad_full if mode == "grad" else m.detach_full)(t).values()),
+    }
+    if m.fx is not None:
+        feats[FX] = lambda t: m.fx(norm(t))
+    if m.timm is not None:
+        feats[TIMM] = lambda t: m.timm(norm(t))
+
+    def wrap(fn: Callable[[Tensor], list[Tensor]]) -> Callable[[], Any]:
+        if mode == "no-grad":
+
+            def call() -> Any:
+                with torch.no_grad(), H.autocast(precision, device):
+                    return fn(x)
+
+            return call
+        leaf = x.detach().clone().requires_grad_(True)
+
+        def call_grad() -> Any:
+            with H.autocast(precision, device):
+                out = fn(leaf)
+                loss = sum(o.float().mean() for o in out)
+            (grad,) = torch.autograd.grad(loss, leaf)
+            return grad
+
+        return call_grad
+
+    return {name: wrap(fn) for name, fn in feats.items()}
+
+
+def run_group(case: str, title: str, m: Models, batch: int, size: int, mode: str, precision: str,
+              cfg: H.Settings, budget: float) -> H.Group:
+    x = H.images(batch, size, cfg, precision)
+    fns = contenders(m, x, mode, precision, cfg.device)
+    # Same outputs, or the timing compares different work (the full forward returns logits: skipped).
+    reference = fns[FLOOR]()
+    diffs = {name: H.max_abs_diff(fn(), reference) for name, fn in fns.items() if name != FULL}
+    timing = H.time_interleaved(fns, cfg, budget=budget, min_sample_s=0.02 if cfg.cuda else 0.0)
+    extras = {name: {"max_abs_diff": diffs.get(name)} for name in fns}
+    params = {"mode": mode, "batch": batch, "size": size, "precision": precision}
+    group = H.make_group(title, params, timing, FLOOR, extras)
+    H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows))
+    return group
+
+
+def targets(groups: list[H.Group]) -> list[H.Target]:
+    """The issue's extraction targets, checked in every group where they apply."""
+    found: list[H.Target] = []
+    for g in groups:
+        label = ", ".join(f"{k}={v}" for k, v in g.params.items())
+        if g.case == CASES["vgg16-relu3_3"][0]:
+            found.append(H.Target("FeatureExtractor / bare truncated", label, H.ratio(g, FE, FLOOR), 1.05, "<="))
+            if g.has(FX):
+                found.append(H.Target("FeatureExtractor / torchvision FX", label, H.ratio(g, FE, FX), 1.05, "<="))
+            found.append(H.Target("hooks w/o early exit / FeatureExtractor", label, H.ratio(g, NO_EE, FE), 1.4, ">="))
+        if g.has(TIMM):
+            found.append(H.Target("FeatureExtractor / timm forward_intermediates", f"{g.case}: {label}",
+                                  H.ratio(g, FE, TIMM), 1.05, "<="))
+    return found
+
+
+def _release(m: Models | None) -> None:
+    if m is None:
+        return
+    for module in (m.detach, m.grad, m.detach_full, m.grad_full):
+        module.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _on(m: Models, device: torch.device) -> Iterator[Models]:
+    for module in m.all_modules():
+        module.to(device)
+    yield m
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = H.parser(__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    p.add_argument("--modes", default="no-grad,grad", help="no-grad, grad or both")
+    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 1x224,4x112 (CPU), 1x224,64x224 (cuda)")
+    args = p.parse_args(argv)
+    cfg = H.settings(args, budget=12.0, quick_budget=0.0)
+    if args.shapes is None:
+        args.shapes = "1x32,2x32" if cfg.quick else ("1x224,64x224" if cfg.cuda else "1x224,4x112")
+    shapes = H.parse_shapes(args.shapes)
+    modes = args.modes.split(",")
+    precisions = H.precisions(cfg)
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; choose from {list(CASES)}")
+    groups: list[H.Group] = []
+    with H.seeded_torch_home(args.torch_home):
+        for key in cases:
+            title, build = CASES[key]
+            H.log(f"building {title}")
+            models = build()
+            try:
+                with _on(models, cfg.device):
+                    for precision in precisions:
+                        if precision == "bf16":
+                            for module in models.all_modules():
+                                module.to(memory_format=torch.channels_last)
+                        for batch, size in shapes:
+                            for mode in modes:
+                                # the headline case gets twice the repetitions
+                                budget = cfg.budget * (2 if key == "vgg16-relu3_3" else 1)
+                                groups.append(run_group(key, title, models, batch, size, mode, precision, cfg, budget))
+            finally:
+                _release(models)
+                del models
+    found = targets(groups)
+    notes = [
+        f"*{FLOOR}* is the floor: a hand-written loop up to the deepest requested layer, no hooks.",
+        "Every contender normalizes the same [0, 1] input with the weights' mean/std and returns the same "
+        "tensors (max_abs_diff against the floor); *grad* = forward + autograd.grad of the summed feature "
+        f"means to the input; *{FULL}* backpropagates from the logits.",
+        "Weights: seeded random (seed 0) torchvision checkpoints in a temporary TORCH_HOME; timm: seeded "
+        "random init copied into every contender.",
+    ]
+    config = {"cases": cases, "modes": modes, "shapes": shapes, "precisions": precisions, "budget_s": cfg.budget,
+              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+    payload = H.save("extraction", "Feature extraction: time / bare truncated forward", cfg, groups, found,
+                     config, notes, extra_columns=[("max_abs_diff", "max abs diff", ".1e")])
+    print((cfg.out / f"extraction{cfg.tag}.md").read_text())
+    return payload
+
+
+if __name__ == "__main__":
+    main()

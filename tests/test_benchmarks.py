@@ -1,0 +1,114 @@
+"""The benchmark scripts in quick mode, so they never rot: outputs and structure, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+pytest.importorskip("matplotlib")
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_fh_bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """The scripts seed torch and may set threads; leave the rest of the session as it was."""
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    path = list(sys.path)
+    yield
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
+    sys.path[:] = path
+
+
+def _common(tmp_path: Path, torch_home: Path) -> list[str]:
+    return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
+
+
+def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
+    saved = json.loads((tmp_path / f"{name}.json").read_text())
+    assert saved["benchmark"] == name and saved["quick"] is True
+    assert saved["machine"]["versions"]["torch"] == torch.__version__.split("+")[0] or saved["machine"]["versions"]["torch"]
+    assert {"cpu", "cpu_count", "torch_threads", "device", "versions", "date_utc"} <= set(saved["machine"])
+    assert saved["groups"] == json.loads(json.dumps(payload["groups"]))
+    markdown = (tmp_path / f"{name}.md").read_text()
+    assert "| contender | median ms | IQR ms | ratio |" in markdown and "Command: `python" in markdown
+    assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for group in saved["groups"]:
+        assert group["rounds"] >= 1
+        baseline = [row for row in group["rows"] if row["name"] == group["baseline"]]
+        assert len(baseline) == 1 and baseline[0]["ratio"] == pytest.approx(1.0)
+        for row in group["rows"]:
+            assert row["median_ms"] > 0 and math.isfinite(row["ratio"])
+            assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"]
+    for target in saved["targets"]:
+        assert {"claim", "measured", "limit", "met"} <= set(target) and math.isfinite(target["measured"])
+
+
+def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
+    extraction = _load("extraction")
+    payload = extraction.main(
+        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,resnet50-all,timm-convnext", "--shapes", "1x32"]
+    )
+    _check_files(tmp_path, "extraction", payload)
+    groups = payload["groups"]
+    assert {g["case"] for g in groups} == {"VGG16 relu3_3", "ResNet50 layer1…layer4", "timm convnext_tiny stages.1+stages.2"}
+    assert {g["params"]["mode"] for g in groups} == {"no-grad", "grad"}
+    for group in groups:
+        names = [row["name"] for row in group["rows"]]
+        assert names[:4] == [extraction.FULL, extraction.FLOOR, extraction.FE, extraction.NO_EE]
+        assert extraction.FX in names
+        assert (extraction.TIMM in names) == group["case"].startswith("timm")
+        for row in group["rows"]:
+            if row["name"] != extraction.FULL:  # every contender returns the floor's tensors
+                assert row["max_abs_diff"] <= 1e-4, row
+    claims = {t["claim"] for t in payload["targets"]}
+    assert "FeatureExtractor / bare truncated" in claims and "FeatureExtractor / timm forward_intermediates" in claims
+
+
+def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
+    losses = _load("losses")
+    payload = losses.main(_common(tmp_path, torch_home))
+    _check_files(tmp_path, "losses", payload)
+    by_case = {g["case"]: {row["name"]: row for row in g["rows"]} for g in payload["groups"]}
+    content = by_case[losses.CONTENT]
+    # the contenders compute the same loss on the same weights (each in its library's scale)
+    assert content[losses.PL]["loss"] == pytest.approx(content[losses.FLOOR]["loss"], rel=1e-4)
+    assert content[losses.PIQ]["loss"] == pytest.approx(256 * content[losses.PL]["loss"], rel=1e-4)
+    lpips_case = by_case[losses.LPIPS_CASE]
+    assert lpips_case[losses.FH_LPIPS]["loss"] == pytest.approx(lpips_case[losses.LPIPS_BASE]["loss"], rel=1e-3)
+    style = by_case[losses.STYLE]
+    for name in (losses.FH_STYLE, losses.FH_STYLE_FIXED, losses.PIQ_STYLE):
+        assert style[name]["loss"] == pytest.approx(style[losses.STYLE_FLOOR]["loss"], rel=1e-4)
+    for rows in by_case.values():
+        assert all(row["peak_mib"] >= 0 for row in rows.values())
+    assert any(t["claim"].startswith("piq ContentLoss time") for t in payload["targets"])
+
+
+def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
+    compile_bench = _load("compile")
+    payload = compile_bench.main(_common(tmp_path, torch_home))  # --quick: backend "eager", dynamo tracing only
+    _check_files(tmp_path, "compile", payload)
+    rows = {row["name"]: row for g in payload["groups"] for row in g["rows"]}
+    assert {"FeatureExtractor (compiled)", "torchvision FX (compiled)", "PerceptualLoss (compiled)"} <= set(rows)
+    for name, row in rows.items():
+        assert row["max_abs_diff"] <= 1e-4, name
+        if name.endswith("(compiled)"):
+            assert row["graphs"] >= 1 and row["graph_breaks"] >= 0
