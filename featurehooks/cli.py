@@ -108,12 +108,13 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from .dump import dump_features
+    from .dump import dump_features, list_images
 
+    sources = list_images(args.sources)  # fail on a missing input before building the model
     extractor = _extractor(args)
     result = dump_features(
         extractor,
-        args.sources,
+        sources,
         args.out,
         batch_size=args.batch_size,
         num_workers=args.workers,
@@ -159,9 +160,15 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
     parser.add_argument(
-        "--layers", required=True, nargs="+", metavar="LAYER", help="layer names or module paths (see `featurehooks layers`)"
+        "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
+    )
+    parser.add_argument(
+        "--layers",
+        required=True,
+        nargs="+",
+        metavar="LAYER",
+        help="layer names or module paths (see `featurehooks layers`)",
     )
     parser.add_argument(
         "--weights",
@@ -171,7 +178,11 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
     parser.add_argument(
-        "--resize", type=_size, default=..., metavar="N", help="shorter-side resize, or 'none' (default: from the weights)"
+        "--resize",
+        type=_size,
+        default=...,
+        metavar="N",
+        help="shorter-side resize, or 'none' (default: from the weights)",
     )
     parser.add_argument(
         "--crop", type=_size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
@@ -214,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument(
         "--workers", type=_non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
     )
-    extract.add_argument("--pool", choices=("avg", "max"), default=None, help="pool maps over space (default: keep maps)")
+    extract.add_argument(
+        "--pool", choices=("avg", "max"), default=None, help="pool maps over space (default: keep maps)"
+    )
     extract.add_argument("--dtype", choices=("float16", "float32"), default="float32", help="on-disk dtype")
     mode = extract.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="finish an interrupted dump in DIR")
@@ -253,7 +266,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (UserError, FeatureHooksError, ImportError, ValueError, TypeError, LookupError, FileNotFoundError, FileExistsError) as exc:
+    except (
+        UserError,
+        FeatureHooksError,
+        ImportError,
+        ValueError,
+        TypeError,
+        LookupError,
+        FileNotFoundError,
+        FileExistsError,
+    ) as exc:
         _error(exc)
         return EXIT_USAGE
     except BrokenPipeError:

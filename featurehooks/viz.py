@@ -139,7 +139,9 @@ def feature_grid(
     return np.asarray(canvas)
 
 
-def save_feature_grid(path: str | os.PathLike[str], features: Mapping[str, Tensor], image: Tensor | None = None, **kwargs: object) -> Path:
+def save_feature_grid(
+    path: str | os.PathLike[str], features: Mapping[str, Tensor], image: Tensor | None = None, **kwargs: object
+) -> Path:
     """Write ``feature_grid(features, image, **kwargs)`` to ``path`` (PNG unless the suffix says otherwise)."""
     path = Path(path)
     grid = feature_grid(features, image, **kwargs)  # type: ignore[arg-type]

@@ -61,7 +61,15 @@ def test_extract_with_random_weights_is_seeded(images: Path, tmp_path: Path) -> 
     torch.manual_seed(0)
     ext = FeatureExtractor("resnet18", ["layer1"], weights=None)
     mine = dump_features(
-        ext, images, tmp_path / "c", batch_size=3, num_workers=0, pool="max", resize_size=36, crop_size=32, progress=False
+        ext,
+        images,
+        tmp_path / "c",
+        batch_size=3,
+        num_workers=0,
+        pool="max",
+        resize_size=36,
+        crop_size=32,
+        progress=False,
     )
     np.testing.assert_array_equal(mine.load("layer1"), np.load(tmp_path / "a" / "layer1.npy"))
 
@@ -175,7 +183,10 @@ def test_closed_pipe_exits_quietly() -> None:
     os.close(read_end)  # like `featurehooks layers vgg16 | head -0`
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "featurehooks", "layers", "vgg16"], stdout=write_end, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-m", "featurehooks", "layers", "vgg16"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
         )
     finally:
         os.close(write_end)
@@ -186,7 +197,8 @@ def test_closed_pipe_exits_quietly() -> None:
 def test_show_writes_a_png_grid(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "grid.png"
     code = main(["show", str(images / "0.png"), "--backbone", "vgg16", "--weights", "none", "--layers", "relu1_2",
-                 "relu2_2", "--out", str(out), "--channels", "4", "--tile-size", "32", "--resize", "32", "--crop", "32"])  # fmt: skip
+                 "relu2_2", "--out", str(out), "--channels", "4", "--tile-size", "32",
+                 "--resize", "32", "--crop", "32"])  # fmt: skip
     assert code == 0 and "wrote" in capsys.readouterr().out
     with Image.open(out) as grid:
         assert grid.format == "PNG" and grid.mode == "RGB"

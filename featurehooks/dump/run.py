@@ -148,7 +148,8 @@ def _resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_s
         return _Inputs([f"dataset[{i}]" for i in range(count)], source, shape, None)
     if not isinstance(source, (str, os.PathLike, list, tuple)):
         raise TypeError(
-            f"source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, not {type(source).__name__}"
+            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
+            f"not {type(source).__name__}"
         )
     names = list_images(source)
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
@@ -169,7 +170,10 @@ def _settings(extractor: Any, inputs: _Inputs, pool: str | None, dtype: str) -> 
     """The manifest fields that describe what is computed (compared on resume)."""
     probe = torch.zeros((1, *inputs.image_shape), device=_device_of(extractor))
     low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
-    shapes = {name: [len(inputs.names), *value.shape[1:]] for name, value in _features(extractor, probe + low, pool, dtype).items()}
+    shapes = {
+        name: [len(inputs.names), *value.shape[1:]]
+        for name, value in _features(extractor, probe + low, pool, dtype).items()
+    }
     pre = extractor.preprocessing
     preprocessing: dict[str, Any] = {
         "mean": list(pre.mean) if pre.mean is not None else None,
@@ -178,7 +182,9 @@ def _settings(extractor: Any, inputs: _Inputs, pool: str | None, dtype: str) -> 
     if inputs.transform is not None:
         preprocessing.update(inputs.transform.describe())
     else:
-        preprocessing.update(resize_size=None, crop_size=None, interpolation=None, input_range=list(extractor.input_range))
+        preprocessing.update(
+            resize_size=None, crop_size=None, interpolation=None, input_range=list(extractor.input_range)
+        )
     preprocessing["image_shape"] = list(inputs.image_shape)
     settings = {
         "backbone": extractor.backbone_name,
@@ -201,9 +207,7 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [key for key in _RESUME_KEYS if old.get(key) != new.get(key)]
 
 
-def _plan(
-    store: DumpStore, settings: dict[str, Any], batch_size: int, resume: bool, overwrite: bool
-) -> dict[str, Any]:
+def _plan(store: DumpStore, settings: dict[str, Any], batch_size: int, resume: bool, overwrite: bool) -> dict[str, Any]:
     """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
     out = store.root
     existing = store.read_manifest() if not overwrite else _read_quietly(store)
@@ -241,7 +245,8 @@ def _plan(
             clash.append(INDEX)
         if clash:
             raise FileExistsError(
-                f"{out} already has {', '.join(clash)} but no manifest; pass overwrite=True (--overwrite) to replace them"
+                f"{out} already has {', '.join(clash)} but no manifest; "
+                "pass overwrite=True (--overwrite) to replace them"
             )
     manifest = {"format": FORMAT, "status": "running", **settings, "chunk_size": batch_size}
     manifest["files"] = {name: layer_file_name(name) for name in settings["layers"]}
@@ -283,9 +288,7 @@ def _finish(store: DumpStore, manifest: dict[str, Any], names: list[str]) -> dic
     return manifest
 
 
-def _loader(
-    inputs: _Inputs, batches: list[list[int]], num_workers: int, pin: bool
-) -> DataLoader:
+def _loader(inputs: _Inputs, batches: list[list[int]], num_workers: int, pin: bool) -> DataLoader:
     if inputs.dataset is not None:
         rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape)
     else:
@@ -376,7 +379,9 @@ def dump_features(
     dist = Distributed.from_environment(device)
     store = DumpStore(out_dir)
     try:
-        plan = _broadcast_plan(dist, store, extractor, source, pool, dtype, batch_size, resume, overwrite, resize_size, crop_size)
+        plan = _broadcast_plan(
+            dist, store, extractor, source, pool, dtype, batch_size, resume, overwrite, resize_size, crop_size
+        )
         inputs, manifest = plan["inputs"], plan["manifest"]
         if manifest.get("status") == "complete":
             return DumpResult(store.root, manifest)

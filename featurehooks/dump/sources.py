@@ -44,9 +44,7 @@ def _expand(item: str | os.PathLike[str]) -> list[str]:
         return found
     path = Path(text)
     if path.is_dir():
-        files = sorted(
-            str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-        )
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...) under {text}")
         return files
