@@ -76,11 +76,11 @@ class HookSession:
                     f"module {path!r} ran more than once in one forward, so its outputs would overwrite "
                     "each other; tap a module that runs once (its parent block, or the layer that feeds it)"
                 )
-            if self.detach:
-                output = tree_map_only(torch.Tensor, torch.Tensor.detach, output)
-            if path in self.clone_paths:
-                output = tree_map_only(torch.Tensor, torch.Tensor.clone, output)
             is_tensor = isinstance(output, torch.Tensor)
+            if self.detach:
+                output = output.detach() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+            if path in self.clone_paths:
+                output = output.clone() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.clone, output)
             self._fired[path] = output if is_tensor else None
             if self.track_versions and is_tensor:
                 self._versions[path] = output._version
