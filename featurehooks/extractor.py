@@ -80,6 +80,7 @@ class FeatureExtractor(nn.Module):
 
     mean: Tensor
     std: Tensor
+    _model: nn.Module
 
     def __init__(
         self,

@@ -40,7 +40,8 @@ def vgg_aliases(model: nn.Module) -> dict[str, str]:
     """
     aliases: dict[str, str] = {}
     block, index = 1, 1
-    for position, module in enumerate(model.features):
+    features = model.get_submodule("features")
+    for position, module in enumerate(features.children()):
         path = f"features.{position}"
         if isinstance(module, nn.Conv2d):
             aliases[f"conv{block}_{index}"] = path
