@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,9 +66,16 @@ def test_two_rank_torchrun_equals_one_process(tmp_path: Path, resnet18_cached: P
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "featurehooks", "extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "two"), *ARGS,
     ]  # fmt: skip
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("wrote 13 rows") == 1  # only rank 0 reports
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("wrote 13 rows") == 1  # only rank 0 reports
     assert main(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "one"), *ARGS]) == 0
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert names == ["index.csv", "layer1.npy", "layer2.npy", "manifest.json"]
