@@ -8,7 +8,7 @@ from torch import nn
 
 import featurehooks.losses as fl
 from featurehooks import FeatureExtractor, capture
-from featurehooks.functional import feature_distance, gram_matrix
+from featurehooks.functional import gram_matrix
 
 LAYERS = ["relu1_2", "relu2_2", "relu3_3"]
 
@@ -188,11 +188,13 @@ def test_style_is_mean_squared_gram_difference(ext, pair) -> None:
     loss = fl.StyleLoss(ext, ["relu1_2", "relu2_2"], layer_weights=[1.0, 3.0], reduction="none")
     fx, fy = ext(x), ext(y)
     expected = sum(
-        w * ((gram_matrix(fx[k]) - gram_matrix(fy[k])) ** 2).mean((1, 2)) for k, w in (("relu1_2", 1.0), ("relu2_2", 3.0))
+        w * ((gram_matrix(fx[k]) - gram_matrix(fy[k])) ** 2).mean((1, 2))
+        for k, w in (("relu1_2", 1.0), ("relu2_2", 3.0))
     )
     torch.testing.assert_close(loss(x, y), expected)
     hw = fl.StyleLoss(ext, ["relu1_2"], gram_normalization="hw", distance="l1", reduction="none")(x, y)
-    torch.testing.assert_close(hw, (gram_matrix(fx["relu1_2"], "hw") - gram_matrix(fy["relu1_2"], "hw")).abs().mean((1, 2)))
+    gx, gy = gram_matrix(fx["relu1_2"], "hw"), gram_matrix(fy["relu1_2"], "hw")
+    torch.testing.assert_close(hw, (gx - gy).abs().mean((1, 2)))
 
 
 def test_style_target_may_differ_in_size(ext, pair) -> None:
@@ -254,7 +256,11 @@ def test_all_zero_features_give_finite_losses_and_gradients() -> None:
     ext = FeatureExtractor(dead, ["0"], mode="grad")
     x = torch.rand(2, 3, 8, 8, requires_grad=True)
     y = torch.rand(2, 3, 8, 8)
-    losses = [fl.PerceptualLoss(ext, normalize_features=True), fl.StyleLoss(ext), fl.PerceptualLoss(ext, distance="cosine")]
+    losses = [
+        fl.PerceptualLoss(ext, normalize_features=True),
+        fl.StyleLoss(ext),
+        fl.PerceptualLoss(ext, distance="cosine"),
+    ]
     for loss in losses:
         value = loss(x, y)
         value.backward()

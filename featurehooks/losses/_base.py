@@ -36,10 +36,10 @@ def resolve_layer_weights(layer_weights: LayerWeights, layers: Sequence[str]) ->
             raise ValueError(f"layer_weights has no weight for {missing}; give one per layer in {list(layers)}")
         return [float(layer_weights[name]) for name in layers]
     if isinstance(layer_weights, (str, bytes)) or not isinstance(layer_weights, Iterable):
-        raise TypeError(f"layer_weights must be a dict by layer name or a sequence of floats, not {layer_weights!r}")
+        raise TypeError(f"layer_weights must be a dict by layer name or a sequence of floats, got {layer_weights!r}")
     weights = [float(w) for w in layer_weights]
     if len(weights) != len(layers):
-        raise ValueError(f"got {len(weights)} layer_weights for {len(layers)} layers {list(layers)}; give one per layer")
+        raise ValueError(f"{len(weights)} layer_weights for {len(layers)} layers {list(layers)}; give one per layer")
     return weights
 
 
