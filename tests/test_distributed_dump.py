@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ from PIL import Image
 
 from featurehooks.cli import main
 from featurehooks.dump.sharding import Distributed, chunk_rows, split_contiguous
+from featurehooks.dump.store import DumpStore
 
 
 @pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])
@@ -58,13 +61,12 @@ ARGS = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_two_rank_torchrun_equals_one_process(tmp_path: Path, resnet18_cached: Path) -> None:
-    make_inputs(tmp_path / "imgs")
+def torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m featurehooks ARGS`` on CPU; the whole process group dies on timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TORCH_HOME (seeded weights) is inherited
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "featurehooks", "extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "two"), *ARGS,
+        "-m", "featurehooks", *args,
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -74,14 +76,52 @@ def test_two_rank_torchrun_equals_one_process(tmp_path: Path, resnet18_cached: P
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
         stdout, stderr = proc.communicate()
         pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
-    assert proc.returncode == 0, stderr[-3000:]
-    assert stdout.count("wrote 13 rows") == 1  # only rank 0 reports
-    assert main(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "one"), *ARGS]) == 0
-    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
     assert names == ["index.csv", "layer1.npy", "layer2.npy", "manifest.json"]
-    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
     for name in names:
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_two_rank_torchrun_equals_one_process(tmp_path: Path, resnet18_cached: Path) -> None:
+    make_inputs(tmp_path / "imgs")
+    run = torchrun(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "two"), *ARGS])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote 13 rows") == 1  # only rank 0 reports
+    assert main(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "one"), *ARGS]) == 0
+    same_files(tmp_path / "one", tmp_path / "two")
     rows = [line.split(",", 2) for line in (tmp_path / "two" / "index.csv").read_text().splitlines()[1:]]
     assert [(row, valid) for row, valid, path in rows if valid == "0"] == [("6", "0")]  # img_05b.png, row 6
     assert rows[6][2].endswith("img_05b.png")
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resnet18_cached: Path) -> None:
+    make_inputs(tmp_path / "imgs")
+    assert main(["extract", str(tmp_path / "imgs"), "--out", str(tmp_path / "one"), *ARGS]) == 0
+    out = tmp_path / "out"
+    shutil.copytree(tmp_path / "one", out)
+    # what a killed single-process run leaves: status running, chunks 0 and 4 committed, other rows garbage
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "index.csv").unlink()
+    store = DumpStore(out)
+    store.reset_journal()
+    store.open_arrays(manifest["layers"])
+    store.open_journal(0)
+    for chunk in (0, 4):
+        store.commit(chunk, *chunk_rows(chunk, 2, 13), [])
+    store.close_journal()
+    for layer in manifest["layers"]:
+        store._arrays[layer][2:8] = 9.0
+        store._arrays[layer][10:] = -1.0
+    store.close_arrays()
+    run = torchrun(["extract", str(tmp_path / "imgs"), "--out", str(out), *ARGS, "--resume"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    same_files(tmp_path / "one", out)
