@@ -1,8 +1,9 @@
 """Batch feature dumps: streaming per-layer ``.npy`` files, a manifest, resume, and torchrun sharding.
 
 Modules, one job each: ``sources`` (listing and decoding inputs), ``transform`` (resize, crop,
-scale), ``store`` (files, journal, manifest), ``sharding`` (ranks and their rows), ``run``
-(``dump_features``, which ties them together).
+scale), ``forward`` (features of one batch, pooled and cast), ``store`` (files, journal, atomic
+manifest), ``plan`` (settings, resume/overwrite rules, completion), ``sharding`` (ranks and their
+rows), ``run`` (``dump_features``, which ties them together).
 """
 
 from .run import DumpResult, dump_features

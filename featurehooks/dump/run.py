@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,17 +14,16 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .forward import device_of, features_as_arrays
+from .plan import Inputs, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
-from .sources import ImageFiles, SourceSpec, TensorRows, collate, decode_image, first_tensor, inputs_digest, list_images
-from .store import FORMAT, INDEX, DumpStore, layer_file_name
-from .transform import ImageTransform, transform_for
+from .sources import ImageFiles, SourceSpec, TensorRows, collate
+from .store import DumpStore
 
 __all__ = ["DumpResult", "dump_features"]
 
 _DTYPES = ("float16", "float32")
 _POOLS = (None, "avg", "max")
-# Settings that must match for a resume to continue an earlier run.
-_RESUME_KEYS = ("backbone", "weights", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
 
 
 @dataclass(frozen=True)
@@ -51,10 +48,6 @@ class DumpResult:
     def load(self, layer: str, mmap: bool = True) -> np.ndarray:
         """The array of ``layer`` (memory-mapped read-only by default)."""
         return np.load(self.path(layer), mmap_mode="r" if mmap else None)
-
-
-class _PlanError(Exception):
-    """Carries an error found on rank 0 to every rank."""
 
 
 def _check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
@@ -84,211 +77,7 @@ def _default_workers() -> int:
     return min(4, max(cores - 1, 0))
 
 
-def _pool(feature: Tensor, pool: str | None) -> Tensor:
-    if pool is None or feature.dim() <= 2:
-        return feature
-    dims = (1,) if feature.dim() == 3 else tuple(range(2, feature.dim()))  # tokens (B, T, C) or maps (B, C, ...)
-    return feature.mean(dim=dims) if pool == "avg" else feature.amax(dim=dims)
-
-
-def _versions() -> dict[str, str]:
-    import PIL
-    import torchvision
-
-    from .. import __version__
-
-    return {
-        "featurehooks": __version__,
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "numpy": np.__version__,
-        "pillow": PIL.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _device_of(extractor: torch.nn.Module) -> torch.device:
-    for tensor in extractor.buffers():
-        return tensor.device
-    backbone = getattr(extractor, "backbone", extractor)
-    for tensor in backbone.parameters():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _features(extractor: Any, images: Tensor, pool: str | None, dtype: str) -> dict[str, np.ndarray]:
-    with torch.no_grad():
-        outputs = extractor(images)
-    arrays = {}
-    for name, value in outputs.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped")
-        arrays[name] = _pool(value.detach(), pool).to(getattr(torch, dtype)).cpu().numpy()
-    return arrays
-
-
-@dataclass
-class _Inputs:
-    names: list[str]
-    dataset: Dataset | None
-    image_shape: tuple[int, ...]
-    transform: ImageTransform | None
-
-
-def _resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any) -> _Inputs:
-    if isinstance(source, Tensor):
-        if source.dim() != 4:
-            raise ValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
-        source = TensorDataset(source)
-    if isinstance(source, Dataset):
-        count = len(source)  # type: ignore[arg-type]
-        if count == 0:
-            raise ValueError("the dataset is empty")
-        shape = tuple(first_tensor(source[0]).shape)
-        return _Inputs([f"dataset[{i}]" for i in range(count)], source, shape, None)
-    if not isinstance(source, (str, os.PathLike, list, tuple)):
-        raise TypeError(
-            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
-            f"not {type(source).__name__}"
-        )
-    names = list_images(source)
-    transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
-    shape = transform.output_shape()
-    if shape is None:  # no crop: every image must have the size of the first readable one
-        for name in names:
-            try:
-                shape = tuple(transform(decode_image(name)).shape)
-                break
-            except Exception:  # unreadable: it is reported as an invalid row later
-                continue
-        else:
-            raise ValueError(f"none of the {len(names)} inputs could be decoded")
-    return _Inputs(names, None, shape, transform)
-
-
-def _settings(extractor: Any, inputs: _Inputs, pool: str | None, dtype: str) -> dict[str, Any]:
-    """The manifest fields that describe what is computed (compared on resume)."""
-    probe = torch.zeros((1, *inputs.image_shape), device=_device_of(extractor))
-    low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
-    shapes = {
-        name: [len(inputs.names), *value.shape[1:]]
-        for name, value in _features(extractor, probe + low, pool, dtype).items()
-    }
-    pre = extractor.preprocessing
-    preprocessing: dict[str, Any] = {
-        "mean": list(pre.mean) if pre.mean is not None else None,
-        "std": list(pre.std) if pre.std is not None else None,
-    }
-    if inputs.transform is not None:
-        preprocessing.update(inputs.transform.describe())
-    else:
-        preprocessing.update(
-            resize_size=None, crop_size=None, interpolation=None, input_range=list(extractor.input_range)
-        )
-    preprocessing["image_shape"] = list(inputs.image_shape)
-    settings = {
-        "backbone": extractor.backbone_name,
-        "weights": extractor.weights,
-        "layers": list(shapes),
-        "shapes": shapes,
-        "dtype": dtype,
-        "pool": pool,
-        "preprocessing": preprocessing,
-        "inputs": {
-            "kind": "dataset" if inputs.dataset is not None else "files",
-            "count": len(inputs.names),
-            "sha256": inputs_digest(inputs.names),
-        },
-    }
-    return json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
-
-
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [key for key in _RESUME_KEYS if old.get(key) != new.get(key)]
-
-
-def _plan(store: DumpStore, settings: dict[str, Any], batch_size: int, resume: bool, overwrite: bool) -> dict[str, Any]:
-    """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
-    out = store.root
-    existing = store.read_manifest() if not overwrite else _read_quietly(store)
-    num_rows = settings["inputs"]["count"]
-    if existing is not None and not overwrite:
-        differ = _differences(existing, settings)
-        status = existing.get("status")
-        if status == "complete" and not resume:
-            raise FileExistsError(
-                f"{out} already holds a complete dump ({existing.get('num_rows')} rows); "
-                "pass overwrite=True (--overwrite) to replace it"
-            )
-        if not resume:
-            raise FileExistsError(
-                f"{out} holds an unfinished dump; pass resume=True (--resume) to finish it "
-                "or overwrite=True (--overwrite) to start over"
-            )
-        if differ:
-            raise ValueError(
-                f"cannot resume the dump in {out}: {', '.join(differ)} differ from the earlier run; "
-                "use the same settings and inputs, or overwrite=True (--overwrite) to start over"
-            )
-        if status == "complete":
-            return {"manifest": existing, "pending": [], "chunk_size": existing["chunk_size"]}
-        chunk_size = int(existing["chunk_size"])
-        if store.arrays_match(settings["shapes"], settings["dtype"]):
-            num_chunks = -(-num_rows // chunk_size)
-            done = store.committed()
-            pending = [c for c in range(num_chunks) if c not in done]
-            return {"manifest": existing, "pending": pending, "chunk_size": chunk_size}
-        batch_size = chunk_size  # the arrays were never fully created: start over with the same chunks
-    elif existing is None and not overwrite:
-        clash = [p.name for p in (store.layer_path(n) for n in settings["layers"]) if p.exists()]
-        if (out / INDEX).exists():
-            clash.append(INDEX)
-        if clash:
-            raise FileExistsError(
-                f"{out} already has {', '.join(clash)} but no manifest; "
-                "pass overwrite=True (--overwrite) to replace them"
-            )
-    manifest = {"format": FORMAT, "status": "running", **settings, "chunk_size": batch_size}
-    manifest["files"] = {name: layer_file_name(name) for name in settings["layers"]}
-    manifest["index"] = INDEX
-    manifest["versions"] = _versions()
-    out.mkdir(parents=True, exist_ok=True)
-    store.write_manifest(manifest)  # "running" before any array exists
-    old_layers = existing.get("layers", []) if existing else []
-    store.remove_outputs([*old_layers, *settings["layers"]])
-    store.reset_journal()
-    store.create_arrays(settings["shapes"], settings["dtype"])
-    return {"manifest": manifest, "pending": list(range(-(-num_rows // batch_size))), "chunk_size": batch_size}
-
-
-def _read_quietly(store: DumpStore) -> dict[str, Any] | None:
-    try:
-        return store.read_manifest()
-    except ValueError:
-        return None
-
-
-def _finish(store: DumpStore, manifest: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """Rank 0, after every rank wrote its rows: index, skipped list, then the atomic "complete"."""
-    num_rows = len(names)
-    chunk_size = int(manifest["chunk_size"])
-    done = store.committed()
-    missing = [c for c in range(-(-num_rows // chunk_size)) if c not in done]
-    if missing:
-        raise RuntimeError(f"chunks {missing[:5]} of {store.root} were not committed; rerun with resume=True")
-    invalid = {row: reason for skipped in done.values() for row, reason in skipped}
-    store.write_index(names, invalid)
-    manifest = dict(manifest)
-    manifest["status"] = "complete"
-    manifest["num_rows"] = num_rows
-    manifest["num_valid"] = num_rows - len(invalid)
-    manifest["skipped"] = [{"row": row, "path": names[row], "reason": invalid[row]} for row in sorted(invalid)]
-    store.write_manifest(manifest)
-    store.remove_journal()
-    return manifest
-
-
-def _loader(inputs: _Inputs, batches: list[list[int]], num_workers: int, pin: bool) -> DataLoader:
+def _loader(inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool) -> DataLoader:
     if inputs.dataset is not None:
         rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape)
     else:
@@ -375,7 +164,7 @@ def dump_features(
     if resume and overwrite:
         raise ValueError("pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both")
     workers = _default_workers() if num_workers is None else num_workers
-    device = _device_of(extractor)
+    device = device_of(extractor)
     dist = Distributed.from_environment(device)
     store = DumpStore(out_dir)
     try:
@@ -388,7 +177,7 @@ def dump_features(
         mine = split_contiguous(plan["pending"], dist.world_size, dist.rank)
         _compute(extractor, inputs, store, mine, int(plan["chunk_size"]), manifest, dist, workers, device, progress)
         ok = dist.all_ok(True)
-        final = _finish(store, manifest, inputs.names) if dist.is_main and ok else None
+        final = finish_dump(store, manifest, inputs.names) if dist.is_main and ok else None
         final = dist.broadcast(final)
         dist.barrier()
         return DumpResult(store.root, final)
@@ -416,9 +205,9 @@ def _broadcast_plan(
     error: tuple[str, str] | None = None
     if dist.is_main:
         try:
-            inputs = _resolve_inputs(extractor, source, resize_size, crop_size)
-            settings = _settings(extractor, inputs, pool, dtype)
-            plan = _plan(store, settings, batch_size, resume, overwrite)
+            inputs = resolve_inputs(extractor, source, resize_size, crop_size)
+            settings = describe_settings(extractor, inputs, pool, dtype)
+            plan = plan_dump(store, settings, batch_size, resume, overwrite)
             names = inputs.names if inputs.dataset is None else None
             plan["inputs"] = (names, inputs.image_shape, inputs.transform)
         except (OSError, ValueError, TypeError, LookupError) as exc:
@@ -433,15 +222,15 @@ def _broadcast_plan(
     if names is None:  # a dataset: every rank holds its own copy
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
         count = len(dataset)  # type: ignore[arg-type]
-        plan["inputs"] = _Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
+        plan["inputs"] = Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
     else:
-        plan["inputs"] = _Inputs(names, None, image_shape, transform)
+        plan["inputs"] = Inputs(names, None, image_shape, transform)
     return plan
 
 
 def _compute(
     extractor: Any,
-    inputs: _Inputs,
+    inputs: Inputs,
     store: DumpStore,
     chunks: Sequence[int],
     chunk_size: int,
@@ -463,7 +252,9 @@ def _compute(
     loader = _loader(inputs, [list(range(a, b)) for a, b in ranges], workers, pin=device.type == "cuda")
     with _progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress) as bar:
         for chunk, (start, stop), (images, reasons) in zip(chunks, ranges, loader):
-            arrays = _features(extractor, images.to(device, non_blocking=True), manifest["pool"], manifest["dtype"])
+            arrays = features_as_arrays(
+                extractor, images.to(device, non_blocking=True), manifest["pool"], manifest["dtype"]
+            )
             skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
             for row, _ in skipped:
                 for value in arrays.values():

@@ -1,0 +1,210 @@
+"""Planning a dump: what the inputs are, what will be computed, and what an existing output allows.
+
+Rank 0 runs these; the plan it returns is what every rank follows. ``finish_dump`` writes the index
+and the atomic ``"complete"`` manifest once every chunk is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, TensorDataset
+
+from .forward import device_of, features_as_arrays
+from .sources import SourceSpec, decode_image, first_tensor, inputs_digest, list_images
+from .store import FORMAT, INDEX, DumpStore, layer_file_name
+from .transform import ImageTransform, transform_for
+
+__all__ = ["Inputs", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
+
+# Settings that must match for a resume to continue an earlier run.
+RESUME_KEYS = ("backbone", "weights", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
+
+
+def _versions() -> dict[str, str]:
+    import PIL
+    import torchvision
+
+    from .. import __version__
+
+    return {
+        "featurehooks": __version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": np.__version__,
+        "pillow": PIL.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@dataclass
+class Inputs:
+    """The rows of a dump: their names, the dataset (for tensor sources) and the prepared image shape."""
+
+    names: list[str]
+    dataset: Dataset | None
+    image_shape: tuple[int, ...]
+    transform: ImageTransform | None
+
+
+def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any) -> Inputs:
+    """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
+    if isinstance(source, Tensor):
+        if source.dim() != 4:
+            raise ValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
+        source = TensorDataset(source)
+    if isinstance(source, Dataset):
+        count = len(source)  # type: ignore[arg-type]
+        if count == 0:
+            raise ValueError("the dataset is empty")
+        shape = tuple(first_tensor(source[0]).shape)
+        return Inputs([f"dataset[{i}]" for i in range(count)], source, shape, None)
+    if not isinstance(source, (str, os.PathLike, list, tuple)):
+        raise TypeError(
+            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
+            f"not {type(source).__name__}"
+        )
+    names = list_images(source)
+    transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
+    shape = transform.output_shape()
+    if shape is None:  # no crop: every image must have the size of the first readable one
+        for name in names:
+            try:
+                shape = tuple(transform(decode_image(name)).shape)
+                break
+            except Exception:  # unreadable: it is reported as an invalid row later
+                continue
+        else:
+            raise ValueError(f"none of the {len(names)} inputs could be decoded")
+    return Inputs(names, None, shape, transform)
+
+
+def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: str) -> dict[str, Any]:
+    """The manifest fields that describe what is computed (compared on resume)."""
+    probe = torch.zeros((1, *inputs.image_shape), device=device_of(extractor))
+    low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
+    shapes = {
+        name: [len(inputs.names), *value.shape[1:]]
+        for name, value in features_as_arrays(extractor, probe + low, pool, dtype).items()
+    }
+    pre = extractor.preprocessing
+    preprocessing: dict[str, Any] = {
+        "mean": list(pre.mean) if pre.mean is not None else None,
+        "std": list(pre.std) if pre.std is not None else None,
+    }
+    if inputs.transform is not None:
+        preprocessing.update(inputs.transform.describe())
+    else:
+        preprocessing.update(
+            resize_size=None, crop_size=None, interpolation=None, input_range=list(extractor.input_range)
+        )
+    preprocessing["image_shape"] = list(inputs.image_shape)
+    settings = {
+        "backbone": extractor.backbone_name,
+        "weights": extractor.weights,
+        "layers": list(shapes),
+        "shapes": shapes,
+        "dtype": dtype,
+        "pool": pool,
+        "preprocessing": preprocessing,
+        "inputs": {
+            "kind": "dataset" if inputs.dataset is not None else "files",
+            "count": len(inputs.names),
+            "sha256": inputs_digest(inputs.names),
+        },
+    }
+    return json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [key for key in RESUME_KEYS if old.get(key) != new.get(key)]
+
+
+def plan_dump(
+    store: DumpStore, settings: dict[str, Any], batch_size: int, resume: bool, overwrite: bool
+) -> dict[str, Any]:
+    """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
+    out = store.root
+    existing = store.read_manifest() if not overwrite else _read_quietly(store)
+    num_rows = settings["inputs"]["count"]
+    if existing is not None and not overwrite:
+        differ = _differences(existing, settings)
+        status = existing.get("status")
+        if status == "complete" and not resume:
+            raise FileExistsError(
+                f"{out} already holds a complete dump ({existing.get('num_rows')} rows); "
+                "pass overwrite=True (--overwrite) to replace it"
+            )
+        if not resume:
+            raise FileExistsError(
+                f"{out} holds an unfinished dump; pass resume=True (--resume) to finish it "
+                "or overwrite=True (--overwrite) to start over"
+            )
+        if differ:
+            raise ValueError(
+                f"cannot resume the dump in {out}: {', '.join(differ)} differ from the earlier run; "
+                "use the same settings and inputs, or overwrite=True (--overwrite) to start over"
+            )
+        if status == "complete":
+            return {"manifest": existing, "pending": [], "chunk_size": existing["chunk_size"]}
+        chunk_size = int(existing["chunk_size"])
+        if store.arrays_match(settings["shapes"], settings["dtype"]):
+            num_chunks = -(-num_rows // chunk_size)
+            done = store.committed()
+            pending = [c for c in range(num_chunks) if c not in done]
+            return {"manifest": existing, "pending": pending, "chunk_size": chunk_size}
+        batch_size = chunk_size  # the arrays were never fully created: start over with the same chunks
+    elif existing is None and not overwrite:
+        clash = [p.name for p in (store.layer_path(n) for n in settings["layers"]) if p.exists()]
+        if (out / INDEX).exists():
+            clash.append(INDEX)
+        if clash:
+            raise FileExistsError(
+                f"{out} already has {', '.join(clash)} but no manifest; "
+                "pass overwrite=True (--overwrite) to replace them"
+            )
+    manifest = {"format": FORMAT, "status": "running", **settings, "chunk_size": batch_size}
+    manifest["files"] = {name: layer_file_name(name) for name in settings["layers"]}
+    manifest["index"] = INDEX
+    manifest["versions"] = _versions()
+    out.mkdir(parents=True, exist_ok=True)
+    store.write_manifest(manifest)  # "running" before any array exists
+    old_layers = existing.get("layers", []) if existing else []
+    store.remove_outputs([*old_layers, *settings["layers"]])
+    store.reset_journal()
+    store.create_arrays(settings["shapes"], settings["dtype"])
+    return {"manifest": manifest, "pending": list(range(-(-num_rows // batch_size))), "chunk_size": batch_size}
+
+
+def _read_quietly(store: DumpStore) -> dict[str, Any] | None:
+    try:
+        return store.read_manifest()
+    except ValueError:
+        return None
+
+
+def finish_dump(store: DumpStore, manifest: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Rank 0, after every rank wrote its rows: index, skipped list, then the atomic "complete"."""
+    num_rows = len(names)
+    chunk_size = int(manifest["chunk_size"])
+    done = store.committed()
+    missing = [c for c in range(-(-num_rows // chunk_size)) if c not in done]
+    if missing:
+        raise RuntimeError(f"chunks {missing[:5]} of {store.root} were not committed; rerun with resume=True")
+    invalid = {row: reason for skipped in done.values() for row, reason in skipped}
+    store.write_index(names, invalid)
+    manifest = dict(manifest)
+    manifest["status"] = "complete"
+    manifest["num_rows"] = num_rows
+    manifest["num_valid"] = num_rows - len(invalid)
+    manifest["skipped"] = [{"row": row, "path": names[row], "reason": invalid[row]} for row in sorted(invalid)]
+    store.write_manifest(manifest)
+    store.remove_journal()
+    return manifest
