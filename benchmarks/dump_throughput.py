@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, machine_line  # noqa: E402
 
 from featurehooks import FeatureExtractor  # noqa: E402
-from featurehooks.dump import decode_image, dump_features, list_images, transform_for  # noqa: E402
+from featurehooks.dump import dump_features, list_images, read_image, transform_for  # noqa: E402
 from featurehooks.dump.run import _default_workers  # noqa: E402
 from featurehooks.dump.sources import ImageFiles, collate  # noqa: E402
 
@@ -68,7 +68,7 @@ def measure(case: str, options: dict, names: list[str], work: Path, args: argpar
     torch.manual_seed(0)
     ext = FeatureExtractor("resnet18", options["layers"], weights=None)  # seeded random init: same cost
     transform = transform_for(ext.preprocessing, ext.input_range)
-    preloaded = torch.stack([transform(decode_image(n)) for n in names])
+    preloaded = torch.stack([transform(read_image(n)) for n in names])
     pool, dtype = options["pool"], getattr(torch, options["dtype"])
 
     def model_only() -> None:

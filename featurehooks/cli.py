@@ -137,12 +137,12 @@ def _extract(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     import torch
 
-    from .dump import decode_image, transform_for
+    from .dump import read_image, transform_for
     from .viz import save_feature_grid
 
     extractor = _extractor(args)
     try:
-        picture = decode_image(args.image)
+        picture = read_image(args.image)
     except FileNotFoundError:
         raise UserError(f"no such image: {args.image}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary

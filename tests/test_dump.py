@@ -11,9 +11,11 @@ import pytest
 import torch
 from PIL import Image
 from torch import nn
+from torchvision.models import ResNet18_Weights
+from torchvision.transforms.functional import pil_to_tensor
 
 from featurehooks import FeatureExtractor
-from featurehooks.dump import decode_image, list_images, read_manifest, transform_for
+from featurehooks.dump import list_images, read_image, read_manifest, transform_for
 from featurehooks.io import dump_features
 
 CROP = 32
@@ -59,7 +61,7 @@ def extractor() -> FeatureExtractor:
 
 def expected(ext: FeatureExtractor, paths: list[str], pool: str | None = None) -> dict[str, np.ndarray]:
     transform = transform_for(ext.preprocessing, ext.input_range, RESIZE, CROP)
-    batch = torch.stack([transform(decode_image(p)) for p in paths])
+    batch = torch.stack([transform(read_image(p)) for p in paths])
     with torch.no_grad():
         feats = ext(batch)
     if pool == "avg":
@@ -122,12 +124,24 @@ def test_manifest_and_index_describe_the_dump(extractor: FeatureExtractor, tmp_p
     assert read_manifest(tmp_path / "out") == manifest
 
 
-def test_default_preprocessing_comes_from_the_weights(resnet: FeatureExtractor, tmp_path: Path) -> None:
-    make_images(tmp_path / "imgs", 2)
-    result = dump_features(resnet, tmp_path / "imgs", tmp_path / "out", pool="avg", num_workers=0, progress=False)
+def test_default_preprocessing_follows_the_weights_own_transforms(resnet: FeatureExtractor, tmp_path: Path) -> None:
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for i, size in enumerate([(300, 260), (240, 320)]):
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    result = dump_features(resnet, folder, tmp_path / "out", num_workers=0, progress=False)
     pre = result.manifest["preprocessing"]
-    assert (pre["resize_size"], pre["crop_size"]) == (256, 224)
-    assert pre["image_shape"] == [3, 224, 224]
+    assert (pre["resize_size"], pre["crop_size"], pre["image_shape"]) == (256, 224, [3, 224, 224])
+    transform = transform_for(resnet.preprocessing, resnet.input_range)
+    ours = torch.stack([transform(read_image(p)) for p in list_images(folder)])
+    with torch.no_grad():
+        np.testing.assert_allclose(result.load("layer3"), resnet(ours)["layer3"].numpy(), rtol=1e-5, atol=1e-6)
+    weights = ResNet18_Weights.DEFAULT.transforms()  # resize 256, crop 224, scale, normalize
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (weights.mean, weights.std))
+    theirs = torch.stack([weights(pil_to_tensor(Image.open(p).convert("RGB"))) for p in list_images(folder)])
+    # the same steps on uint8; torchvision's v1 resize may round a pixel to the neighbouring level
+    assert (ours - (theirs * std + mean)).abs().max() <= 1 / 255 + 1e-5
 
 
 def test_sources_folder_glob_and_list_agree(extractor: FeatureExtractor, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from PIL import Image
 from torch import nn
 
 from featurehooks import FeatureExtractor
-from featurehooks.dump import decode_image, read_manifest, transform_for
+from featurehooks.dump import decode_image, read_image, read_manifest, transform_for
 from featurehooks.dump.store import DumpStore
 from featurehooks.io import dump_features
 
@@ -110,7 +110,7 @@ def test_corrupt_files_are_listed_and_zero_filled_never_fatal(tmp_path: Path) ->
             assert not layer[row].any()
         else:
             with torch.no_grad():
-                direct = ext(transform(decode_image(path))[None])["conv2"][0].numpy()
+                direct = ext(transform(read_image(path))[None])["conv2"][0].numpy()
             np.testing.assert_allclose(layer[row], direct, rtol=1e-5, atol=1e-6)
 
 

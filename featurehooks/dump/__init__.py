@@ -7,7 +7,7 @@ rows), ``run`` (``dump_features``, which ties them together).
 """
 
 from .run import DumpResult, dump_features
-from .sources import IMAGE_SUFFIXES, decode_image, list_images
+from .sources import IMAGE_SUFFIXES, decode_image, list_images, read_image
 from .store import read_manifest
 from .transform import ImageTransform, transform_for
 
@@ -18,6 +18,7 @@ __all__ = [
     "decode_image",
     "dump_features",
     "list_images",
+    "read_image",
     "read_manifest",
     "transform_for",
 ]

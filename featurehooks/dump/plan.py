@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
 from .forward import device_of, features_as_arrays
-from .sources import SourceSpec, decode_image, first_tensor, inputs_digest, list_images
+from .sources import SourceSpec, first_tensor, inputs_digest, list_images, read_image
 from .store import FORMAT, INDEX, DumpStore, layer_file_name
 from .transform import ImageTransform, transform_for
 
@@ -77,7 +77,7 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
     if shape is None:  # no crop: every image must have the size of the first readable one
         for name in names:
             try:
-                shape = tuple(transform(decode_image(name)).shape)
+                shape = tuple(transform(read_image(name)).shape)
                 break
             except Exception:  # unreadable: it is reported as an invalid row later
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torchvision.transforms.v2.functional as F
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
@@ -20,6 +21,9 @@ _DEFAULT_RESIZE = 256
 class ImageTransform:
     """Resize the shorter side to ``resize_size``, center-crop ``crop_size``, map [0, 1] to ``input_range``.
 
+    Takes ``uint8`` images (0..255) or floats in [0, 1]; for ``uint8`` the steps are exactly those of
+    torchvision's ``weights.transforms()`` (without the normalization, which the extractor applies).
+
     ``None`` skips that step; without a crop every image must already share one size (others are
     reported as invalid rows).
     """
@@ -35,8 +39,10 @@ class ImageTransform:
             image = F.resize(image, [self.resize_size], interpolation=mode, antialias=True)
         if self.crop_size is not None:
             image = F.center_crop(image, [self.crop_size, self.crop_size])
+        if image.dtype == torch.uint8:  # like torchvision's convert_image_dtype, after the resize
+            image = image.float().div_(255)
         low, high = self.input_range
-        image = image.clamp_(0.0, 1.0)  # bicubic overshoots
+        image = image.clamp(0.0, 1.0)  # bicubic overshoots on floats
         return image if (low, high) == (0.0, 1.0) else image * (high - low) + low
 
     def output_shape(self, channels: int = 3) -> tuple[int, int, int] | None:
