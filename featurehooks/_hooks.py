@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -51,6 +52,7 @@ class HookSession:
         self._versions_at_stop: dict[str, int] = {}
         self.stop_point_only = False
         self._handles: list[RemovableHandle] = []
+        self._active = True
         modules = dict(model.named_modules())
         try:
             for path in self.taps:
@@ -61,8 +63,8 @@ class HookSession:
 
     @property
     def active(self) -> bool:
-        """Whether hooks are still registered."""
-        return bool(self._handles)
+        """Whether hooks are still registered (a plain flag: torch.compile cannot trace handles)."""
+        return self._active
 
     def _hook(self, path: str) -> Callable[[nn.Module, Any, Any], None]:
         names = self.taps[path]
@@ -115,26 +117,38 @@ class HookSession:
             if (tensor := self._fired.get(path)) is not None and tensor._version != version
         }
 
-    def run(self, forward: Callable[[], Any]) -> dict[str, Any]:
-        """Call ``forward()`` and return the collected outputs keyed by output name.
+    def finish(self) -> None:
+        """Check that every tap fired in the forward that just ended and note in-place changes.
 
         Raises:
             RuntimeError: a tapped module never ran (the model's forward skips it).
+        """
+        missing = [path for path in self.taps if path not in self._fired]
+        if missing:
+            raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
+        self.last_mutated = self.mutated_paths() if self.track_versions else set()
+
+    def reset(self) -> None:
+        """Stop collecting; hooks stay registered but store nothing until the next ``begin``."""
+        self._store = None
+        self._fired = {}
+
+    def run(self, forward: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """Call ``forward(*args)`` (the model) and return the collected outputs keyed by output name.
+
+        The raise of StopForward and its catch sit in this one frame, so ``torch.compile`` traces
+        the whole call as one graph (an exception leaving a frame would make dynamo skip it).
         """
         store: dict[str, Any] = {}
         self.begin(store)
         try:
             try:
-                forward()
+                forward(*args)
             except StopForward:
                 pass
-            missing = [path for path in self.taps if path not in self._fired]
-            if missing:
-                raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
-            self.last_mutated = self.mutated_paths() if self.track_versions else set()
+            self.finish()
         finally:
-            self._store = None
-            self._fired = {}
+            self.reset()
         return store
 
     def verify_on_meta(self, model: nn.Module, args: tuple[Any, ...]) -> bool:
@@ -154,7 +168,7 @@ class HookSession:
         self.track_versions, self.stop_early, self.stop_point_only = True, False, stop_early
         try:
             with torch.no_grad():
-                self.run(lambda: torch.func.functional_call(model, state, meta_args, strict=False))
+                self.run(partial(torch.func.functional_call, model, state, strict=False), meta_args)
         except RepeatedCallError:
             raise
         except Exception:  # data-dependent Python control flow, ops without meta kernels, ...
@@ -180,3 +194,4 @@ class HookSession:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._active = False

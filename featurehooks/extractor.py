@@ -177,7 +177,7 @@ class FeatureExtractor(nn.Module):
         if self.in_channels is not None and images.shape[1] != self.in_channels:
             hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
             raise ValueError(f"expected {self.in_channels} channels, got {images.shape[1]}{hint}")
-        if not self._range_checked:
+        if not self._range_checked and not torch.compiler.is_compiling():
             self._range_checked = True  # checked once: a per-call check would sync the device every step
             self._warn_if_out_of_range(images)
 
@@ -204,10 +204,10 @@ class FeatureExtractor(nn.Module):
         x = self.normalize(images)
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
-            store = self._session.run(lambda: self._model(x))
+            store = self._session.run(self._model, x)
             if self._session.track_versions and self._session.last_mutated:  # the meta dry run was impossible
                 self._session.clone_from_now_on(self._session.last_mutated)
-                store = self._session.run(lambda: self._model(x))
+                store = self._session.run(self._model, x)
         return {name: store[name] for name in self.layers}
 
     def close(self) -> None:

@@ -199,3 +199,17 @@ def test_in_place_change_found_at_runtime_is_cloned_with_a_warning(images: torch
     expected = module.conv(images).detach()
     torch.testing.assert_close(first, expected)
     torch.testing.assert_close(second, expected)
+
+
+@pytest.mark.parametrize("mode", ["detach", "grad"])
+def test_compiles_to_one_graph_with_early_exit(vgg16_cached: Path, images: torch.Tensor, mode: str) -> None:
+    extractor = fh.FeatureExtractor("vgg16", ["conv1_2", "relu2_2"], mode=mode)
+    compiled = torch.compile(extractor, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    x = images.clone().requires_grad_(mode == "grad")
+    out = compiled(x)
+    expected = extractor(images)
+    for name, value in expected.items():
+        torch.testing.assert_close(out[name], value)
+    if mode == "grad":
+        out["relu2_2"].sum().backward()
+        assert x.grad is not None
