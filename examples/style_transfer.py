@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--content", type=Path, default=HERE / "images" / "sample_00_shapes.png", help="content image")
     parser.add_argument("--style", type=Path, default=HERE / "style" / "waves.png", help="style image")
-    parser.add_argument("--size", type=int, default=224, help="longer side of the images, in pixels (default 224)")
+    parser.add_argument("--size", type=int, default=192, help="longer side of the images, in pixels (default 192)")
     parser.add_argument("--steps", type=int, default=200, help="optimization steps (default 200)")
     parser.add_argument("--out", type=Path, default=Path("demo-output/style_transfer.png"), help="output PNG")
     parser.add_argument("--side-by-side", action="store_true", help="write content | style | result in one PNG")

@@ -30,6 +30,9 @@ class LossGroup(nn.Module):
         ``reduction="none"``.
 
     Example:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> from featurehooks.losses import LossGroup, PerceptualLoss, StyleLoss
         >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], mode="grad", weights=None)
         >>> group = LossGroup(
         ...     {"content": PerceptualLoss(ext, ["relu3_3"]), "style": StyleLoss(ext, ["relu2_2", "relu3_3"])},

@@ -77,6 +77,7 @@ class FeatureMatchingLoss(nn.Module):
         matching structure and shapes; output: scalar, or ``(B,)`` with ``reduction="none"``.
 
     Example:
+        >>> import torch
         >>> fake = [torch.rand(2, 8, 16, 16, requires_grad=True), torch.rand(2, 16, 8, 8)]
         >>> real = [torch.rand(2, 8, 16, 16), torch.rand(2, 16, 8, 8)]
         >>> FeatureMatchingLoss()(fake, real).shape

@@ -47,6 +47,7 @@ class PerceptualLoss(FeatureLoss):
         ``(B,)`` with ``reduction="none"``.
 
     Example:
+        >>> import torch
         >>> loss_fn = PerceptualLoss("vgg16", layers=["relu2_2", "relu3_3"], weights=None)
         >>> output = torch.rand(2, 3, 64, 64, requires_grad=True)
         >>> loss = loss_fn(output, torch.rand(2, 3, 64, 64))

@@ -57,6 +57,7 @@ def johnson2016(
     Grams are computed once (pass ``style_image`` or call ``group.losses["style"].set_target``).
 
     Example:
+        >>> import torch
         >>> loss_fn = johnson2016(torch.rand(1, 3, 64, 64), weights=None)
         >>> loss_fn(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
         torch.Size([])
@@ -88,6 +89,7 @@ def gatys2016(
     ``style_weight=1e6`` matches the PyTorch tutorial's balance rather than the paper's alpha/beta.
 
     Example:
+        >>> import torch
         >>> loss_fn = gatys2016(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), weights=None)
         >>> loss_fn(torch.rand(1, 3, 64, 64)).shape
         torch.Size([])

@@ -45,6 +45,7 @@ class StyleLoss(FeatureLoss):
         or ``(B,)`` with ``reduction="none"``.
 
     Example:
+        >>> import torch
         >>> style = torch.rand(1, 3, 96, 96)
         >>> loss_fn = StyleLoss("vgg16", layers=["relu1_2", "relu2_2"], weights=None, target=style)
         >>> loss_fn(torch.rand(2, 3, 64, 64)).shape

@@ -25,6 +25,7 @@ class TotalVariationLoss(nn.Module):
         input: ``(B, C, H, W)``; output: scalar, or ``(B,)`` with ``reduction="none"``.
 
     Example:
+        >>> import torch
         >>> TotalVariationLoss()(torch.rand(2, 3, 32, 32)).shape
         torch.Size([])
 
