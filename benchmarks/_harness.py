@@ -40,6 +40,10 @@ from typing import Any
 
 import torch
 
+CLOCKS = {
+    "wall": "wall time (time.perf_counter)",
+    "cpu": "process CPU time (time.process_time; the wall-clock ratio is in the *wall ratio* column)",
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED = 0
 LIBRARIES = ("featurehooks", "torch", "torchvision", "timm", "lpips", "piq", "numpy", "matplotlib")
@@ -63,6 +67,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
     p.add_argument("--tag", default="", help="suffix for the result file names (e.g. _cuda)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: time.process_time, which leaves out time the process waits "
+                        "for a core (for a shared CPU machine; use with --threads 1). Both are recorded.")
     return p
 
 
@@ -81,6 +88,7 @@ class Settings:
     plot: bool
     command: str
     threads: int
+    clock: str = "wall"
 
     @property
     def cuda(self) -> bool:
@@ -117,6 +125,7 @@ def settings(args: argparse.Namespace, *, budget: float, quick_budget: float = 0
         plot=not args.no_plot,
         command=" ".join(["python", *[_rel(a) for a in sys.argv]]),
         threads=torch.get_num_threads(),
+        clock="wall" if device.type == "cuda" else args.clock,
     )
 
 
@@ -192,11 +201,13 @@ def sync(device: torch.device) -> None:
 
 @dataclass
 class Timing:
-    """Seconds per call of every contender, from one interleaved run."""
+    """Seconds per call of every contender, from one interleaved run (``other``: the other clock)."""
 
     samples: dict[str, list[float]]
     rounds: int
     calls_per_sample: int
+    clock: str = "wall"
+    other: dict[str, list[float]] = field(default_factory=dict)
 
     def median(self, name: str) -> float:
         return statistics.median(self.samples[name])
@@ -235,18 +246,22 @@ def time_interleaved(
     round_s = sum(warm.values()) * inner
     budget = cfg.budget if budget is None else budget
     reps = int(min(cfg.max_reps, max(cfg.min_reps, budget // max(round_s, 1e-9))))
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             fn = contenders[name]
             sync(cfg.device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(inner):
                 fn()
             sync(cfg.device)
-            samples[name].append((time.perf_counter() - start) / inner)
-    return Timing(samples, reps, inner)
+            wall[name].append((time.perf_counter() - start) / inner)
+            cpu[name].append((time.process_time() - start_cpu) / inner)
+    if cfg.clock == "cpu":
+        return Timing(cpu, reps, inner, "cpu", wall)
+    return Timing(wall, reps, inner, "wall", cpu)
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
@@ -329,14 +344,23 @@ class Group:
         return any(r.name == name for r in self.rows)
 
 
-def make_group(case: str, params: dict[str, Any], timing: Timing, baseline: str, extras: dict[str, dict] | None = None) -> Group:
+def make_group(
+    case: str, params: dict[str, Any], timing: Timing, baseline: str, extras: dict[str, dict] | None = None
+) -> Group:
     """Summarize ``timing`` as rows with ratios to ``baseline`` (ratio > 1: slower than the baseline)."""
     base = timing.median(baseline)
+    other = "wall" if timing.clock == "cpu" else "cpu"
+    other_base = statistics.median(timing.other[baseline]) if timing.other else None
     rows = []
     for name in timing.samples:
         q1, q3 = timing.quartiles(name)
         median = timing.median(name)
-        rows.append(Row(name, median * 1e3, q1 * 1e3, q3 * 1e3, median / base, dict((extras or {}).get(name, {}))))
+        extra = dict((extras or {}).get(name, {}))
+        if other_base:
+            other_median = statistics.median(timing.other[name])
+            extra[f"{other}_median_ms"] = other_median * 1e3
+            extra[f"{other}_ratio"] = other_median / other_base
+        rows.append(Row(name, median * 1e3, q1 * 1e3, q3 * 1e3, median / base, extra))
     return Group(case, params, baseline, timing.rounds, timing.calls_per_sample, rows)
 
 
@@ -354,6 +378,7 @@ class Target:
     measured: float
     limit: float
     kind: str  # "<=": measured must not exceed limit; ">=": must reach it
+    unit: str = "x"  # "x" for ratios, "" for counts
 
     @property
     def met(self) -> bool:
@@ -427,21 +452,51 @@ def _fmt_params(params: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
+def _cell(value: Any, spec: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return str(value)
+
+
+def summary(groups: Sequence[Group]) -> list[str]:
+    """Per case, one line per group and one column per contender: the ratios at a glance."""
+    cases: dict[str, list[Group]] = {}
+    for g in groups:
+        cases.setdefault(g.case, []).append(g)
+    lines = []
+    for case, gs in cases.items():
+        names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
+        lines += [f"**{case}**: ratio to *{gs[0].baseline}* (lower is faster)", "",
+                  "| " + " | ".join(["params", *names]) + " |", "|---|" + "---:|" * len(names)]
+        for g in gs:
+            ratios = {r.name: f"{r.ratio:.2f}" for r in g.rows}
+            lines.append(f"| {_fmt_params(g.params)} | " + " | ".join(ratios.get(n, "–") for n in names) + " |")
+        lines.append("")
+    return lines
+
+
 def markdown(title: str, cfg: Settings, info: dict[str, Any], groups: Sequence[Group], targets: Sequence[Target],
              notes: Sequence[str] = (), extra_columns: Sequence[tuple[str, str, str]] = ()) -> str:
     """A Markdown report: command, machine, target verdicts, then one table per group.
 
     ``extra_columns``: (row.extra key, column header, format spec) appended to every table.
     """
-    lines = [f"## {title}", "", f"Command: `{cfg.command}`  ", f"Machine: {machine_line(info)}", ""]
+    if cfg.clock == "cpu":
+        extra_columns = [("wall_ratio", "wall ratio", ".3f"), *extra_columns]
+    lines = [f"## {title}", "", f"Command: `{cfg.command}`  ", f"Machine: {machine_line(info)}  ",
+             f"Clock: {CLOCKS[cfg.clock]}; load average at the end: {info.get('load_average_at_end')}", ""]
     if cfg.quick:
         lines += ["**Quick mode**: tiny sizes, two rounds; these numbers check the script, not speed.", ""]
     if targets:
         lines += ["| target | group | measured | limit | met |", "|---|---|---:|---:|:---:|"]
         for t in targets:
-            lines.append(f"| {t.claim} | {t.group} | {t.measured:.3f}x | {t.kind} {t.limit:.2f}x | "
+            measured = f"{t.measured:.3f}x" if t.unit == "x" else f"{t.measured:g}"
+            lines.append(f"| {t.claim} | {t.group} | {measured} | {t.kind} {t.limit:g}{t.unit} | "
                          f"{'yes' if t.met else '**no**'} |")
         lines.append("")
+    lines += summary(groups)
     lines += [f"- {n}" for n in notes]
     if notes:
         lines.append("")
@@ -452,46 +507,65 @@ def markdown(title: str, cfg: Settings, info: dict[str, Any], groups: Sequence[G
         header = "| contender | median ms | IQR ms | ratio |" + "".join(f" {h} |" for _, h, _ in extra_columns)
         lines += [header, "|---|---:|---:|---:|" + "---:|" * len(extra_columns)]
         for r in g.rows:
-            cells = "".join(
-                f" {format(r.extra[k], spec) if isinstance(r.extra.get(k), (int, float)) else r.extra.get(k, '')} |"
-                for k, _, spec in extra_columns
-            )
+            cells = "".join(f" {_cell(r.extra.get(k), spec)} |" for k, _, spec in extra_columns)
             lines.append(f"| {r.name} | {r.median_ms:.2f} | {r.p25_ms:.2f}–{r.p75_ms:.2f} | {r.ratio:.3f} |{cells}")
         lines.append("")
     return "\n".join(lines)
 
 
-def chart(path: Path, title: str, groups: Sequence[Group], *, xlabel: str = "time / baseline (lower is faster)") -> None:
-    """Horizontal bars of each contender's ratio, one panel per group; saved small (PNG)."""
+def chart(path: Path, title: str, groups: Sequence[Group], subtitle: str = "",
+          xlabel: str = "time / baseline (lower is faster)") -> None:
+    """One panel per case; per contender one bar per variant (mode, batch, size, precision); saved small."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heights = [max(1, len(g.rows)) * 0.28 + 0.55 for g in groups]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(7.5, sum(heights) + 0.6), squeeze=False,
+    cases: dict[str, list[Group]] = {}
+    for g in groups:
+        cases.setdefault(g.case, []).append(g)
+    variants = list(dict.fromkeys(_fmt_params(g.params) for g in groups))
+    colors = plt.get_cmap("tab10")
+    heights = []
+    for gs in cases.values():
+        names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
+        heights.append(0.5 + len(names) * (0.12 * len(gs) + 0.12))
+    fig, axes = plt.subplots(len(cases), 1, figsize=(8, sum(heights) + 1.2), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
-    for ax, g in zip(axes[:, 0], groups):
-        names = [r.name for r in g.rows][::-1]
-        values = [r.ratio for r in g.rows][::-1]
-        colors = ["#d62728" if n.startswith("FeatureExtractor") or n.startswith("featurehooks") else "#7f7f7f"
-                  for n in names]
-        ax.barh(names, values, color=colors, height=0.7)
-        ax.axvline(1.0, color="black", lw=0.8)
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.2f}", va="center", fontsize=7)
-        ax.set_title(f"{g.case} ({_fmt_params(g.params)})", fontsize=8, loc="left")
-        ax.tick_params(labelsize=7)
-        ax.set_xlim(0, max(values) * 1.18)
+    for ax, (case, gs) in zip(axes[:, 0], cases.items()):
+        names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
+        bar = 0.8 / len(gs)
+        for k, g in enumerate(gs):
+            ratios = {r.name: r.ratio for r in g.rows}
+            ys = [len(names) - 1 - i + (len(gs) - 1 - k - (len(gs) - 1) / 2) * bar for i, n in enumerate(names)
+                  if n in ratios]
+            vals = [ratios[n] for n in names if n in ratios]
+            ax.barh(ys, vals, height=bar * 0.9, color=colors(variants.index(_fmt_params(g.params)) % 10))
+            for y, v in zip(ys, vals):
+                ax.text(v, y, f" {v:.2f}", va="center", fontsize=5.5)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names[::-1], fontsize=7)
+        ax.axvline(1.0, color="black", lw=0.7)
+        ax.set_title(case, fontsize=8, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlim(0, max(r.ratio for g in gs for r in g.rows) * 1.15)
     axes[-1, 0].set_xlabel(xlabel, fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(variants))]
+    fig.legend(handles, variants, loc="lower center", ncol=2, fontsize=6, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
+    if subtitle:
+        fig.text(0.5, 0.955, "\n".join(textwrap.wrap(subtitle, 140)), ha="center", va="top", fontsize=5.5)
+    rows = (len(variants) + 1) // 2
+    fig.tight_layout(rect=(0, 0.012 + 0.1 * rows / (sum(heights) + 1.2), 1, 0.94))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
 def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets: Sequence[Target],
-         config: dict[str, Any], notes: Sequence[str] = (), extra_columns: Sequence[tuple[str, str, str]] = ()) -> dict[str, Any]:
+         config: dict[str, Any], notes: Sequence[str] = (),
+         extra_columns: Sequence[tuple[str, str, str]] = ()) -> dict[str, Any]:
     """Write ``<name><tag>.json``, ``.md`` and ``.png`` under ``cfg.out``; return the JSON payload."""
     info = machine(cfg.device)
     payload = {
@@ -502,6 +576,8 @@ def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets:
         "machine": info,
         "config": config,
         "notes": list(notes),
+        "clock": cfg.clock,
+        "extra_columns": [list(c) for c in extra_columns],
         "targets": [{**t.__dict__, "met": t.met} for t in targets],
         "groups": [
             {
@@ -518,8 +594,31 @@ def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets:
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(title, cfg, info, groups, targets, notes, extra_columns) + "\n")
     if cfg.plot and groups:
-        chart(stem.with_suffix(".png"), f"{title} — {machine_line(info)}", groups)
+        chart(stem.with_suffix(".png"), title, groups, subtitle=f"{machine_line(info)}; clock: {cfg.clock}")
     return payload
+
+
+def render(json_path: Path, *, plot: bool = True) -> None:
+    """Rewrite the ``.md`` (and ``.png``) next to a results ``.json`` from its contents."""
+    data = json.loads(Path(json_path).read_text())
+    groups = [
+        Group(g["case"], g["params"], g["baseline"], g["rounds"], g["calls_per_sample"], [
+            Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"],
+                {k: v for k, v in r.items() if k not in ("name", "median_ms", "p25_ms", "p75_ms", "ratio")})
+            for r in g["rows"]])
+        for g in data["groups"]
+    ]
+    targets = [Target(t["claim"], t["group"], t["measured"], t["limit"], t["kind"], t.get("unit", "x"))
+               for t in data["targets"]]
+    clock = data.get("clock", "wall")
+    cfg = Settings(torch.device(data["machine"]["device"]), data["quick"], 0.0, 0, 0, 0, Path(json_path).parent,
+                   "", plot, data["command"], data["machine"]["torch_threads"], clock)
+    text = markdown(data["title"], cfg, data["machine"], groups, targets, data["notes"],
+                    [tuple(c) for c in data.get("extra_columns", [])])
+    Path(json_path).with_suffix(".md").write_text(text + "\n")
+    if plot and groups:
+        chart(Path(json_path).with_suffix(".png"), data["title"], groups,
+              subtitle=f"{machine_line(data['machine'])}; clock: {clock}")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -562,3 +661,8 @@ def loadavg() -> list[float] | None:
 def log(message: str) -> None:
     """Progress to stderr (stdout stays free for the Markdown)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":  # python benchmarks/_harness.py results/*.json: re-render tables and charts
+    for arg in sys.argv[1:]:
+        render(Path(arg))

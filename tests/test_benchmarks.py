@@ -45,7 +45,7 @@ def _common(tmp_path: Path, torch_home: Path) -> list[str]:
 def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
     saved = json.loads((tmp_path / f"{name}.json").read_text())
     assert saved["benchmark"] == name and saved["quick"] is True
-    assert saved["machine"]["versions"]["torch"] == torch.__version__.split("+")[0] or saved["machine"]["versions"]["torch"]
+    assert saved["machine"]["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert {"cpu", "cpu_count", "torch_threads", "device", "versions", "date_utc"} <= set(saved["machine"])
     assert saved["groups"] == json.loads(json.dumps(payload["groups"]))
     markdown = (tmp_path / f"{name}.md").read_text()
@@ -65,11 +65,12 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     extraction = _load("extraction")
     payload = extraction.main(
-        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,resnet50-all,timm-convnext", "--shapes", "1x32"]
+        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext", "--shapes", "1x32"]
     )
     _check_files(tmp_path, "extraction", payload)
     groups = payload["groups"]
-    assert {g["case"] for g in groups} == {"VGG16 relu3_3", "ResNet50 layer1…layer4", "timm convnext_tiny stages.1+stages.2"}
+    cases = {"VGG16 relu3_3", "timm convnext_tiny stages.1+stages.2"}
+    assert {g["case"] for g in groups} == cases
     assert {g["params"]["mode"] for g in groups} == {"no-grad", "grad"}
     for group in groups:
         names = [row["name"] for row in group["rows"]]

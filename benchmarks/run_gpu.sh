@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one prepared GPU run: all three benchmarks with --device cuda (fp32, plus bf16 autocast with
+# channels_last), results written next to the CPU ones with the suffix _cuda. Fits in under 8 minutes
+# on one H200 (each script has its own time limit, so one slow script cannot eat the others' time).
+#
+#   bash benchmarks/run_gpu.sh                 # uses .venv/bin/python if present, else python3
+#   PYTHON=/path/to/python bash benchmarks/run_gpu.sh
+#   OUT=/some/dir bash benchmarks/run_gpu.sh   # where the .json/.md/.png go (default benchmarks/results)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+OUT=${OUT:-benchmarks/results}
+HUB=$(mktemp -d)               # seeded weights live here, never in ~/.cache/torch
+trap 'rm -rf "$HUB"' EXIT
+COMMON=(--device cuda --tag _cuda --out "$OUT" --torch-home "$HUB")
+
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+
+# extraction: 4 cases x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16+channels_last}
+timeout 220 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1.5 > /dev/null
+echo "extraction done after $(( $(date +%s) - start )) s"
+# loss step: 3 groups x {8x224, 32x224} x {fp32, bf16+channels_last}, time and peak memory
+timeout 100 "$PYTHON" benchmarks/losses.py "${COMMON[@]}" --budget 2 > /dev/null
+echo "losses done after $(( $(date +%s) - start )) s"
+# torch.compile (inductor), bf16 + channels_last, 32x224
+timeout 150 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/null
+echo "compile done after $(( $(date +%s) - start )) s"
+
+cat "$OUT"/extraction_cuda.md "$OUT"/losses_cuda.md "$OUT"/compile_cuda.md
