@@ -137,6 +137,8 @@ def test_construction_errors(ext) -> None:
         fl.PerceptualLoss(ext, "relu1_2", distance="l3")
     with pytest.raises(ValueError, match="not computed by the shared FeatureExtractor"):
         fl.PerceptualLoss(ext, "relu4_3")
+    with pytest.raises(ValueError, match="come from the shared FeatureExtractor"):
+        fl.PerceptualLoss(ext, "relu1_2", input_range=(-1, 1))
     with pytest.raises(ValueError, match="resize"):
         fl.PerceptualLoss(ext, "relu1_2", resize=(0, 4))
     with pytest.raises(ValueError, match="needs a target"):

@@ -95,6 +95,8 @@ class FeatureLoss(nn.Module):
         if isinstance(backbone, FeatureExtractor):
             if backbone.mode != "grad":
                 raise ValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
+            if weights != "DEFAULT" or tuple(float(v) for v in input_range) != (0.0, 1.0):
+                raise ValueError("weights and input_range come from the shared FeatureExtractor; set them there")
             names = as_layer_list(layers) if layers is not None else list(backbone.layers)
             missing = [name for name in names if name not in backbone.layers]
             if missing:
