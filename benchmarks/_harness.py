@@ -104,6 +104,7 @@ def settings(args: argparse.Namespace, *, budget: float, quick_budget: float = 0
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(SEED)
+    _COMMIT_AT_START[:] = [_git_commit()]  # the library code this run imported
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows stay fp32 for every contender alike
@@ -399,15 +400,22 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "unknown"))
 
 
+_COMMIT_AT_START: list[str | None] = []
+
+
 def _git_commit() -> str | None:
+    """The commit the run started from (``+dirty`` if featurehooks/ had uncommitted changes then)."""
+    if _COMMIT_AT_START:
+        return _COMMIT_AT_START[0]
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../featurehooks"], capture_output=True,
+                               text=True, check=True, cwd=here).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-    return out.stdout.strip() or None
+    return f"{head}+dirty" if dirty else head or None
 
 
 def _cpu_name() -> str:
@@ -565,14 +573,19 @@ def chart(path: Path, title: str, groups: Sequence[Group], subtitle: str = "",
 
 def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets: Sequence[Target],
          config: dict[str, Any], notes: Sequence[str] = (),
-         extra_columns: Sequence[tuple[str, str, str]] = ()) -> dict[str, Any]:
-    """Write ``<name><tag>.json``, ``.md`` and ``.png`` under ``cfg.out``; return the JSON payload."""
+         extra_columns: Sequence[tuple[str, str, str]] = (), partial: bool = False) -> dict[str, Any]:
+    """Write ``<name><tag>.json``, ``.md`` and ``.png`` under ``cfg.out``; return the JSON payload.
+
+    ``partial``: the run is still going (scripts save after every group, so a run cut short by a
+    time limit keeps what it measured); no chart then.
+    """
     info = machine(cfg.device)
     payload = {
         "benchmark": name,
         "title": title,
         "command": cfg.command,
         "quick": cfg.quick,
+        "partial": partial,
         "machine": info,
         "config": config,
         "notes": list(notes),
@@ -592,8 +605,11 @@ def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets:
     cfg.out.mkdir(parents=True, exist_ok=True)
     stem = cfg.out / f"{name}{cfg.tag}"
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(title, cfg, info, groups, targets, notes, extra_columns) + "\n")
-    if cfg.plot and groups:
+    text = markdown(title, cfg, info, groups, targets, notes, extra_columns)
+    if partial:
+        text = text.replace("\n\n", "\n\n**Partial results**: the run had not finished when this was written.\n\n", 1)
+    stem.with_suffix(".md").write_text(text + "\n")
+    if cfg.plot and groups and not partial:
         chart(stem.with_suffix(".png"), title, groups, subtitle=f"{machine_line(info)}; clock: {cfg.clock}")
     return payload
 
@@ -615,6 +631,8 @@ def render(json_path: Path, *, plot: bool = True) -> None:
                    "", plot, data["command"], data["machine"]["torch_threads"], clock)
     text = markdown(data["title"], cfg, data["machine"], groups, targets, data["notes"],
                     [tuple(c) for c in data.get("extra_columns", [])])
+    if data.get("partial"):
+        text = text.replace("\n\n", "\n\n**Partial results**: the run had not finished when this was written.\n\n", 1)
     Path(json_path).with_suffix(".md").write_text(text + "\n")
     if plot and groups:
         chart(Path(json_path).with_suffix(".png"), data["title"], groups,

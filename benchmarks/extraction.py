@@ -281,6 +281,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; choose from {list(CASES)}")
     groups: list[H.Group] = []
+    notes = [
+        f"*{FLOOR}* is the floor: a hand-written loop up to the deepest requested layer, no hooks.",
+        "Every contender normalizes the same [0, 1] input with the weights' mean/std and returns the same "
+        "tensors (max_abs_diff against the floor); *grad* = forward + autograd.grad of the summed feature "
+        f"means to the input; *{FULL}* backpropagates from the logits.",
+        "Weights: seeded random (seed 0) torchvision checkpoints in a temporary TORCH_HOME; timm: seeded "
+        "random init copied into every contender.",
+    ]
+    config = {"cases": cases, "modes": modes, "shapes": shapes, "precisions": precisions, "budget_s": cfg.budget,
+              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+
+    def save(partial: bool) -> dict[str, Any]:
+        return H.save("extraction", "Feature extraction: time / bare truncated forward", cfg, groups,
+                      targets(groups), config, notes, extra_columns=[("max_abs_diff", "max abs diff", ".1e")],
+                      partial=partial)
+
     with H.seeded_torch_home(args.torch_home):
         for key in cases:
             title, build = CASES[key]
@@ -297,22 +313,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 # the headline case gets twice the repetitions
                                 budget = cfg.budget * (2 if key == "vgg16-relu3_3" else 1)
                                 groups.append(run_group(key, title, models, batch, size, mode, precision, cfg, budget))
+                                save(partial=True)
             finally:
                 _release(models)
                 del models
-    found = targets(groups)
-    notes = [
-        f"*{FLOOR}* is the floor: a hand-written loop up to the deepest requested layer, no hooks.",
-        "Every contender normalizes the same [0, 1] input with the weights' mean/std and returns the same "
-        "tensors (max_abs_diff against the floor); *grad* = forward + autograd.grad of the summed feature "
-        f"means to the input; *{FULL}* backpropagates from the logits.",
-        "Weights: seeded random (seed 0) torchvision checkpoints in a temporary TORCH_HOME; timm: seeded "
-        "random init copied into every contender.",
-    ]
-    config = {"cases": cases, "modes": modes, "shapes": shapes, "precisions": precisions, "budget_s": cfg.budget,
-              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
-    payload = H.save("extraction", "Feature extraction: time / bare truncated forward", cfg, groups, found,
-                     config, notes, extra_columns=[("max_abs_diff", "max abs diff", ".1e")])
+    payload = save(partial=False)
     print((cfg.out / f"extraction{cfg.tag}.md").read_text())
     return payload
 

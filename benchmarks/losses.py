@@ -227,6 +227,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
     groups: list[H.Group] = []
+    notes = [
+        "ratio = median / median of the group's first row (the hand-written floor); *loss* is each library's "
+        "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
+        "peak MiB: memory allocated during one step above what was allocated before it "
+        + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
+    ]
+    config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), "budget_s": cfg.budget,
+              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+
+    def save(partial: bool) -> dict[str, Any]:
+        return H.save("losses", "Loss step (loss + gradient to the input): time / hand-written floor", cfg, groups,
+                      targets(groups), config, notes, partial=partial,
+                      extra_columns=[("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")])
+
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")
         modules = build(cfg)
@@ -238,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for batch, size in shapes:
                     for title in wanted:
                         groups.append(run_group(title, GROUPS[title], modules, batch, size, precision, cfg, NOTES))
+                        save(partial=True)
         finally:
             for module in modules.values():
                 extractor = getattr(module, "extractor", None)
@@ -245,17 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     extractor.close()
             del modules
             gc.collect()
-    notes = [
-        "ratio = median / median of the group's first row (the hand-written floor); *loss* is each library's "
-        "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
-        "peak MiB: memory allocated during one step above what was allocated before it "
-        + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
-    ]
-    config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), "budget_s": cfg.budget,
-              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
-    payload = H.save("losses", "Loss step (loss + gradient to the input): time / hand-written floor", cfg, groups,
-                     targets(groups), config, notes,
-                     extra_columns=[("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")])
+    payload = save(partial=False)
     print((cfg.out / f"losses{cfg.tag}.md").read_text())
     return payload
 
