@@ -1,6 +1,7 @@
 """The quick-start demo (``make demo``): offline, on the bundled sample images.
 
-Lists VGG16's layers and extracts relu3_3 / relu4_3 features. Pretrained weights are used when
+Lists VGG16's layers, extracts relu3_3 / relu4_3 features, dumps them for the whole folder to
+demo-output/features/ and draws demo-output/feature_maps.png. Pretrained weights are used when
 they are cached; otherwise the demo says so in one line and continues with seeded random weights.
 """
 
@@ -17,6 +18,7 @@ import featurehooks as fh
 
 HERE = Path(__file__).parent
 IMAGES = sorted((HERE / "images").glob("*.png"))
+OUT = Path("demo-output")
 
 
 def load_images(paths: list[Path], size: int = 224) -> torch.Tensor:
@@ -43,9 +45,16 @@ def main() -> None:
     with make_extractor(layers) as extractor:
         images = load_images(IMAGES)
         features = extractor(images)
+        dump = fh.dump_features(
+            extractor, HERE / "images", OUT / "features", pool="avg", num_workers=0, overwrite=True, progress=False
+        )
+        grid = fh.save_feature_grid(OUT / "feature_maps.png", {k: v[:1] for k, v in features.items()}, images[:1])
     print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> weights {extractor.weights}")
     for name, value in features.items():
         print(f"  {name}: shape {tuple(value.shape)}, mean activation {value.mean():.4f}")
+    shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in dump.manifest["shapes"].items())
+    print(f"\nfeature dump (avg-pooled): {dump.out_dir}/ with {shapes}, index.csv, manifest.json")
+    print(f"feature-map picture: {grid}")
 
 
 if __name__ == "__main__":
