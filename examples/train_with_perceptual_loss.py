@@ -3,7 +3,7 @@
 The loss module holds a frozen VGG16 outside the model's parameters and state_dict, so the
 optimizer only sees the denoiser and checkpoints stay small. Prints the perceptual loss as it falls.
 
-    python examples/train_with_perceptual_loss.py              # 300 steps, about a minute on 2 CPU cores
+    python examples/train_with_perceptual_loss.py              # 300 steps, under a minute on 2 CPU cores
     python examples/train_with_perceptual_loss.py --amp        # the same under bf16 autocast
 """
 
