@@ -21,7 +21,6 @@ from PIL import Image
 from torch import nn
 
 import featurehooks as fh
-from featurehooks.losses import PerceptualLoss
 
 HERE = Path(__file__).parent
 
@@ -57,14 +56,14 @@ class Denoiser(nn.Module):
         return (x + self.body(x)).clamp(0, 1)
 
 
-def make_loss() -> PerceptualLoss:
+def make_loss() -> fh.PerceptualLoss:
     try:
-        return PerceptualLoss("vgg16", layers=["relu2_2"])
+        return fh.PerceptualLoss("vgg16", layers=["relu2_2"])
     except fh.WeightsUnavailableError as exc:
         print(f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
               "using seeded random weights", file=sys.stderr)
         torch.manual_seed(0)
-        return PerceptualLoss("vgg16", layers=["relu2_2"], weights=None)
+        return fh.PerceptualLoss("vgg16", layers=["relu2_2"], weights=None)
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:
