@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	$(PY) examples/style_transfer.py --side-by-side --out demo-output/style_transfer.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
