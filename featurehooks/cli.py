@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._hooks import RepeatedCallError
 from .errors import FeatureHooksError
 from .layers import list_layers
 
@@ -78,7 +79,15 @@ def _device(name: str) -> Any:
     import torch
 
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:1, ... or auto") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return device
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -91,11 +100,12 @@ def _extractor(args: argparse.Namespace) -> Any:
 
     from .extractor import FeatureExtractor
 
+    device = _device(args.device)  # a bad --device fails before the model is built
     weights = _weights(args.weights)
     if weights is None:
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
     extractor = FeatureExtractor(args.backbone, args.layers, weights=weights, mode="detach")
-    return extractor.to(_device(args.device))
+    return extractor.to(device)
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (
         UserError,
         FeatureHooksError,
+        RepeatedCallError,
         ImportError,
         ValueError,
         TypeError,

@@ -70,7 +70,11 @@ def top_channels(feature_map: Tensor, count: int) -> list[int]:
 def _tile(values: Tensor, size: int) -> np.ndarray:
     plane = values[None, None]
     plane = F.interpolate(plane, size=(size, size), mode="nearest" if values.shape[-1] < size else "area")[0, 0]
-    low, high = float(plane.min()), float(plane.max())
+    finite = plane[torch.isfinite(plane)]  # inf/nan (an fp16 overflow) must not decide the scale
+    if finite.numel() == 0:
+        return _colorize(np.zeros(plane.shape, dtype=np.float32))
+    low, high = float(finite.min()), float(finite.max())
+    plane = plane.nan_to_num(nan=low, posinf=high, neginf=low)
     scaled = (plane - low) / (high - low) if high > low else torch.zeros_like(plane)
     return _colorize(scaled.numpy())
 
@@ -146,5 +150,5 @@ def save_feature_grid(
     path = Path(path)
     grid = feature_grid(features, image, **kwargs)  # type: ignore[arg-type]
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid).save(path)
+    Image.fromarray(grid).save(path, format=None if path.suffix else "PNG")
     return path

@@ -223,3 +223,19 @@ def test_show_errors_exit_2(
                  "--out", str(tmp_path / "g.png"), "--resize", "32", "--crop", "32"])  # fmt: skip
     assert code == 2
     assert message in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layers", "layer1.0.relu"], "ran more than once"),  # RepeatedCallError from the dry run
+        (["--layers", "layer1", "--device", "tpu9"], "unknown device"),
+        (["--layers", "layer1", "--device", "cuda:99"], "cuda:99"),
+    ],
+)
+def test_model_errors_found_at_build_exit_2_with_one_line(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert extract(images, tmp_path / "out", "--weights", "none", *argv) == 2
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

@@ -247,3 +247,28 @@ def test_without_crop_images_must_share_a_size(extractor: FeatureExtractor, tmp_
     assert result.manifest["preprocessing"]["image_shape"] == [3, 40, 40]
     assert [s["row"] for s in result.skipped] == [2]
     assert "differs" in result.skipped[0]["reason"] or "size" in result.skipped[0]["reason"]
+
+
+def test_paths_with_glob_characters_are_taken_literally(extractor: FeatureExtractor, tmp_path: Path) -> None:
+    folder = tmp_path / "shots [2024]"  # an existing folder or file is never a pattern
+    folder.mkdir()
+    for name in ("a [1].png", "b.png"):
+        Image.new("RGB", (40, 40), (200, 10, 10)).save(folder / name)
+    assert [Path(p).name for p in list_images(folder)] == ["a [1].png", "b.png"]
+    assert list_images([folder / "a [1].png"]) == [str(folder / "a [1].png")]
+    result = dump(extractor, list_images(folder), tmp_path / "out", pool="avg")  # what the CLI passes
+    assert result.num_rows == 2 and result.skipped == []
+
+
+def test_uint8_dataset_is_scaled_like_image_files(tmp_path: Path) -> None:
+    pixels = torch.randint(0, 256, (3, 3, CROP, CROP), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    ext = FeatureExtractor(tiny_net(), ["relu2"], input_range=(-1.0, 1.0))
+    as_uint8 = dump(ext, torch.utils.data.TensorDataset(pixels), tmp_path / "u8", pool="avg")
+    as_float = dump(ext, pixels.float() / 255 * 2 - 1, tmp_path / "f32", pool="avg")
+    np.testing.assert_allclose(as_uint8.load("relu2"), as_float.load("relu2"), rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_range_dataset_still_warns(tmp_path: Path) -> None:
+    ext = FeatureExtractor(tiny_net(), ["relu2"])  # input_range (0, 1); the shape probe must not use up the check
+    with pytest.warns(UserWarning, match="input_range"):
+        dump(ext, torch.rand(2, 3, CROP, CROP) * 255, tmp_path / "out", pool="avg")

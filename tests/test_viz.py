@@ -69,3 +69,18 @@ def test_save_writes_a_png(tmp_path: Path) -> None:
     path = save_feature_grid(tmp_path / "sub" / "grid.png", {"a": torch.rand(1, 4, 8, 8)}, channels=3, tile_size=16)
     with Image.open(path) as image:
         assert image.format == "PNG" and image.size == (3 * 16 + 2 * GAP, LABEL + 16)
+
+
+def test_infinite_and_nan_values_do_not_break_the_colormap() -> None:
+    fmap = torch.rand(1, 2, 4, 4)
+    fmap[0, 0, 0, 0] = float("inf")  # an fp16 overflow
+    fmap[0, 1, 1, 1] = float("nan")
+    fmap[0, 1, 2, 2] = float("-inf")
+    grid = feature_grid({"a": fmap}, channels=2, tile_size=16)
+    assert grid.shape == (LABEL + 16, 2 * 16 + GAP, 3)
+
+
+def test_save_without_a_suffix_writes_a_png(tmp_path: Path) -> None:
+    path = save_feature_grid(tmp_path / "grid", {"a": torch.rand(1, 4, 8, 8)}, channels=2, tile_size=16)
+    with Image.open(path) as image:
+        assert image.format == "PNG"

@@ -90,10 +90,13 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
     """The manifest fields that describe what is computed (compared on resume)."""
     probe = torch.zeros((1, *inputs.image_shape), device=device_of(extractor))
     low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
+    range_checked = getattr(extractor, "_range_checked", None)
     shapes = {
         name: [len(inputs.names), *value.shape[1:]]
         for name, value in features_as_arrays(extractor, probe + low, pool, dtype).items()
     }
+    if range_checked is False:  # the probe is in range by construction: let the first real batch be checked
+        extractor._range_checked = False
     pre = extractor.preprocessing
     preprocessing: dict[str, Any] = {
         "mean": list(pre.mean) if pre.mean is not None else None,

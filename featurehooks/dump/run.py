@@ -77,9 +77,11 @@ def _default_workers() -> int:
     return min(4, max(cores - 1, 0))
 
 
-def _loader(inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool) -> DataLoader:
+def _loader(
+    inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool, input_range: tuple[float, float]
+) -> DataLoader:
     if inputs.dataset is not None:
-        rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape)
+        rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape, input_range)
     else:
         rows = ImageFiles(inputs.names, inputs.transform, inputs.image_shape)
     return DataLoader(
@@ -135,7 +137,7 @@ def dump_features(
         extractor: a ``FeatureExtractor`` (its ``preprocessing``, ``input_range`` and device are used).
         source: a folder (searched recursively), a glob, an image path, a list of these, or a
             ``torch.utils.data.Dataset`` of image tensors ``(C, H, W)`` (or tuples starting with one)
-            already prepared and in the extractor's ``input_range``.
+            already prepared: floats in the extractor's ``input_range``, or ``uint8`` 0..255 pixels.
         out_dir: output folder (created if needed).
         batch_size: images per forward, and the unit of commit and resume.
         num_workers: DataLoader processes that decode while the model runs (default: up to 4).
@@ -249,7 +251,9 @@ def _compute(
         store.close_journal()
         store.close_arrays()
         return
-    loader = _loader(inputs, [list(range(a, b)) for a, b in ranges], workers, pin=device.type == "cuda")
+    input_range = tuple(getattr(extractor, "input_range", (0.0, 1.0)))
+    batches = [list(range(a, b)) for a, b in ranges]
+    loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=input_range)  # type: ignore[arg-type]
     with _progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress) as bar:
         for chunk, (start, stop), (images, reasons) in zip(chunks, ranges, loader):
             arrays = features_as_arrays(

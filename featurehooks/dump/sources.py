@@ -46,7 +46,7 @@ class Sample:
 
 def _expand(item: str | os.PathLike[str]) -> list[str]:
     text = os.fspath(item)
-    if _GLOB_CHARS & set(text):
+    if _GLOB_CHARS & set(text) and not os.path.exists(text):  # "photo [1].jpg" is a file, not a pattern
         found = sorted(p for p in glob.glob(text, recursive=True) if os.path.isfile(p))
         if not found:
             raise FileNotFoundError(f"no files match {text!r}")
@@ -68,6 +68,7 @@ def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     ``source`` is a folder (searched recursively for common image suffixes), a glob pattern, a file,
     or a list of any of these. Each folder or glob is sorted; the items keep the order given.
     Files listed explicitly are kept whatever their suffix (an unreadable one is reported later).
+    A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``).
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not items:
@@ -156,11 +157,16 @@ class ImageFiles(Dataset):
 
 
 class TensorRows(Dataset):
-    """Rows of a user's dataset of image tensors (or tuples whose first item is one)."""
+    """Rows of a user's dataset of image tensors (or tuples whose first item is one).
 
-    def __init__(self, dataset: Dataset, shape: tuple[int, ...]) -> None:
+    Float tensors are taken as they are (already in ``input_range``); ``uint8`` tensors hold 0..255
+    pixels, as ``torchvision.io.decode_image`` returns them, and are scaled to ``input_range`` like image files.
+    """
+
+    def __init__(self, dataset: Dataset, shape: tuple[int, ...], input_range: tuple[float, float] = (0.0, 1.0)) -> None:
         self.dataset = dataset
         self.shape = shape
+        self.input_range = input_range
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -172,6 +178,9 @@ class TensorRows(Dataset):
             return Sample(torch.zeros(self.shape), _describe(exc))
         if tuple(item.shape) != self.shape:
             return Sample(torch.zeros(self.shape), f"shape {tuple(item.shape)} differs from {self.shape}")
+        if item.dtype == torch.uint8:
+            low, high = self.input_range
+            return Sample(item.float() * ((high - low) / 255) + low, "")
         return Sample(item.float(), "")
 
 
