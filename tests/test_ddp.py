@@ -42,28 +42,33 @@ class Trainer(nn.Module):
         return self.loss(torch.sigmoid(self.generator(x)), y)
 
 
+def _train(rank: int) -> None:
+    torch.set_num_threads(1)
+    model = DistributedDataParallel(Trainer())  # find_unused_parameters=False: any unused one would fail
+    assert all(name.startswith("generator.") for name in model.module.state_dict())
+    assert not model.module.loss.losses["content"].extractor.backbone.training
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)  # different data on each rank
+    for _ in range(3):
+        x, y = torch.rand(2, 3, 32, 32, generator=generator), torch.rand(2, 3, 32, 32, generator=generator)
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(grads) for _ in range(WORLD_SIZE)]
+        dist.all_gather(gathered, grads)
+        assert torch.isfinite(loss) and grads.abs().sum() > 0
+        torch.testing.assert_close(gathered[0], gathered[1])  # averaged across ranks by DDP
+        optimizer.step()
+    backbone = model.module.loss.losses["content"].extractor.backbone
+    assert all(p.grad is None for p in backbone.parameters())
+
+
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
-        torch.set_num_threads(1)
-        model = DistributedDataParallel(Trainer())  # find_unused_parameters=False: any unused one would fail
-        assert all(name.startswith("generator.") for name in model.module.state_dict())
-        assert not model.module.loss.losses["content"].extractor.backbone.training
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        generator = torch.Generator().manual_seed(rank)  # different data on each rank
-        for _ in range(3):
-            x, y = torch.rand(2, 3, 32, 32, generator=generator), torch.rand(2, 3, 32, 32, generator=generator)
-            optimizer.zero_grad()
-            loss = model(x, y)
-            loss.backward()
-            grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-            gathered = [torch.empty_like(grads) for _ in range(WORLD_SIZE)]
-            dist.all_gather(gathered, grads)
-            assert torch.isfinite(loss) and grads.abs().sum() > 0
-            torch.testing.assert_close(gathered[0], gathered[1])  # averaged across ranks by DDP
-            optimizer.step()
-        backbone = model.module.loss.losses["content"].extractor.backbone
-        assert all(p.grad is None for p in backbone.parameters())
+        _train(rank)  # the DDP model is freed on return: its reducer must not outlive the process group
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
