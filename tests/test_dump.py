@@ -272,3 +272,19 @@ def test_out_of_range_dataset_still_warns(tmp_path: Path) -> None:
     ext = FeatureExtractor(tiny_net(), ["relu2"])  # input_range (0, 1); the shape probe must not use up the check
     with pytest.warns(UserWarning, match="input_range"):
         dump(ext, torch.rand(2, 3, CROP, CROP) * 255, tmp_path / "out", pool="avg")
+
+
+def test_resume_refuses_other_weights_of_the_same_module(tmp_path: Path) -> None:
+    items = torch.rand(3, 3, CROP, CROP, generator=torch.Generator().manual_seed(4))
+    first = dump(FeatureExtractor(tiny_net(), ["relu2"]), items, tmp_path / "out", pool="avg")
+    assert len(first.manifest["weights_sha256"]) == 64
+    retrained = tiny_net()
+    with torch.no_grad():
+        retrained.conv2.weight.add_(0.01)  # another checkpoint: same class, same weights=None
+    with pytest.raises(ValueError, match="weights_sha256 differ"):
+        dump(FeatureExtractor(retrained, ["relu2"]), items, tmp_path / "out", pool="avg", resume=True)
+    # a dump written before the digest existed is still compared on the rest
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    del manifest["weights_sha256"]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert dump(FeatureExtractor(tiny_net(), ["relu2"]), items, tmp_path / "out", pool="avg", resume=True).num_rows == 3

@@ -6,6 +6,7 @@ and the atomic ``"complete"`` manifest once every chunk is committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ from .transform import ImageTransform, transform_for
 __all__ = ["Inputs", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 
 # Settings that must match for a resume to continue an earlier run.
-RESUME_KEYS = ("backbone", "weights", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
+RESUME_KEYS = ("backbone", "weights", "weights_sha256", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
 
 
 def _versions() -> dict[str, str]:
@@ -86,6 +87,22 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
     return Inputs(names, None, shape, transform)
 
 
+def weights_digest(extractor: Any) -> str | None:
+    """SHA-256 of the backbone's state dict (names, dtypes, shapes and bytes), or ``None`` without one.
+
+    ``weights`` alone cannot tell two checkpoints of a user's module (or two seeds of a random init) apart.
+    """
+    model = getattr(extractor, "backbone", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        value = tensor.detach()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}\n".encode())
+        digest.update(value.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return digest.hexdigest()
+
+
 def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: str) -> dict[str, Any]:
     """The manifest fields that describe what is computed (compared on resume)."""
     probe = torch.zeros((1, *inputs.image_shape), device=device_of(extractor))
@@ -112,6 +129,7 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
     settings = {
         "backbone": extractor.backbone_name,
         "weights": extractor.weights,
+        "weights_sha256": weights_digest(extractor),
         "layers": list(shapes),
         "shapes": shapes,
         "dtype": dtype,
@@ -127,7 +145,8 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [key for key in RESUME_KEYS if old.get(key) != new.get(key)]
+    # weights_sha256 is newer than the format: a dump started without it is compared on the rest
+    return [key for key in RESUME_KEYS if old.get(key) != new.get(key) and (key in old or key != "weights_sha256")]
 
 
 def plan_dump(

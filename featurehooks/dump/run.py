@@ -128,8 +128,8 @@ def dump_features(
     filesystem.
 
     ``out_dir`` receives ``<layer>.npy`` per layer, ``index.csv`` (``row,valid,path``), and
-    ``manifest.json`` (backbone, weights, layers, shapes, dtype, pool, preprocessing, library
-    versions, status, skipped inputs with reasons). An input that cannot be decoded keeps its row,
+    ``manifest.json`` (backbone, weights and their SHA-256, layers, shapes, dtype, pool, preprocessing,
+    library versions, status, skipped inputs with reasons). An input that cannot be decoded keeps its row,
     zero-filled, with ``valid=0`` in ``index.csv`` and an entry under ``"skipped"``; grayscale,
     palette, RGBA (on white), CMYK and 16-bit images are converted.
 
@@ -251,9 +251,9 @@ def _compute(
         store.close_journal()
         store.close_arrays()
         return
-    input_range = tuple(getattr(extractor, "input_range", (0.0, 1.0)))
+    low, high = getattr(extractor, "input_range", (0.0, 1.0))
     batches = [list(range(a, b)) for a, b in ranges]
-    loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=input_range)  # type: ignore[arg-type]
+    loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
     with _progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress) as bar:
         for chunk, (start, stop), (images, reasons) in zip(chunks, ranges, loader):
             arrays = features_as_arrays(
