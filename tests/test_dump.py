@@ -288,3 +288,10 @@ def test_resume_refuses_other_weights_of_the_same_module(tmp_path: Path) -> None
     del manifest["weights_sha256"]
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     assert dump(FeatureExtractor(tiny_net(), ["relu2"]), items, tmp_path / "out", pool="avg", resume=True).num_rows == 3
+
+
+def test_layers_that_would_share_a_file_are_refused(tmp_path: Path) -> None:
+    ext = FeatureExtractor(tiny_net(), {"relu1": "a/b", "relu2": "a_b"})
+    with pytest.raises(ValueError, match="'a/b' and 'a_b' would both be written to a_b.npy"):
+        dump(ext, torch.rand(2, 3, CROP, CROP), tmp_path / "out", pool="avg")
+    assert not (tmp_path / "out").exists()

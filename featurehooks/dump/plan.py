@@ -154,6 +154,14 @@ def plan_dump(
 ) -> dict[str, Any]:
     """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
     out = store.root
+    files: dict[str, str] = {}
+    for layer in settings["layers"]:  # "a/b" and "a_b" (or "A" and "a" on macOS) would share one file
+        other = files.setdefault(layer_file_name(layer).lower(), layer)
+        if other != layer:
+            raise ValueError(
+                f"layers {other!r} and {layer!r} would both be written to {layer_file_name(layer)}; rename one "
+                "(FeatureExtractor(..., layers={'module.path': 'output_name'}))"
+            )
     existing = store.read_manifest() if not overwrite else _read_quietly(store)
     num_rows = settings["inputs"]["count"]
     if existing is not None and not overwrite:
