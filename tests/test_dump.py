@@ -295,3 +295,12 @@ def test_layers_that_would_share_a_file_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'a/b' and 'a_b' would both be written to a_b.npy"):
         dump(ext, torch.rand(2, 3, CROP, CROP), tmp_path / "out", pool="avg")
     assert not (tmp_path / "out").exists()
+
+
+def test_reduced_precision_extractor_gets_images_in_its_dtype(tmp_path: Path) -> None:
+    ext = FeatureExtractor(tiny_net(), ["relu2"]).to(torch.bfloat16)
+    images = torch.rand(3, 3, CROP, CROP, generator=torch.Generator().manual_seed(6))
+    result = dump(ext, images, tmp_path / "out", pool="avg")
+    with torch.no_grad():
+        reference = ext(images.to(torch.bfloat16))["relu2"].mean(dim=(2, 3)).float().numpy()
+    np.testing.assert_array_equal(result.load("relu2"), reference)
