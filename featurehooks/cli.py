@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     layers = commands.add_parser("layers", help="list a backbone's layers: name, alias, path, type, channels, stride")
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
-    layers.add_argument("--input-size", type=int, default=None, help="spatial size used to derive strides")
+    layers.add_argument(
+        "--input-size", type=_positive, default=None, metavar="N", help="spatial size used to derive strides"
+    )
     layers.set_defaults(run=_layers)
 
     show = commands.add_parser(

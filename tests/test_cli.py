@@ -121,6 +121,7 @@ def test_missing_source_and_unknown_backbone_exit_2(tmp_path: Path, capsys: pyte
         ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--batch-size", "0"],
         ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--pool", "mean"],
         ["extract", "x", "--out", "o", "--backbone", "vgg16", "--layers", "relu3_3", "--crop", "-3"],
+        ["layers", "resnet18", "--input-size", "-5"],
         ["frobnicate"],
     ],
 )
