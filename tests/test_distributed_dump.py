@@ -125,3 +125,49 @@ def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resne
     run = torchrun(["extract", str(tmp_path / "imgs"), "--out", str(out), *ARGS, "--resume"])
     assert run.returncode == 0, run.stderr[-3000:]
     same_files(tmp_path / "one", out)
+
+
+FAILING_RANK = """
+import os, sys, torch, featurehooks as fh
+from torch import nn
+
+class Picky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        if torch.isnan(x).any():
+            raise RuntimeError("bad batch on this rank")
+        return self.conv(x)
+
+torch.manual_seed(0)
+data = torch.rand(8, 3, 16, 16)
+data[6] = float("nan")  # a row of rank 1
+try:
+    fh.dump_features(fh.FeatureExtractor(Picky(), ["conv"]), data, sys.argv[1], batch_size=2, progress=False,
+                     num_workers=0)
+except RuntimeError as exc:
+    print(f"rank {os.environ['RANK']}: {exc}", flush=True)
+"""
+
+
+def test_a_failing_rank_is_reported_by_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        str(script), str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
+    assert "rank 1: bad batch on this rank" in stdout, stderr[-3000:]
+    assert "rank 0: another rank failed" in stdout and "resume" in stdout, stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["status"] == "running"

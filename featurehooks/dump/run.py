@@ -177,9 +177,21 @@ def dump_features(
         if manifest.get("status") == "complete":
             return DumpResult(store.root, manifest)
         mine = split_contiguous(plan["pending"], dist.world_size, dist.rank)
-        _compute(extractor, inputs, store, mine, int(plan["chunk_size"]), manifest, dist, workers, device, progress)
-        ok = dist.all_ok(True)
-        final = finish_dump(store, manifest, inputs.names) if dist.is_main and ok else None
+        failure: Exception | None = None
+        try:
+            _compute(extractor, inputs, store, mine, int(plan["chunk_size"]), manifest, dist, workers, device, progress)
+        except Exception as exc:
+            if dist.world_size == 1:
+                raise
+            failure = exc  # tell the other ranks first, so none waits for this one
+        if not dist.all_ok(failure is None):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"another rank failed while dumping to {store.root} (see its error); "
+                "what was committed is kept: rerun with resume=True (--resume) to finish"
+            )
+        final = finish_dump(store, manifest, inputs.names) if dist.is_main else None
         final = dist.broadcast(final)
         dist.barrier()
         return DumpResult(store.root, final)
