@@ -87,12 +87,14 @@ def _device(name: str) -> Any:
             raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        return device
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        if device.type != "cuda" or device.index is not None:
+            return device
+    elif not torch.cuda.is_available():
+        return torch.device("cpu")
+    # "auto" or a plain "cuda": under torchrun each rank takes its own GPU, not all of them GPU 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def _extractor(args: argparse.Namespace) -> Any:
