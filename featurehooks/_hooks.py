@@ -27,6 +27,21 @@ class RepeatedCallError(RuntimeError):
     """A hooked module ran more than once in one forward, so its outputs would overwrite each other."""
 
 
+class _Tap:
+    """The forward hook of one tapped module.
+
+    An object rather than a closure, so that ``copy.deepcopy`` and pickling of a model that holds
+    a session give hooks that feed the copied session, not the original one.
+    """
+
+    def __init__(self, session: HookSession, path: str) -> None:
+        self.session = session
+        self.path = path
+
+    def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        self.session.collect(self.path, output)
+
+
 class HookSession:
     """Forward hooks on ``taps`` (module path -> output names) of ``model``, removed by ``remove()``.
 
@@ -56,7 +71,7 @@ class HookSession:
         modules = dict(model.named_modules())
         try:
             for path in self.taps:
-                self._handles.append(modules[path].register_forward_hook(self._hook(path)))
+                self._handles.append(modules[path].register_forward_hook(_Tap(self, path)))
         except BaseException:
             self.remove()
             raise
@@ -66,35 +81,31 @@ class HookSession:
         """Whether hooks are still registered (a plain flag: torch.compile cannot trace handles)."""
         return self._active
 
-    def _hook(self, path: str) -> Callable[[nn.Module, Any, Any], None]:
-        names = self.taps[path]
-
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            store = self._store
-            if store is None:
-                return
-            if path in self._fired:
-                raise RepeatedCallError(
-                    f"module {path!r} ran more than once in one forward, so its outputs would overwrite "
-                    "each other; tap a module that runs once (its parent block, or the layer that feeds it)"
-                )
-            is_tensor = isinstance(output, torch.Tensor)
-            if self.detach:
-                output = output.detach() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.detach, output)
-            if path in self.clone_paths:
-                output = output.clone() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.clone, output)
-            self._fired[path] = output if is_tensor else None
-            if self.track_versions and is_tensor:
-                self._versions[path] = output._version
-            for name in names:
-                store[name] = output
-            if len(self._fired) == len(self.taps):
-                if self.stop_early:
-                    raise StopForward
-                if self.track_versions:  # what an early exit would have returned, for a dry run without one
-                    self._versions_at_stop = {p: t._version for p, t in self._fired.items() if t is not None}
-
-        return hook
+    def collect(self, path: str, output: Any) -> None:
+        """Store the output of tapped module ``path``; raise StopForward once every tap has fired."""
+        store = self._store
+        if store is None:
+            return
+        if path in self._fired:
+            raise RepeatedCallError(
+                f"module {path!r} ran more than once in one forward, so its outputs would overwrite "
+                "each other; tap a module that runs once (its parent block, or the layer that feeds it)"
+            )
+        is_tensor = isinstance(output, torch.Tensor)
+        if self.detach:
+            output = output.detach() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+        if path in self.clone_paths:
+            output = output.clone() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.clone, output)
+        self._fired[path] = output if is_tensor else None
+        if self.track_versions and is_tensor:
+            self._versions[path] = output._version
+        for name in self.taps[path]:
+            store[name] = output
+        if len(self._fired) == len(self.taps):
+            if self.stop_early:
+                raise StopForward
+            if self.track_versions:  # what an early exit would have returned, for a dry run without one
+                self._versions_at_stop = {p: t._version for p, t in self._fired.items() if t is not None}
 
     def begin(self, store: dict[str, Any]) -> None:
         """Start collecting a new forward into ``store``; outputs of earlier forwards are forgotten."""

@@ -213,3 +213,23 @@ def test_compiles_to_one_graph_with_early_exit(vgg16_cached: Path, images: torch
     if mode == "grad":
         out["relu2_2"].sum().backward()
         assert x.grad is not None
+
+
+def test_deepcopy_and_pickle_give_independent_working_extractors(vgg16_cached: Path, images: torch.Tensor) -> None:
+    import copy
+    import io
+
+    extractor = fh.FeatureExtractor("vgg16", ["conv1_2", "relu2_2"])
+    expected = extractor(images)
+    duplicate = copy.deepcopy(extractor)
+    buffer = io.BytesIO()
+    torch.save(extractor, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)  # our own object: trusted
+    for copied in (duplicate, restored):
+        out = copied(images)
+        for name, value in expected.items():
+            assert torch.equal(out[name], value)
+    duplicate.close()
+    assert hook_count(duplicate.backbone) == 0 and hook_count(extractor.backbone) == 2
+    assert torch.equal(extractor(images)["relu2_2"], expected["relu2_2"])
