@@ -8,7 +8,8 @@ the caller catches, so nothing after the deepest tap runs.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from itertools import chain
 from typing import Any
@@ -17,6 +18,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
+
+
+@contextmanager
+def preserved_attributes(model: nn.Module) -> Iterator[None]:
+    """Put back every module's plain attributes (train flags, caches a forward sets) when the block ends.
+
+    A shape-only forward on meta tensors must leave no meta tensor behind in the caller's model.
+    """
+    saved = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in saved:
+            for key in [key for key in module.__dict__ if key not in attributes]:
+                del module.__dict__[key]
+            module.__dict__.update(attributes)
 
 
 class StopForward(Exception):
@@ -97,7 +114,7 @@ class HookSession:
         if path in self.clone_paths:
             output = output.clone() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.clone, output)
         self._fired[path] = output if is_tensor else None
-        if self.track_versions and is_tensor:
+        if self.track_versions and is_tensor and not output.is_inference():  # (inference tensors have no version)
             self._versions[path] = output._version
         for name in self.taps[path]:
             store[name] = output
@@ -105,7 +122,8 @@ class HookSession:
             if self.stop_early:
                 raise StopForward
             if self.track_versions:  # what an early exit would have returned, for a dry run without one
-                self._versions_at_stop = {p: t._version for p, t in self._fired.items() if t is not None}
+                fired = self._fired
+                self._versions_at_stop = {p: fired[p]._version for p in self._versions}  # type: ignore[union-attr]
 
     def begin(self, store: dict[str, Any]) -> None:
         """Start collecting a new forward into ``store``; outputs of earlier forwards are forgotten."""
@@ -162,7 +180,9 @@ class HookSession:
             self.reset()
         return store
 
-    def verify_on_meta(self, model: nn.Module, args: tuple[Any, ...]) -> bool:
+    def verify_on_meta(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    ) -> bool:
         """Dry-run the whole forward on meta tensors (shapes only, no compute) with ``args``' shapes.
 
         A tapped module that runs twice raises RepeatedCallError now rather than mid-training, and
@@ -170,16 +190,19 @@ class HookSession:
         are cloned from then on. Returns False when the model cannot run on the meta device; the
         session then keeps tracking versions so the caller can check real forwards instead.
         """
-        state = {
-            name: torch.empty_like(tensor, device="meta")
-            for name, tensor in chain(model.named_parameters(), model.named_buffers())
-        }
-        meta_args = tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), args)
         stop_early = self.stop_early
         self.track_versions, self.stop_early, self.stop_point_only = True, False, stop_early
         try:
-            with torch.no_grad():
-                self.run(partial(torch.func.functional_call, model, state, strict=False), meta_args)
+            with preserved_attributes(model), torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
+                state = {
+                    name: torch.empty_like(tensor, device="meta")
+                    for name, tensor in chain(model.named_parameters(), model.named_buffers())
+                }
+                meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
+                forward = partial(
+                    torch.func.functional_call, model, state, kwargs=meta(dict(kwargs or {})), strict=False
+                )
+                self.run(forward, meta(args))
         except RepeatedCallError:
             raise
         except Exception:  # data-dependent Python control flow, ops without meta kernels, ...

@@ -177,7 +177,7 @@ class FeatureExtractor(nn.Module):
         if self.in_channels is not None and images.shape[1] != self.in_channels:
             hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
             raise ValueError(f"expected {self.in_channels} channels, got {images.shape[1]}{hint}")
-        if not self._range_checked and not torch.compiler.is_compiling():
+        if not self._range_checked and images.numel() and not torch.compiler.is_compiling():
             self._range_checked = True  # checked once: a per-call check would sync the device every step
             self._warn_if_out_of_range(images)
 
@@ -255,13 +255,17 @@ def capture(module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad") -> Ite
     ordered: dict[str, Any] = {}
     state = {"verified": False, "dry_run": False}
 
-    def start_forward(_module: nn.Module, args: tuple[Any, ...]) -> None:
+    def start_forward(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if state["dry_run"]:
             return
         if not state["verified"]:  # first forward: learn which taps need a clone, on meta tensors
             state["verified"] = state["dry_run"] = True
             try:
-                session.verify_on_meta(module, args)
+                if not session.verify_on_meta(module, args, kwargs):
+                    # No dry run, and this forward cannot be repeated: copy every tap, so none can be
+                    # changed in place after capture (the first forward included).
+                    session.clone_paths |= set(session.taps)
+                    session.track_versions = False
             finally:
                 state["dry_run"] = False
         collected.clear()
@@ -270,12 +274,14 @@ def capture(module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad") -> Ite
     def finish_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
         if state["dry_run"]:
             return
-        if session.track_versions and (mutated := session.mutated_paths()):
-            session.clone_from_now_on(mutated)
+        session.reset()  # also after an exception: a tapped submodule called on its own stores nothing
         ordered.clear()
         ordered.update((name, collected[name]) for name in out_names if name in collected)
 
-    handles = [module.register_forward_pre_hook(start_forward), module.register_forward_hook(finish_forward)]
+    handles = [
+        module.register_forward_pre_hook(start_forward, with_kwargs=True),
+        module.register_forward_hook(finish_forward, always_call=True),
+    ]
     try:
         yield ordered
     finally:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from torch import nn
 from torchvision.models import VGG
 
+from ._hooks import preserved_attributes
 from .backbones import BackboneSpec, build_architecture
 from .errors import LayerNotFoundError, did_you_mean
 
@@ -105,9 +107,13 @@ def _meta_shapes(
     for path, module in model.named_modules():
         if path:
             handles.append(module.register_forward_hook(record(path)))
-    state = {k: torch.empty_like(v, device="meta") for k, v in model.state_dict(keep_vars=True).items()}
+    state = {
+        name: torch.empty_like(tensor, device="meta")
+        for name, tensor in chain(model.named_parameters(), model.named_buffers())  # non-persistent buffers too
+    }
     try:
-        with torch.no_grad():
+        with preserved_attributes(model), torch.no_grad():  # the caller's train/eval flags come back too
+            model.eval()  # as FeatureExtractor runs it: a train-mode BatchNorm rejects a 1x1 map at batch 1
             torch.func.functional_call(model, state, (torch.empty(input_shape, device="meta"),), strict=False)
     finally:
         for handle in handles:

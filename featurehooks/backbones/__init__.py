@@ -11,7 +11,7 @@ from torch import nn
 from torchvision.models import WeightsEnum
 
 from . import timm_models, torchvision_models
-from ._files import is_state_dict_file, read_state_dict
+from ._files import is_state_dict_file, load_fitting, read_state_dict
 from .base import Backbone, Preprocessing
 
 BackboneSpec = Union[str, nn.Module]
@@ -72,7 +72,7 @@ def _own_module(module: nn.Module, weights: WeightsSpec) -> Backbone:
     """A deep copy of the user's module; ``weights`` may name a local file to load into it."""
     model = copy.deepcopy(module)
     if is_state_dict_file(weights):
-        model.load_state_dict(read_state_dict(weights))  # type: ignore[arg-type]
+        load_fitting(model, read_state_dict(weights), str(weights))  # type: ignore[arg-type]
         return Backbone(model, type(module).__name__, str(weights), Preprocessing())
     if weights not in ("DEFAULT", None):
         raise ValueError(

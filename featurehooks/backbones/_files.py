@@ -44,6 +44,15 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_fitting(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, **kwargs: bool) -> None:
+    """``model.load_state_dict(state)``, with keys or shapes that do not fit reported as a weights error."""
+    try:
+        model.load_state_dict(state, **kwargs)
+    except RuntimeError as exc:  # missing/unexpected keys, size mismatches
+        detail = " ".join(str(exc).split())[:300]
+        raise WeightsUnavailableError(f"the weights in {source} do not fit {type(model).__name__}: {detail}") from exc
+
+
 def hub_checkpoint_path(url: str) -> Path:
     """Where torch hub caches the file at ``url``: ``$TORCH_HOME/hub/checkpoints/<file name>``."""
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)

@@ -13,7 +13,7 @@ from torch import nn
 from torchvision.models import WeightsEnum
 
 from ..errors import BackboneNotFoundError, WeightsUnavailableError, did_you_mean
-from ._files import is_state_dict_file, load_hub_checkpoint, read_state_dict
+from ._files import is_state_dict_file, load_fitting, load_hub_checkpoint, read_state_dict
 from .base import Backbone, Preprocessing
 
 # Builders that change the architecture when pretrained weights are requested; we build with
@@ -107,18 +107,22 @@ def load(name: str, weights: str | os.PathLike[str] | WeightsEnum | None) -> Bac
         alternatives = f"pass weights=None for random init or weights='path/to/{name}.pth' for a local file"
         state = load_hub_checkpoint(member.url, f"{name} ({member})", alternatives)
         source, default = str(member), member
-    return Backbone(_with_state(name, _fix_legacy_keys(state)), name, source, preprocessing_of(default))
+    return Backbone(_with_state(name, _fix_legacy_keys(state), source), name, source, preprocessing_of(default))
 
 
-def _with_state(name: str, state: dict[str, torch.Tensor]) -> nn.Module:
+def _with_state(name: str, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Build on the meta device and adopt the loaded tensors, skipping a random init that would be overwritten.
 
     Architectures with buffers outside their state dict are built for real instead.
     """
     with torch.device("meta"):
         model = build(name)
-    model.load_state_dict(state, assign=True)
+    # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision
+    # file would otherwise make a half-precision model), as a copying load_state_dict does.
+    dtypes = {key: value.dtype for key, value in model.state_dict().items()}
+    state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
+    load_fitting(model, state, source, assign=True)
     if any(t.is_meta for t in chain(model.parameters(), model.buffers())):
         model = build(name)
-        model.load_state_dict(state)
+        load_fitting(model, state, source)
     return model
