@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._hooks import RepeatedCallError
@@ -43,36 +43,27 @@ def _weights(text: str) -> str | None:
     return None if text.lower() in ("none", "random") else text
 
 
-def _size(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}")
-    return value
+def _integer(minimum: int, allow_none: bool = False) -> Callable[[str], int | None]:
+    """An argparse type for integers >= ``minimum`` (and ``none`` when ``allow_none``)."""
+    expected = f"an integer >= {minimum}" + (" or 'none'" if allow_none else "")
+
+    def parse(text: str) -> int | None:
+        if allow_none and text.lower() == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_size = _integer(1, allow_none=True)
+_positive = _integer(1)
+_non_negative = _integer(0)
 
 
 def _device(name: str) -> Any:
