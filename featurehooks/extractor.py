@@ -149,11 +149,8 @@ class FeatureExtractor(nn.Module):
         size = self.preprocessing.crop_size or 224
         shape = (1, self.in_channels or 3, size, size)
         rows = {row.path: row for row in describe(self._model, shape, self.backbone_name)}
-        return [rows[self._index.resolve(name)] for name in self._requested_names()]
-
-    def _requested_names(self) -> list[str]:
-        by_out = {out: path for path, outs in self._session.taps.items() for out in outs}
-        return [by_out[out] for out in self.layers]
+        path_of = {out: path for path, outs in self._session.taps.items() for out in outs}
+        return [rows[path_of[out]] for out in self.layers]
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
         super()._apply(fn, recurse)

@@ -78,3 +78,9 @@ def test_layer_specs_are_validated(vgg16_cached) -> None:
         fh.FeatureExtractor("vgg16", ["relu1_1", "relu1_1"])
     with pytest.raises(ValueError, match="mode"):
         fh.FeatureExtractor("vgg16", ["relu1_1"], mode="train")  # type: ignore[arg-type]
+
+
+def test_extractor_feature_info_follows_request_order(vgg16_cached) -> None:
+    extractor = fh.FeatureExtractor("vgg16", {"features.15": "mid", "relu1_2": "low"})
+    rows = [(r.path, r.channels, r.stride) for r in extractor.feature_info]
+    assert rows == [("features.15", 256, 4), ("features.3", 64, 1)]
