@@ -36,8 +36,11 @@ def preserved_attributes(model: nn.Module) -> Iterator[None]:
             module.__dict__.update(attributes)
 
 
-class StopForward(Exception):
-    """Raised by the last hook to end a forward early; never escapes the session's ``run``."""
+class StopForward(BaseException):
+    """Raised by the last hook to end a forward early; never escapes the session's ``run``.
+
+    A BaseException, like KeyboardInterrupt, so a model's own ``except Exception:`` cannot swallow it.
+    """
 
 
 class RepeatedCallError(RuntimeError):

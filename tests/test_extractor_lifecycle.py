@@ -233,3 +233,23 @@ def test_deepcopy_and_pickle_give_independent_working_extractors(vgg16_cached: P
     duplicate.close()
     assert hook_count(duplicate.backbone) == 0 and hook_count(extractor.backbone) == 2
     assert torch.equal(extractor(images)["relu2_2"], expected["relu2_2"])
+
+
+def test_early_exit_survives_a_forward_that_catches_every_exception(images: torch.Tensor) -> None:
+    class Guarded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
+            self.ran_second = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                x = self.first(x)
+            except Exception:  # a model's own error handling must not swallow the early exit
+                pass
+            self.ran_second = True
+            return self.second(x)
+
+    extractor = fh.FeatureExtractor(Guarded(), ["first"])
+    assert extractor(images)["first"].shape == (2, 3, 64, 64)
+    assert not extractor.backbone.ran_second
