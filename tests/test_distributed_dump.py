@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dump_helpers import mark_unfinished
 from PIL import Image
 
 from featurehooks.cli import main
 from featurehooks.dump.sharding import Distributed, chunk_rows, split_contiguous
-from featurehooks.dump.store import DumpStore
 
 
 @pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])
@@ -107,18 +107,8 @@ def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resne
     out = tmp_path / "out"
     shutil.copytree(tmp_path / "one", out)
     # what a killed single-process run leaves: status running, chunks 0 and 4 committed, other rows garbage
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["status"] = "running"
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    (out / "index.csv").unlink()
-    store = DumpStore(out)
-    store.reset_journal()
-    store.open_arrays(manifest["layers"])
-    store.open_journal(0)
-    for chunk in (0, 4):
-        store.commit(chunk, *chunk_rows(chunk, 2, 13), [])
-    store.close_journal()
-    for layer in manifest["layers"]:
+    store = mark_unfinished(out, [(chunk, *chunk_rows(chunk, 2, 13)) for chunk in (0, 4)])
+    for layer in store.read_manifest()["layers"]:
         store._arrays[layer][2:8] = 9.0
         store._arrays[layer][10:] = -1.0
     store.close_arrays()

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dump_helpers import mark_unfinished
 from PIL import Image
 from torch import nn
 
 from featurehooks import FeatureExtractor
 from featurehooks.dump import decode_image, read_image, read_manifest, transform_for
-from featurehooks.dump.store import DumpStore
 from featurehooks.io import dump_features
 
 CROP = 32
@@ -218,18 +218,8 @@ def test_resume_recomputes_only_uncommitted_chunks(tmp_path: Path) -> None:
     dump(ext, items, tmp_path / "ref")
     # an unfinished dump: chunks 0 and 2 committed, a torn line after them, the rest never written
     dump(ext, items, out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["status"] = "running"
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    (out / "index.csv").unlink()
-    store = DumpStore(out)
-    store.reset_journal()
-    store.open_arrays(manifest["layers"])
-    store.open_journal(0)
-    for chunk in (0, 2):
-        store.commit(chunk, chunk * BATCH, (chunk + 1) * BATCH, [])
-    store.close_journal()
-    for layer in manifest["layers"]:
+    store = mark_unfinished(out, [(chunk, chunk * BATCH, (chunk + 1) * BATCH) for chunk in (0, 2)])
+    for layer in store.read_manifest()["layers"]:
         store._arrays[layer][BATCH : 2 * BATCH] = 7.0  # chunk 1: garbage that resume must overwrite
     store.close_arrays()
     with open(out / ".journal" / "rank-0.jsonl", "a") as journal:
