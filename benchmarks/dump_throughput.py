@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, machine_line  # noqa: E402
 
 from featurehooks import FeatureExtractor  # noqa: E402
-from featurehooks.dump import dump_features, list_images, read_image, transform_for  # noqa: E402
+from featurehooks.dump import dump_features, list_images  # noqa: E402
 from featurehooks.dump.run import _default_workers  # noqa: E402
 from featurehooks.dump.sources import ImageFiles, collate  # noqa: E402
+from featurehooks.images import read_image, transform_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = {

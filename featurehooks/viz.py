@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
+from .images import from_input_range
+
 __all__ = ["feature_grid", "save_feature_grid", "top_channels"]
 
 # Anchors of the viridis colormap (no matplotlib needed), interpolated linearly.
@@ -80,10 +82,10 @@ def _tile(values: Tensor, size: int) -> np.ndarray:
 
 
 def _image_tile(image: Tensor, size: int, input_range: tuple[float, float]) -> np.ndarray:
-    low, high = input_range
+    """The first image of ``image`` as an RGB ``uint8`` tile, mapped from ``input_range`` to [0, 1]."""
     picture = image.detach().float().cpu()
     picture = picture[0] if picture.dim() == 4 else picture
-    picture = ((picture - low) / (high - low)).clamp(0, 1)
+    picture = from_input_range(picture, input_range).clamp(0, 1)
     if picture.shape[0] == 1:
         picture = picture.expand(3, -1, -1)
     picture = F.interpolate(picture[None, :3], size=(size, size), mode="bilinear", antialias=True, align_corners=False)

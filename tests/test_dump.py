@@ -15,8 +15,8 @@ from torchvision.models import ResNet18_Weights
 from torchvision.transforms.functional import pil_to_tensor
 
 from featurehooks import FeatureExtractor
-from featurehooks.dump import list_images, read_image, read_manifest, transform_for
-from featurehooks.io import dump_features
+from featurehooks.dump import dump_features, list_images, read_manifest
+from featurehooks.images import read_image, transform_for
 
 CROP = 32
 RESIZE = 36

@@ -21,8 +21,8 @@ from PIL import Image
 from torch import nn
 
 from featurehooks import FeatureExtractor
-from featurehooks.dump import decode_image, read_image, read_manifest, transform_for
-from featurehooks.io import dump_features
+from featurehooks.dump import dump_features, read_manifest
+from featurehooks.images import decode_image, read_image, transform_for
 
 CROP = 32
 ROWS = 32
@@ -133,7 +133,7 @@ import sys, time, torch
 from collections import OrderedDict
 from torch import nn
 from featurehooks import FeatureExtractor
-from featurehooks.io import dump_features
+from featurehooks.dump import dump_features
 
 class Noise(torch.utils.data.Dataset):
     def __len__(self):

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
+from ..images import ImageTransform, read_image, transform_for
 from .forward import device_of, features_as_arrays
-from .sources import SourceSpec, first_tensor, inputs_digest, list_images, read_image
+from .sources import SourceSpec, first_tensor, inputs_digest, list_images
 from .store import FORMAT, INDEX, DumpStore, layer_file_name
-from .transform import ImageTransform, transform_for
 
 __all__ = ["Inputs", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 

@@ -1,4 +1,4 @@
-"""Inputs of a dump: listing image files, decoding them safely, and the per-row dataset.
+"""Inputs of a dump: listing image files and the per-row datasets (decoding lives in ``featurehooks.images``).
 
 Every input becomes one row. A file that cannot be decoded still owns its row (zero-filled and
 marked invalid), so row numbers depend only on the sorted input list, never on which files failed.
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from ..images import read_image, to_input_range
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -26,9 +26,7 @@ __all__ = [
     "Sample",
     "SourceSpec",
     "TensorRows",
-    "decode_image",
     "list_images",
-    "read_image",
 ]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
@@ -87,49 +85,6 @@ def inputs_digest(names: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
-_HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
-
-
-def _high_depth_rgb(image: Image.Image) -> np.ndarray:
-    """RGB float32 (H, W, 3) in [0, 1] from a 16-bit, 32-bit integer or float grayscale image."""
-    values = np.asarray(image, dtype=np.float32)
-    if image.mode == "F":
-        gray = values
-    else:  # 16-bit; mode "I" may also hold 8-bit values
-        gray = values / (65535.0 if image.mode != "I" or values.max(initial=0) > 255 else 255.0)
-    return np.repeat(np.clip(gray, 0.0, 1.0)[..., None], 3, axis=2)
-
-
-def _rgb8(image: Image.Image) -> Image.Image:
-    """An 8-bit RGB image from any other mode; transparent pixels are composited on white."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, rgba)
-    return image.convert("RGB")  # L, 1, P, CMYK, YCbCr, LAB, HSV
-
-
-def read_image(path: str | os.PathLike[str]) -> Tensor:
-    """Read an image file as (3, H, W): ``uint8`` for 8-bit images, float32 in [0, 1] for deeper ones.
-
-    Keeping 8-bit images in ``uint8`` until after the resize is what torchvision's
-    ``weights.transforms()`` does, and twice as fast as resizing floats. Grayscale, palette,
-    RGBA/LA (composited on white), CMYK and 16-bit images are converted; EXIF orientation is applied.
-    Raises ``OSError``/``ValueError`` (from Pillow) for unreadable files.
-    """
-    with Image.open(path) as image:
-        image.load()  # a truncated file fails here, not later
-        image = ImageOps.exif_transpose(image)
-        array = _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else np.array(_rgb8(image))
-    return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1).contiguous()
-
-
-def decode_image(path: str | os.PathLike[str]) -> Tensor:
-    """Read an image file as float (3, H, W) in [0, 1] (see ``read_image`` for the conversions)."""
-    image = read_image(path)
-    return image.float().div_(255) if image.dtype == torch.uint8 else image
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -179,8 +134,7 @@ class TensorRows(Dataset):
         if tuple(item.shape) != self.shape:
             return Sample(torch.zeros(self.shape), f"shape {tuple(item.shape)} differs from {self.shape}")
         if item.dtype == torch.uint8:
-            low, high = self.input_range
-            return Sample(item.float() * ((high - low) / 255) + low, "")
+            return Sample(to_input_range(item, self.input_range), "")
         return Sample(item.float(), "")
 
 
