@@ -14,7 +14,7 @@ import torch
 import torchvision.models as tvm
 
 from featurehooks.backbones._files import hub_checkpoint_path
-from featurehooks.backbones.torchvision_models import resolve_weights
+from featurehooks.backbones.torchvision_models import random_init_kwargs, resolve_weights
 
 SEED = 0
 
@@ -31,13 +31,19 @@ def torch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def write_seeded_weights(name: str, member: str = "DEFAULT") -> Path:
-    """Write seeded random weights of torchvision model ``name`` where its ``member`` weights are cached."""
+    """Write seeded random weights of torchvision model ``name`` where its ``member`` weights are cached.
+
+    The model gets the arguments torchvision's builder derives from the member (a SWAG ViT is a 384 or
+    518 model), so the file has the layout of the real checkpoint, which torchvision itself can load.
+    It is initialized as the architecture's own init does, so files of members whose layout needs no
+    arguments hold the same values as ``tvm.get_model(name, weights=None)`` would.
+    """
     weights = resolve_weights(name, member)
     path = hub_checkpoint_path(weights.url)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(SEED)
-        model = tvm.get_model(name, weights=None)
+        model = tvm.get_model(name, weights=None, **random_init_kwargs(name, weights))
         torch.save(model.state_dict(), path)
     return path
 

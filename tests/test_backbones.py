@@ -10,7 +10,7 @@ import torchvision.models as tvm
 from safetensors.torch import save_file
 
 import featurehooks as fh
-from featurehooks.backbones import load_backbone
+from featurehooks.backbones import load_backbone, torchvision_models
 
 
 def test_registry_lists_the_promised_families() -> None:
@@ -36,9 +36,23 @@ def test_unknown_timm_model_names_the_closest() -> None:
 def test_default_weights_load_from_the_cache(resnet18_cached: Path) -> None:
     backbone = load_backbone("resnet18")
     assert backbone.weights == "ResNet18_Weights.IMAGENET1K_V1"
+    assert backbone.in_channels == 3
     expected = torch.load(resnet18_cached, weights_only=True)
     assert torch.equal(backbone.model.conv1.weight, expected["conv1.weight"])
     assert not any(t.is_meta for t in backbone.model.state_dict().values())
+
+
+def test_loading_never_leaves_meta_tensors(resnet18_cached: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    build = torchvision_models.build
+
+    def build_with_a_buffer_no_file_fills(name: str, member: tvm.WeightsEnum, *, meta: bool) -> torch.nn.Module:
+        model = build(name, member, meta=meta)
+        model.register_buffer("derived", torch.empty(3, device="meta"), persistent=False)
+        return model
+
+    monkeypatch.setattr(torchvision_models, "build", build_with_a_buffer_no_file_fills)
+    with pytest.raises(fh.WeightsUnavailableError, match="without values: derived"):
+        load_backbone("resnet18")
 
 
 def test_enum_member_names_are_accepted(resnet18_cached: Path) -> None:

@@ -73,20 +73,22 @@ def _own_module(module: nn.Module, weights: WeightsSpec) -> Backbone:
     model = copy.deepcopy(module)
     if is_state_dict_file(weights):
         load_fitting(model, read_state_dict(weights), str(weights))  # type: ignore[arg-type]
-        return Backbone(model, type(module).__name__, str(weights), Preprocessing())
+        return Backbone(model, type(module).__name__, str(weights), Preprocessing(), in_channels=None)
     if weights not in ("DEFAULT", None):
         raise ValueError(
             f"weights={weights!r} cannot apply to an nn.Module: pass a local state-dict file, or "
             "'DEFAULT'/None to use the module's own weights"
         )
-    return Backbone(model, type(module).__name__, None, Preprocessing())
+    return Backbone(model, type(module).__name__, None, Preprocessing(), in_channels=None)
 
 
-def build_architecture(spec: str) -> tuple[nn.Module, Preprocessing]:
-    """The architecture of a named backbone with random weights and its default preprocessing (no download)."""
+def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
+    """The Backbone ``load_backbone(spec, weights)`` would give, with its parameters on the meta device.
+
+    Nothing is downloaded, read or randomly initialized: layer listings need shapes, not values. For
+    torchvision, ``weights`` picks the member whose architecture and preprocessing it has (an enum member or
+    name, "DEFAULT"; None or a local file mean DEFAULT's); timm architectures do not depend on ``weights``.
+    """
     if spec.startswith(timm_models.PREFIX):
-        model = timm_models.build(spec[len(timm_models.PREFIX):])
-        return model, timm_models.preprocessing_of(model)
-    model = torchvision_models.build(spec)
-    default = torchvision_models.resolve_weights(spec, "DEFAULT")
-    return model, torchvision_models.preprocessing_of(default)
+        return timm_models.architecture(spec[len(timm_models.PREFIX):], weights)
+    return torchvision_models.architecture(spec, weights)

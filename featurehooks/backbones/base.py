@@ -1,4 +1,4 @@
-"""What a loaded backbone carries besides its weights: its name, provenance and preprocessing."""
+"""What a loaded backbone carries besides its weights: its name, provenance, preprocessing and input channels."""
 
 from __future__ import annotations
 
@@ -24,9 +24,14 @@ class Preprocessing:
 
 @dataclass
 class Backbone:
-    """A model ready to be wrapped, with the facts a manifest or a repr needs about it."""
+    """A model ready to be wrapped, with the facts a manifest or a repr needs about it.
+
+    ``in_channels`` is the input's channel count from the model's own metadata (a stem's first conv may take
+    more, e.g. after a space-to-depth); None for a user's module, which has no such metadata.
+    """
 
     model: nn.Module
     name: str
     weights: str | None
     preprocessing: Preprocessing
+    in_channels: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from itertools import chain
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,14 +14,23 @@ from torchvision.models import WeightsEnum
 
 from ..errors import BackboneNotFoundError, WeightsUnavailableError, did_you_mean
 from ._files import is_state_dict_file, load_fitting, load_hub_checkpoint, read_state_dict
+from ._meta import meta_parameters, meta_tensor_names
 from .base import Backbone, Preprocessing
 
-# Builders that change the architecture when pretrained weights are requested; we build with
-# weights=None (to load the file ourselves with weights_only=True), so we pass the same arguments.
-_PRETRAINED_BUILD_ARGS: dict[str, dict[str, Any]] = {
-    "inception_v3": {"transform_input": True, "aux_logits": True, "init_weights": False},
-    "googlenet": {"transform_input": True, "aux_logits": True, "init_weights": False},
+IN_CHANNELS = 3  # every torchvision classification model takes RGB images
+
+_INCEPTION_ARGS = {"transform_input": True, "aux_logits": True, "init_weights": False}
+# What each torchvision builder module adds to the model's arguments when given weights, besides num_classes
+# (`_ovewrite_named_param`, and VGG's plain assignment, in torchvision/models/*.py).
+_BUILDER_ARGS: dict[str, Callable[[WeightsEnum], dict[str, Any]]] = {
+    "vgg": lambda member: {"init_weights": False},
+    "inception": lambda member: dict(_INCEPTION_ARGS),
+    "googlenet": lambda member: dict(_INCEPTION_ARGS),
+    "vision_transformer": lambda member: {"image_size": member.meta["min_size"][0]},
+    "maxvit": lambda member: {"input_size": member.meta["min_size"]},
 }
+# Heads a builder sets to None after loading its checkpoint: googlenet's auxiliary heads are not pretrained.
+_DISCARDED_HEADS = {"googlenet": ("aux1", "aux2")}
 # DenseNet checkpoints predate the ban on '.' in module names ('norm.1' is now 'norm1').
 _DENSENET_OLD_KEY = re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\.([12]\.(?:weight|bias|running_\w+))$")
 
@@ -75,14 +84,83 @@ def preprocessing_of(weights: WeightsEnum) -> Preprocessing:
     )
 
 
-def build(name: str, *, pretrained_layout: bool = True) -> nn.Module:
-    """Build the architecture with random weights; ``pretrained_layout`` matches the released checkpoints."""
+def builder_kwargs(name: str, member: WeightsEnum) -> dict[str, Any]:
+    """The arguments torchvision's builder of ``name`` derives from ``member`` (its ``_ovewrite_named_param`` calls).
+
+    We build with weights=None and load the checkpoint ourselves (``weights_only=True``, our own offline errors),
+    so the architecture must get these arguments from us: ``vit_b_16`` with IMAGENET1K_SWAG_E2E_V1 is a 384 model.
+    """
+    kwargs: dict[str, Any] = {}
+    if member.meta["categories"] is not None:
+        kwargs["num_classes"] = len(member.meta["categories"])
+    family = tvm.get_model_builder(name).__module__.rsplit(".", 1)[-1]
+    if family in _BUILDER_ARGS:
+        kwargs.update(_BUILDER_ARGS[family](member))
+    return kwargs
+
+
+def layout_member(name: str, weights: str | os.PathLike[str] | WeightsEnum | None) -> WeightsEnum:
+    """The member whose architecture and preprocessing ``weights`` get: itself, or DEFAULT for None or a file.
+
+    Random init and local files take DEFAULT's layout, so the architecture agrees with DEFAULT's
+    preprocessing (``vit_h_14`` is a 518 model either way).
+    """
     _check_name(name)
-    default = tvm.get_model_weights(name).DEFAULT
-    kwargs: dict[str, Any] = {"num_classes": len(default.meta["categories"])}
-    if pretrained_layout:
-        kwargs.update(_PRETRAINED_BUILD_ARGS.get(name, {}))
-    return tvm.get_model(name, weights=None, **kwargs)
+    if weights is None or is_state_dict_file(weights):
+        return tvm.get_model_weights(name).DEFAULT
+    return resolve_weights(name, weights if isinstance(weights, WeightsEnum) else str(weights))
+
+
+def random_init_kwargs(name: str, member: WeightsEnum) -> dict[str, Any]:
+    """``builder_kwargs`` with the architecture's own init, which the builder turns off only to load weights."""
+    kwargs = builder_kwargs(name, member)
+    if "init_weights" in kwargs:
+        kwargs["init_weights"] = True
+    return kwargs
+
+
+def build(name: str, member: WeightsEnum, *, meta: bool) -> nn.Module:
+    """The model torchvision's builder returns for ``member``, before its weights are loaded.
+
+    ``meta=True`` puts the parameters on the meta device without a random init; ``meta=False`` is a real
+    random init on the CPU.
+    """
+    if meta:
+        with meta_parameters():
+            model = tvm.get_model(name, weights=None, **builder_kwargs(name, member))
+    else:
+        model = tvm.get_model(name, weights=None, **random_init_kwargs(name, member))
+    return _discard_heads(name, model)
+
+
+def _discard_heads(name: str, model: nn.Module) -> nn.Module:
+    """Set to None the heads torchvision's builder discards after loading, as it does."""
+    heads = _DISCARDED_HEADS.get(name, ())
+    for head in heads:
+        setattr(model, head, None)
+    if heads:
+        model.aux_logits = False
+    return model
+
+
+def _without_discarded_heads(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state without the keys of discarded heads: hub files have them, a saved torchvision model does not."""
+    prefixes = tuple(f"{head}." for head in _DISCARDED_HEADS.get(name, ()))
+    return {key: value for key, value in state.items() if not key.startswith(prefixes)}
+
+
+def architecture(name: str, weights: str | os.PathLike[str] | WeightsEnum | None) -> Backbone:
+    """What ``load`` gives for these ``weights``, with meta parameters: nothing downloaded, read or initialized."""
+    member = layout_member(name, weights)
+    model = build(name, member, meta=True)
+    return Backbone(model, name, _source(weights, member), preprocessing_of(member), IN_CHANNELS)
+
+
+def _source(weights: str | os.PathLike[str] | WeightsEnum | None, member: WeightsEnum) -> str | None:
+    """Where the weights come from, as a Backbone records it: None, the file, or the enum member."""
+    if weights is None:
+        return None
+    return str(weights) if is_state_dict_file(weights) else str(member)
 
 
 def _fix_legacy_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,34 +173,31 @@ def _fix_legacy_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load(name: str, weights: str | os.PathLike[str] | WeightsEnum | None) -> Backbone:
     """Build torchvision model ``name`` and load ``weights`` (enum name, member, local file or None)."""
-    _check_name(name)
-    default = tvm.get_model_weights(name).DEFAULT
+    member = layout_member(name, weights)
+    source = _source(weights, member)
     if weights is None:
-        return Backbone(build(name, pretrained_layout=False), name, None, preprocessing_of(default))
-    if is_state_dict_file(weights):
-        state = read_state_dict(weights)
-        source = str(weights)
+        model = build(name, member, meta=False)
+    elif is_state_dict_file(weights):
+        model = _with_state(name, member, read_state_dict(weights), str(source))  # type: ignore[arg-type]
     else:
-        member = resolve_weights(name, weights)
         alternatives = f"pass weights=None for random init or weights='path/to/{name}.pth' for a local file"
         state = load_hub_checkpoint(member.url, f"{name} ({member})", alternatives)
-        source, default = str(member), member
-    return Backbone(_with_state(name, _fix_legacy_keys(state), source), name, source, preprocessing_of(default))
+        model = _with_state(name, member, state, str(source))
+    return Backbone(model, name, source, preprocessing_of(member), IN_CHANNELS)
 
 
-def _with_state(name: str, state: dict[str, torch.Tensor], source: str) -> nn.Module:
-    """Build on the meta device and adopt the loaded tensors, skipping a random init that would be overwritten.
-
-    Architectures with buffers outside their state dict are built for real instead.
-    """
-    with torch.device("meta"):
-        model = build(name)
+def _with_state(name: str, member: WeightsEnum, state: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Build on the meta device and adopt the loaded tensors, skipping a random init that would be overwritten."""
+    model = build(name, member, meta=True)
+    state = _without_discarded_heads(name, _fix_legacy_keys(state))
     # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision
     # file would otherwise make a half-precision model), as a copying load_state_dict does.
     dtypes = {key: value.dtype for key, value in model.state_dict().items()}
     state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
     load_fitting(model, state, source, assign=True)
-    if any(t.is_meta for t in chain(model.parameters(), model.buffers())):
-        model = build(name)
-        load_fitting(model, state, source)
+    left = meta_tensor_names(model)
+    if left:
+        raise WeightsUnavailableError(
+            f"the weights in {source} leave {len(left)} tensors of {name} without values: {', '.join(left[:5])}"
+        )
     return model
