@@ -91,7 +91,7 @@ def build_vgg(layers: list[str]) -> Models:
     H.seeded_hub_weights("vgg16")
     detach, grad, detach_full, grad_full = _extractors("vgg16", layers, "DEFAULT")
     plain = H.load_seeded("vgg16")
-    paths = detach.paths
+    paths = detach.taps.paths
     positions = {int(p.split(".")[1]) for p in paths}
     last = max(positions)
     features = plain.features
@@ -112,7 +112,7 @@ def build_resnet(layers: list[str]) -> Models:
     H.seeded_hub_weights("resnet50")
     detach, grad, detach_full, grad_full = _extractors("resnet50", layers, "DEFAULT")
     plain = H.load_seeded("resnet50")
-    wanted = set(detach.paths)
+    wanted = set(detach.taps.paths)
     stages = ["layer1", "layer2", "layer3", "layer4"]
     last = max(stages.index(p) for p in wanted)
 
@@ -125,7 +125,7 @@ def build_resnet(layers: list[str]) -> Models:
                 out.append(x)
         return out
 
-    graph, fx = _tv_fx(plain, detach.paths)
+    graph, fx = _tv_fx(plain, detach.taps.paths)
     return Models(detach, grad, detach_full, grad_full, plain, truncated, fx, None, graph)
 
 
@@ -140,7 +140,7 @@ def build_timm(layers: list[str]) -> Models:
     plain = timm.create_model(TIMM_MODEL, pretrained=False)
     plain.load_state_dict(state)
     plain.eval().requires_grad_(False)
-    indices = sorted(int(p.split(".")[1]) for p in detach.paths)
+    indices = sorted(int(p.split(".")[1]) for p in detach.taps.paths)
 
     def truncated(x: Tensor) -> list[Tensor]:
         x = plain.stem(x)
@@ -156,7 +156,7 @@ def build_timm(layers: list[str]) -> Models:
 
     graph, fx = None, None
     try:
-        graph, fx = _tv_fx(plain, detach.paths)
+        graph, fx = _tv_fx(plain, detach.taps.paths)
     except Exception as exc:  # noqa: BLE001 - FX tracing fails on some models; that is a finding, not a crash
         H.log(f"torchvision FX cannot trace {TIMM_MODEL}: {type(exc).__name__}: {exc}")
     return Models(detach, grad, detach_full, grad_full, plain, truncated, fx, intermediates, graph)

@@ -30,7 +30,11 @@ echo "losses done after $(( $(date +%s) - start )) s"
 timeout 150 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/null || echo "compile: exit $?"
 echo "compile done after $(( $(date +%s) - start )) s"
 
-for name in extraction losses compile; do
+# per-call hook overhead on a tiny model (launch-bound on a GPU)
+timeout 30 "$PYTHON" benchmarks/hook_overhead.py "${COMMON[@]}" > /dev/null || echo "hook_overhead: exit $?"
+echo "hook_overhead done after $(( $(date +%s) - start )) s"
+
+for name in extraction losses compile hook_overhead; do
   # a script cut short wrote no chart; draw it from what it saved
   [ -f "$OUT/${name}_cuda.png" ] || "$PYTHON" benchmarks/_harness.py "$OUT/${name}_cuda.json" || true
   cat "$OUT/${name}_cuda.md" || true

@@ -1,11 +1,11 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
 from . import functional, losses
-from ._hooks import RepeatedCallError
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import DumpResult, dump_features, read_manifest
-from .errors import BackboneNotFoundError, FeatureHooksError, LayerNotFoundError, WeightsUnavailableError
-from .extractor import FeatureExtractor, capture
+from .errors import BackboneNotFoundError, FeatureHooksError, LayerNotFoundError, TraceError, WeightsUnavailableError
+from .extractor import CapturedFeatures, FeatureExtractor, capture
+from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
 from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, TotalVariationLoss
 from .viz import feature_grid, save_feature_grid
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackboneNotFoundError",
+    "CapturedFeatures",
     "DumpResult",
     "FeatureExtractor",
     "FeatureHooksError",
@@ -23,9 +24,9 @@ __all__ = [
     "LossGroup",
     "PerceptualLoss",
     "Preprocessing",
-    "RepeatedCallError",
     "StyleLoss",
     "TotalVariationLoss",
+    "TraceError",
     "WeightsUnavailableError",
     "available_backbones",
     "capture",
@@ -35,6 +36,8 @@ __all__ = [
     "list_layers",
     "load_backbone",
     "losses",
+    "prepare_image",
+    "read_image",
     "read_manifest",
     "save_feature_grid",
 ]

@@ -1,39 +1,29 @@
 """The hook session: the one place that registers, collects from, and removes forward hooks.
 
-A session hooks the requested modules of one model. Each forward collects into a fresh dict;
-with ``stop_early`` the hook of the last requested module to fire raises ``StopForward``, which
-the caller catches, so nothing after the deepest tap runs.
+A session hooks the tapped modules of one model once. Every forward collects into a store of its
+own, kept on a per-thread stack, so threads, ``nn.DataParallel`` replicas and nested forwards never
+see each other's outputs. A tap is one call of one module (``layer1.0.relu`` and ``layer1.0.relu_1``
+are two taps on one module). With ``stop_early`` the hook of the last tap to fire raises
+``StopForward``, caught in ``run``, so nothing after the deepest tap runs.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from functools import partial
-from itertools import chain
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
+from . import _trace
+from ._taps import Site, Taps, call_name
+from ._trace import Trace, trace, tracing
 
-@contextmanager
-def preserved_attributes(model: nn.Module) -> Iterator[None]:
-    """Put back every module's plain attributes (train flags, caches a forward sets) when the block ends.
-
-    A shape-only forward on meta tensors must leave no meta tensor behind in the caller's model.
-    """
-    saved = [(module, dict(module.__dict__)) for module in model.modules()]
-    try:
-        yield
-    finally:
-        for module, attributes in saved:
-            for key in [key for key in module.__dict__ if key not in attributes]:
-                del module.__dict__[key]
-            module.__dict__.update(attributes)
+__all__ = ["HookSession", "StopForward"]
 
 
 class StopForward(BaseException):
@@ -43,8 +33,47 @@ class StopForward(BaseException):
     """
 
 
-class RepeatedCallError(RuntimeError):
-    """A hooked module ran more than once in one forward, so its outputs would overwrite each other."""
+def _detached(output: Any) -> Any:
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+
+
+def _own_containers(output: Any) -> Any:
+    """A copy of the lists, tuples and dicts around the tensors, which a model may refill later."""
+    return tree_map_only(torch.Tensor, lambda t: t, output)
+
+
+def _cloned(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    return tree_map_only(torch.Tensor, torch.Tensor.clone, output)
+
+
+def _versions(output: Any) -> list[tuple[torch.Tensor, int]]:
+    """Every tensor leaf with its version (inference tensors have none and cannot change later)."""
+    return [(t, t._version) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and not t.is_inference()]
+
+
+class _Forward:
+    """What one forward collected: outputs by name, calls per tapped module, and (when checking
+    real forwards for in-place changes) the versions of what was stored."""
+
+    __slots__ = ("calls", "fired", "store", "versions")
+
+    def __init__(self, check_versions: bool) -> None:
+        self.store: dict[str, Any] = {}
+        self.calls: dict[str, int] = {}
+        self.fired = 0
+        self.versions: list[tuple[Site, list[tuple[torch.Tensor, int]]]] | None = [] if check_versions else None
+
+    def changed(self) -> set[Site]:
+        """Sites whose stored tensors were changed in place after they were stored."""
+        return {site for site, leaves in self.versions or () if any(t._version != v for t, v in leaves)}
+
+
+class _ThreadForwards(threading.local):
+    """Per thread: the stack of this session's forwards in progress (innermost last)."""
+
+    stack: list[_Forward] | None = None
 
 
 class _Tap:
@@ -59,39 +88,35 @@ class _Tap:
         self.path = path
 
     def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        self.session.collect(self.path, output)
+        self.session._collect(self.path, output)
 
 
 class HookSession:
-    """Forward hooks on ``taps`` (module path -> output names) of ``model``, removed by ``remove()``.
+    """Forward hooks on the modules of ``taps``; ``prepare``, then ``run`` (or ``follow``), then ``remove``.
 
     Args:
         model: the model whose submodules are hooked.
-        taps: module path -> the output names its output is stored under.
+        taps: the validated request.
         detach: store detached outputs (no graph).
-        stop_early: raise StopForward once every tapped module has fired.
+        stop_early: end the forward once every tap has fired.
     """
 
-    def __init__(
-        self, model: nn.Module, taps: Mapping[str, Sequence[str]], *, detach: bool, stop_early: bool
-    ) -> None:
-        self.taps = {path: tuple(names) for path, names in taps.items()}
+    def __init__(self, model: nn.Module, taps: Taps, *, detach: bool, stop_early: bool) -> None:
+        self.taps = taps
         self.detach = detach
         self.stop_early = stop_early
-        self.clone_paths: set[str] = set()
-        self.track_versions = False
-        self.last_mutated: set[str] = set()
-        self._store: dict[str, Any] | None = None
-        self._fired: dict[str, torch.Tensor | None] = {}
-        self._versions: dict[str, int] = {}
-        self._versions_at_stop: dict[str, int] = {}
-        self.stop_point_only = False
+        self._model = model
+        self._names = taps.names_by_site()
+        self._order = taps.names
+        self._clone: frozenset[Site] = frozenset()
+        self._check_versions = True  # until a trace says which taps change in place
+        self._prepared = False
+        self._local = _ThreadForwards()
         self._handles: list[RemovableHandle] = []
         self._active = True
-        modules = dict(model.named_modules())
         try:
-            for path in self.taps:
-                self._handles.append(modules[path].register_forward_hook(_Tap(self, path)))
+            for path in taps.paths:
+                self._handles.append(model.get_submodule(path).register_forward_hook(_Tap(self, path)))
         except BaseException:
             self.remove()
             raise
@@ -101,130 +126,123 @@ class HookSession:
         """Whether hooks are still registered (a plain flag: torch.compile cannot trace handles)."""
         return self._active
 
-    def collect(self, path: str, output: Any) -> None:
-        """Store the output of tapped module ``path``; raise StopForward once every tap has fired."""
-        store = self._store
-        if store is None:
+    def prepare(self, found: Trace | None, *, clone_all_untraced: bool = False) -> None:
+        """Decide which taps are cloned: those the trace saw changed in place later in the forward.
+
+        Without a trace, real forwards are checked instead (``run`` then repeats a forward whose
+        taps were changed, cloning them from then on), or, where a forward cannot be repeated
+        (``clone_all_untraced``), every tap is cloned.
+        """
+        sites = self.taps.sites
+        if found is not None:
+            self._clone, self._check_versions = found.changed_in_place(sites, self.stop_early), False
+        elif clone_all_untraced:
+            self._clone, self._check_versions = frozenset(sites), False
+        else:
+            self._check_versions = True
+        self._prepared = True
+
+    def _stack(self) -> list[_Forward]:
+        stack = self._local.stack
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _collect(self, path: str, output: Any) -> None:
+        """Store the output of one call of a tapped module into this thread's current forward."""
+        stack = self._local.stack
+        if not stack or _trace.STATE.active:  # outside a forward of this session, or in a meta trace
             return
-        if path in self._fired:
-            raise RepeatedCallError(
-                f"module {path!r} ran more than once in one forward, so its outputs would overwrite "
-                "each other; tap a module that runs once (its parent block, or the layer that feeds it)"
-            )
-        is_tensor = isinstance(output, torch.Tensor)
-        if self.detach:
-            output = output.detach() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.detach, output)
-        if path in self.clone_paths:
-            output = output.clone() if is_tensor else tree_map_only(torch.Tensor, torch.Tensor.clone, output)
-        self._fired[path] = output if is_tensor else None
-        if self.track_versions and is_tensor and not output.is_inference():  # (inference tensors have no version)
-            self._versions[path] = output._version
-        for name in self.taps[path]:
-            store[name] = output
-        if len(self._fired) == len(self.taps):
-            if self.stop_early:
-                raise StopForward
-            if self.track_versions:  # what an early exit would have returned, for a dry run without one
-                fired = self._fired
-                self._versions_at_stop = {p: fired[p]._version for p in self._versions}  # type: ignore[union-attr]
+        forward = stack[-1]
+        calls = forward.calls
+        call = calls.get(path, 0)
+        calls[path] = call + 1
+        site = (path, call)
+        names = self._names.get(site)
+        if names is None:
+            return
+        if isinstance(output, torch.Tensor):
+            output = output.detach() if self.detach else output
+        else:
+            output = _detached(output) if self.detach else _own_containers(output)
+        if site in self._clone:
+            output = _cloned(output)
+        elif forward.versions is not None:
+            forward.versions.append((site, _versions(output)))
+        for name in names:
+            forward.store[name] = output
+        forward.fired += 1
+        if forward.fired == len(self._names) and self.stop_early:
+            raise StopForward
 
-    def begin(self, store: dict[str, Any]) -> None:
-        """Start collecting a new forward into ``store``; outputs of earlier forwards are forgotten."""
-        self._store = store
-        self._fired = {}
-        self._versions = {}
-        self._versions_at_stop = {}
-
-    def mutated_paths(self) -> set[str]:
-        """Tapped outputs changed in place after capture in the last forward (needs track_versions).
-
-        Without early exit, changes made after the last tap fired still count unless
-        ``stop_point_only``: a dry run without early exit then answers for a run with one.
-        """
-        if self.stop_point_only:
-            return {path for path, version in self._versions.items() if self._versions_at_stop.get(path) != version}
-        return {
-            path
-            for path, version in self._versions.items()
-            if (tensor := self._fired.get(path)) is not None and tensor._version != version
-        }
-
-    def finish(self) -> None:
-        """Check that every tap fired in the forward that just ended and note in-place changes.
-
-        Raises:
-            RuntimeError: a tapped module never ran (the model's forward skips it).
-        """
-        missing = [path for path in self.taps if path not in self._fired]
-        if missing:
-            raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
-        self.last_mutated = self.mutated_paths() if self.track_versions else set()
-
-    def reset(self) -> None:
-        """Stop collecting; hooks stay registered but store nothing until the next ``begin``."""
-        self._store = None
-        self._fired = {}
-
-    def run(self, forward: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        """Call ``forward(*args)`` (the model) and return the collected outputs keyed by output name.
+    def run(self, model_forward: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """Call ``model_forward(*args)`` and return the collected outputs by output name, in request order.
 
         The raise of StopForward and its catch sit in this one frame, so ``torch.compile`` traces
         the whole call as one graph (an exception leaving a frame would make dynamo skip it).
+
+        Raises:
+            RuntimeError: a tap never fired (the model's forward skips that module call).
         """
-        store: dict[str, Any] = {}
-        self.begin(store)
+        forward = _Forward(self._check_versions)
+        stack = self._stack()
+        stack.append(forward)
         try:
             try:
-                forward(*args)
+                model_forward(*args)
             except StopForward:
                 pass
-            self.finish()
         finally:
-            self.reset()
-        return store
+            stack.pop()
+        if forward.fired < len(self._names):
+            self._raise_missing(forward)
+        changed = forward.changed() if forward.versions is not None else set()
+        if changed:  # untraced model: clone these from now on, and repeat this forward
+            names = ", ".join(sorted(call_name(*site) for site in changed))
+            warnings.warn(
+                f"outputs of {names} are changed in place later in the forward "
+                "(an in-place activation or +=); they are cloned from now on",
+                stacklevel=3,
+            )
+            self._clone = self._clone | changed
+            return self.run(model_forward, *args)
+        store = forward.store
+        return {name: store[name] for name in self._order}
 
-    def verify_on_meta(
-        self, model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
-    ) -> bool:
-        """Dry-run the whole forward on meta tensors (shapes only, no compute) with ``args``' shapes.
+    def _raise_missing(self, forward: _Forward) -> None:
+        missing = [name for name in self.taps.names if name not in forward.store]
+        raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
 
-        A tapped module that runs twice raises RepeatedCallError now rather than mid-training, and
-        taps changed in place before the forward would end (a conv before ``ReLU(inplace=True)``)
-        are cloned from then on. Returns False when the model cannot run on the meta device; the
-        session then keeps tracking versions so the caller can check real forwards instead.
+    def follow(self, publish: Callable[[dict[str, Any]], None]) -> None:
+        """Collect every forward of the hooked model that its caller runs (for ``capture``).
+
+        Each completed forward hands its store to ``publish``. The first forward is traced on the
+        meta device with its own arguments to learn which taps need a clone; a model that cannot be
+        traced has every tap cloned. The model's own hooks for this are removed by ``remove``.
         """
-        stop_early = self.stop_early
-        self.track_versions, self.stop_early, self.stop_point_only = True, False, stop_early
-        try:
-            with preserved_attributes(model), torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
-                state = {
-                    name: torch.empty_like(tensor, device="meta")
-                    for name, tensor in chain(model.named_parameters(), model.named_buffers())
-                }
-                meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
-                forward = partial(
-                    torch.func.functional_call, model, state, kwargs=meta(dict(kwargs or {})), strict=False
-                )
-                self.run(forward, meta(args))
-        except RepeatedCallError:
-            raise
-        except Exception:  # data-dependent Python control flow, ops without meta kernels, ...
-            return False
-        finally:
-            self.stop_early, self.stop_point_only = stop_early, False
-        self.clone_paths |= self.last_mutated
-        self.track_versions = False
-        return True
+        root = self._model
 
-    def clone_from_now_on(self, paths: set[str]) -> None:
-        """Clone these taps in later forwards: they were found changed in place after capture."""
-        warnings.warn(
-            f"outputs of {', '.join(sorted(paths))} are changed in place later in the forward "
-            "(an in-place activation or +=); they are cloned from now on",
-            stacklevel=4,
-        )
-        self.clone_paths |= paths
-        self.track_versions = False
+        def start(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracing():
+                return
+            if not self._prepared:
+                self.prepare(_try_trace(root, args, kwargs, self.taps.sites), clone_all_untraced=True)
+            self._stack().append(_Forward(False))
+
+        def finish(_module: nn.Module, _args: Any, _output: Any) -> None:
+            if not tracing():
+                publish(self._stack()[-1].store)
+
+        def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
+            if not tracing():
+                self._stack().pop()
+
+        handles = [
+            root.register_forward_pre_hook(start, with_kwargs=True),
+            root.register_forward_hook(finish),
+            root.register_forward_hook(pop, always_call=True),  # also after an exception
+        ]
+        self._handles.extend(handles)
 
     def remove(self) -> None:
         """Remove every hook; safe to call twice."""
@@ -232,3 +250,19 @@ class HookSession:
             handle.remove()
         self._handles.clear()
         self._active = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]  # per-thread forwards in progress belong to this process only
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = _ThreadForwards()
+
+
+def _try_trace(root: nn.Module, args: Iterable[Any], kwargs: dict[str, Any], sites: list[Site]) -> Trace | None:
+    try:
+        return trace(root, tuple(args), kwargs, watch=sites)
+    except Exception:  # data-dependent Python control flow, ops without meta kernels, ...
+        return None

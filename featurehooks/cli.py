@@ -13,7 +13,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._hooks import RepeatedCallError
 from .errors import FeatureHooksError
 from .layers import list_layers
 
@@ -28,10 +27,20 @@ class UserError(Exception):
 
 
 def _layers(args: argparse.Namespace) -> int:
-    rows = list_layers(args.backbone, input_size=args.input_size)
-    header = ("name", "alias", "path", "type", "channels", "stride")
+    rows = list_layers(args.backbone, weights=args.weights, input_size=args.input_size)
+    header = ("name", "alias", "path", "type", "layout", "channels", "stride", "calls")
     table = [header] + [
-        (r.name, r.alias or "-", r.path, r.type, str(r.channels or "-"), str(r.stride or "-")) for r in rows
+        (
+            r.name,
+            r.alias or "-",
+            r.path,
+            r.type,
+            (r.layout or "-") + (f"+{r.prefix_tokens}" if r.prefix_tokens else ""),
+            str(r.channels or "-"),
+            str(r.stride or "-"),
+            str(r.calls),
+        )
+        for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
@@ -140,19 +149,17 @@ def _extract(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     import torch
 
-    from .dump import read_image, transform_for
+    from .images import prepare_image, read_image
     from .viz import save_feature_grid
 
-    extractor = _extractor(args)
-    try:
+    try:  # before the model is built, like extract
         picture = read_image(args.image)
     except FileNotFoundError:
         raise UserError(f"no such image: {args.image}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary
         raise UserError(f"cannot read image {args.image}: {exc}") from None
-    sizes = {"resize_size": "weights", "crop_size": "weights", **_sizes(args)}
-    transform = transform_for(extractor.preprocessing, extractor.input_range, **sizes)
-    image = transform(picture)[None].to(next(iter(extractor.buffers())).device)
+    extractor = _extractor(args)
+    image = prepare_image(picture, extractor, **_sizes(args))
     with torch.no_grad():
         features = extractor(image)
     path = save_feature_grid(
@@ -238,8 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     extract.set_defaults(run=_extract)
 
-    layers = commands.add_parser("layers", help="list a backbone's layers: name, alias, path, type, channels, stride")
+    layers = commands.add_parser(
+        "layers", help="list a backbone's layer calls: name, alias, path, type, layout, channels, stride, calls"
+    )
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
+    layers.add_argument(
+        "--weights", type=_weights, default="DEFAULT", help="weights whose architecture to list (SWAG ViTs differ)"
+    )
     layers.add_argument(
         "--input-size", type=_positive, default=None, metavar="N", help="spatial size used to derive strides"
     )
@@ -274,7 +286,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (
         UserError,
         FeatureHooksError,
-        RepeatedCallError,
         ImportError,
         ValueError,
         TypeError,

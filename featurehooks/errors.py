@@ -18,6 +18,10 @@ class BackboneNotFoundError(FeatureHooksError, LookupError, ValueError):
     """A backbone name is not in the registry (torchvision) or not known to timm."""
 
 
+class TraceError(FeatureHooksError, RuntimeError):
+    """A model could not run the shape-only forward on the meta device that describes its layers."""
+
+
 class WeightsUnavailableError(FeatureHooksError, LookupError):
     """Pretrained weights are neither cached nor downloadable, or a weights name is unknown."""
 

@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from ._hooks import HookSession
+from ._trace import Trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
-from .layers import FeatureInfo, LayerIndex, describe
+from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
 __all__ = ["FeatureExtractor", "LayerSpec", "capture"]
 
-LayerSpec = Union[str, Sequence[str], Mapping[str, str]]
 Mode = Literal["detach", "grad"]
 # Values this far outside input_range (as a fraction of its width) are almost surely the wrong scale.
 _RANGE_SLACK = 0.1
-
-
-def _resolve_taps(index: LayerIndex, layers: LayerSpec) -> tuple[dict[str, list[str]], list[str]]:
-    """Module path -> output names, and the output names in request order."""
-    if isinstance(layers, str):
-        layers = [layers]
-    pairs = list(layers.items()) if isinstance(layers, Mapping) else [(name, name) for name in layers]
-    if not pairs:
-        raise ValueError(f"no layers requested; pick some from featurehooks.list_layers({index.label!r})")
-    taps: dict[str, list[str]] = {}
-    out_names: list[str] = []
-    for name, out_name in pairs:
-        if not isinstance(name, str) or not isinstance(out_name, str):
-            raise TypeError(f"layer names must be strings, got {name!r}")
-        if out_name in out_names:
-            raise ValueError(f"layer {out_name!r} requested twice")
-        taps.setdefault(index.resolve(name), []).append(out_name)
-        out_names.append(out_name)
-    return taps, out_names
 
 
 def _check_mode(mode: str) -> None:
@@ -113,20 +96,22 @@ class FeatureExtractor(nn.Module):
         self.mode: Mode = mode
         self.input_range = (low, high)
         self.early_exit = early_exit
-        self._index = LayerIndex(model, loaded.name)
-        taps, self.layers = _resolve_taps(self._index, layers)
-        self.paths = list(taps)
-        first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-        self.in_channels: int | None = first_conv.in_channels if first_conv is not None else None
+        index = LayerIndex(model, loaded.name)
+        self.taps = index.taps(layers)
+        size = self.preprocessing.crop_size or 224
+        self._untraced = ""
+        try:
+            found, self.in_channels = trace_images(model, size, loaded.in_channels, watch=self.taps.sites)
+        except Exception as exc:  # the model cannot run on meta tensors: real forwards are checked instead
+            found, self.in_channels = None, loaded.in_channels
+            self._untraced = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if found is not None:
+            index.check_calls(self.taps, found)
+        self._trace: Trace | None = found
         self._register_normalization(loaded.preprocessing)
         self._range_checked = False
-        self._session = HookSession(model, taps, detach=mode == "detach", stop_early=early_exit)
-        size = self.preprocessing.crop_size or 224
-        try:
-            self._session.verify_on_meta(model, (torch.empty(1, self.in_channels or 3, size, size),))
-        except BaseException:
-            self._session.remove()
-            raise
+        self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit)
+        self._session.prepare(found)
 
     @property
     def backbone(self) -> nn.Module:
@@ -144,13 +129,20 @@ class FeatureExtractor(nn.Module):
         self._normalizes = pre.mean is not None or (low, high) != (0.0, 1.0)
 
     @property
+    def layers(self) -> list[str]:
+        """Output names in request order."""
+        return self.taps.names
+
+    @functools.cached_property
     def feature_info(self) -> list[FeatureInfo]:
-        """Channels and stride of each requested layer, in request order (a meta-device forward)."""
-        size = self.preprocessing.crop_size or 224
-        shape = (1, self.in_channels or 3, size, size)
-        rows = {row.path: row for row in describe(self._model, shape, self.backbone_name)}
-        path_of = {out: path for path, outs in self._session.taps.items() for out in outs}
-        return [rows[path_of[out]] for out in self.layers]
+        """Layout, channels and stride of each requested layer, in request order (from the meta trace)."""
+        if self._trace is None:
+            raise RuntimeError(
+                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so its layers have no "
+                "metadata before a real forward; look at the shapes of the features it returns"
+            )
+        rows = {(row.path, row.call): row for row in describe(self._model, self._trace, self.backbone_name)}
+        return [rows[tap.site] for tap in self.taps]
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
         super()._apply(fn, recurse)
@@ -201,11 +193,7 @@ class FeatureExtractor(nn.Module):
         x = self.normalize(images)
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
-            store = self._session.run(self._model, x)
-            if self._session.track_versions and self._session.last_mutated:  # the meta dry run was impossible
-                self._session.clone_from_now_on(self._session.last_mutated)
-                store = self._session.run(self._model, x)
-        return {name: store[name] for name in self.layers}
+            return self._session.run(self._model, x)
 
     def close(self) -> None:
         """Remove every hook from the backbone; the extractor cannot be called afterwards."""
@@ -245,43 +233,52 @@ def capture(module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad") -> Ite
         ['0', '2']
     """
     _check_mode(mode)
-    index = LayerIndex(module, type(module).__name__)
-    taps, out_names = _resolve_taps(index, layers)
+    taps = LayerIndex(module, type(module).__name__).taps(layers)
     session = HookSession(module, taps, detach=mode == "detach", stop_early=False)
-    collected: dict[str, Any] = {}
-    ordered: dict[str, Any] = {}
-    state = {"verified": False, "dry_run": False}
-
-    def start_forward(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if state["dry_run"]:
-            return
-        if not state["verified"]:  # first forward: learn which taps need a clone, on meta tensors
-            state["verified"] = state["dry_run"] = True
-            try:
-                if not session.verify_on_meta(module, args, kwargs):
-                    # No dry run, and this forward cannot be repeated: copy every tap, so none can be
-                    # changed in place after capture (the first forward included).
-                    session.clone_paths |= set(session.taps)
-                    session.track_versions = False
-            finally:
-                state["dry_run"] = False
-        collected.clear()
-        session.begin(collected)
-
-    def finish_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
-        if state["dry_run"]:
-            return
-        session.reset()  # also after an exception: a tapped submodule called on its own stores nothing
-        ordered.clear()
-        ordered.update((name, collected[name]) for name in out_names if name in collected)
-
-    handles = [
-        module.register_forward_pre_hook(start_forward, with_kwargs=True),
-        module.register_forward_hook(finish_forward, always_call=True),
-    ]
+    features = CapturedFeatures(taps.names)
     try:
-        yield ordered
+        session.follow(features.publish)
+        yield features
     finally:
-        for handle in handles:
-            handle.remove()
         session.remove()
+
+
+class CapturedFeatures(Mapping[str, Any]):
+    """The outputs of the latest completed forward inside a ``capture`` block, in request order.
+
+    Forwards in several threads each publish their own outputs: a thread reads those of its own
+    latest forward. A thread that ran none reads those of the one thread that did; when several
+    did (``nn.DataParallel`` replicas), reading is an error rather than an arbitrary pick.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+        self._by_thread: dict[int, dict[str, Any]] = {}
+
+    def publish(self, store: Mapping[str, Any]) -> None:
+        """Make ``store`` (one completed forward) what this thread reads from now on."""
+        self._by_thread[threading.get_ident()] = {name: store[name] for name in self._names if name in store}
+
+    def _current(self) -> dict[str, Any]:
+        mine = self._by_thread.get(threading.get_ident())
+        if mine is not None:
+            return mine
+        published = list(self._by_thread.values())
+        if len(published) > 1:
+            raise RuntimeError(
+                f"forwards in {len(published)} other threads were captured (e.g. nn.DataParallel replicas); "
+                "read the features in the thread that ran the forward"
+            )
+        return published[0] if published else {}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._current()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+    def __repr__(self) -> str:
+        return f"CapturedFeatures({list(self._current())})"

@@ -1,29 +1,37 @@
-"""Layer names: readable aliases, module paths, and per-layer metadata known before any real forward."""
+"""Layer names: readable aliases, module paths with call indices, and per-layer metadata from one meta trace."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from typing import Union
 
-import torch
 from torch import nn
-from torchvision.models import VGG
+from torchvision.models import VGG, VisionTransformer
 
-from ._hooks import preserved_attributes
-from .backbones import BackboneSpec, build_architecture
-from .errors import LayerNotFoundError, did_you_mean
+from ._taps import Site, Tap, Taps, call_name
+from ._trace import Trace, trace_images
+from .backbones import BackboneSpec, WeightsSpec, build_architecture
+from .errors import LayerNotFoundError, TraceError, did_you_mean
 
-__all__ = ["FeatureInfo", "LayerIndex", "list_layers", "vgg_aliases"]
+__all__ = ["FeatureInfo", "LayerIndex", "LayerSpec", "describe", "list_layers", "prefix_tokens_of", "vgg_aliases"]
+
+LayerSpec = Union[str, Sequence[str], Mapping[str, str]]
+_CALL_SUFFIX = re.compile(r"(.+)_([1-9][0-9]*)")
 
 
 @dataclass(frozen=True)
 class FeatureInfo:
-    """One tappable layer: its preferred ``name`` (the alias if any), module ``path`` and output facts.
+    """One tappable layer call: its preferred ``name`` (the alias if any), module ``path`` and output facts.
 
-    ``channels`` and ``stride`` come from a shape-only forward on the meta device (no compute, no
-    download); they are ``None`` for outputs that are not feature maps. ``calls`` counts how often the
-    module runs in one forward: a module that runs twice cannot be tapped by FeatureExtractor.
+    ``name`` of the k-th extra call of a module is ``path_k``, as in torchvision FX. ``calls`` counts how
+    often the module runs in one forward and ``call`` which of those runs this row is. ``layout`` says
+    how the output is laid out: ``"NCHW"``, ``"NHWC"`` (Swin), ``"NLC"`` (tokens), ``"NC"``, ``"other"``
+    (containers, other ranks), or ``None`` for a module that never runs. ``channels`` and ``stride``
+    are read from the axes of that layout (``None`` where there are none); ``prefix_tokens`` counts
+    the class/register/distillation tokens that lead an ``NLC`` output, when the model says.
+    All of it comes from a shape-only forward on the meta device: no compute, no download.
     """
 
     name: str
@@ -33,6 +41,9 @@ class FeatureInfo:
     channels: int | None
     stride: int | None
     calls: int
+    call: int = 0
+    layout: str | None = None
+    prefix_tokens: int | None = None
 
 
 def vgg_aliases(model: nn.Module) -> dict[str, str]:
@@ -63,8 +74,18 @@ def aliases_of(model: nn.Module) -> dict[str, str]:
     return vgg_aliases(model) if isinstance(model, VGG) else {}
 
 
+def prefix_tokens_of(model: nn.Module) -> int | None:
+    """How many tokens (class, register, distillation) lead the patch tokens, if the model says."""
+    count = getattr(model, "num_prefix_tokens", None)  # timm
+    if isinstance(count, int):
+        return count
+    if isinstance(model, VisionTransformer):  # torchvision: one class token
+        return 1
+    return None
+
+
 class LayerIndex:
-    """Resolves user-facing layer names (aliases or module paths) of one model to module paths."""
+    """Resolves user-facing layer names (aliases, module paths, ``path_k`` calls) of one model."""
 
     def __init__(self, model: nn.Module, label: str) -> None:
         self.label = label
@@ -74,100 +95,153 @@ class LayerIndex:
         self.alias_of = {path: alias for alias, path in self.aliases.items()}
 
     def names(self) -> list[str]:
-        """Every accepted name: aliases first, then module paths."""
+        """Every accepted name of a first call: aliases first, then module paths."""
         return [*self.aliases, *self.paths]
 
-    def resolve(self, name: str) -> str:
-        """Module path for ``name``; raises LayerNotFoundError with the three closest names."""
+    def resolve(self, name: str) -> Site:
+        """(module path, call index) for ``name``; raises LayerNotFoundError with the three closest names.
+
+        An exact alias or module path is its first call; ``path_k`` is the (k+1)-th call of ``path``.
+        """
         if name in self.aliases:
-            return self.aliases[name]
+            return self.aliases[name], 0
         if name in self._known:
-            return name
+            return name, 0
+        match = _CALL_SUFFIX.fullmatch(name)
+        if match and (match[1] in self._known or match[1] in self.aliases):
+            return self.aliases.get(match[1], match[1]), int(match[2])
         hint = did_you_mean(name, self.names())
         raise LayerNotFoundError(
             f"unknown layer {name!r} for {self.label}; {hint} See featurehooks.list_layers({self.label!r})"
         )
 
+    def taps(self, layers: LayerSpec) -> Taps:
+        """Validate a request (names, or ``{name: output_name}``) and resolve it into Taps."""
+        if isinstance(layers, str):
+            layers = [layers]
+        pairs = list(layers.items()) if isinstance(layers, Mapping) else [(name, name) for name in layers]
+        if not pairs:
+            raise ValueError(f"no layers requested; pick some from featurehooks.list_layers({self.label!r})")
+        items: list[Tap] = []
+        for name, out_name in pairs:
+            if not isinstance(name, str) or not isinstance(out_name, str):
+                raise TypeError(f"layer names must be strings, got {name!r}")
+            if any(tap.name == out_name for tap in items):
+                raise ValueError(f"layer {out_name!r} requested twice")
+            items.append(Tap(out_name, *self.resolve(name)))
+        return Taps(tuple(items))
 
-def _meta_shapes(
-    model: nn.Module, input_shape: tuple[int, ...]
-) -> tuple[dict[str, tuple[int, ...] | None], dict[str, int]]:
-    """Output shape and call count of every module, from one forward on the meta device."""
-    shapes: dict[str, tuple[int, ...] | None] = {}
-    calls: dict[str, int] = {}
-    handles = []
-
-    def record(path: str):
-        def hook(_module: nn.Module, _args: object, output: object) -> None:
-            calls[path] = calls.get(path, 0) + 1
-            shapes.setdefault(path, tuple(output.shape) if isinstance(output, torch.Tensor) else None)
-
-        return hook
-
-    for path, module in model.named_modules():
-        if path:
-            handles.append(module.register_forward_hook(record(path)))
-    state = {
-        name: torch.empty_like(tensor, device="meta")
-        for name, tensor in chain(model.named_parameters(), model.named_buffers())  # non-persistent buffers too
-    }
-    try:
-        with preserved_attributes(model), torch.no_grad():  # the caller's train/eval flags come back too
-            model.eval()  # as FeatureExtractor runs it: a train-mode BatchNorm rejects a 1x1 map at batch 1
-            torch.func.functional_call(model, state, (torch.empty(input_shape, device="meta"),), strict=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return shapes, calls
-
-
-def _channels_and_stride(shape: tuple[int, ...] | None, input_size: int) -> tuple[int | None, int | None]:
-    if shape is None or len(shape) < 2:
-        return None, None
-    if len(shape) == 3:  # tokens: (batch, tokens, channels)
-        return shape[-1], None
-    channels = shape[1]
-    stride = input_size // shape[-1] if len(shape) == 4 and shape[-1] else None
-    return channels, stride
+    def check_calls(self, taps: Taps, found: Trace) -> None:
+        """Refuse taps of module calls that the traced forward never makes."""
+        for tap in taps:
+            calls = found.calls.get(tap.path, 0)
+            if tap.call < calls:
+                continue
+            if calls == 0:
+                raise LayerNotFoundError(
+                    f"layer {tap.path!r} of {self.label} never runs in a forward (traced with input "
+                    f"{tuple(found.input_shape)}); pick a layer that does, see featurehooks.list_layers({self.label!r})"
+                )
+            named = ", ".join(call_name(tap.path, k) for k in range(calls))
+            raise LayerNotFoundError(
+                f"layer {call_name(tap.path, tap.call)!r}: module {tap.path!r} of {self.label} runs {calls} "
+                f"time(s) per forward, named {named}"
+            )
 
 
-def describe(model: nn.Module, input_shape: tuple[int, ...], label: str) -> list[FeatureInfo]:
-    """FeatureInfo for every submodule of ``model``, in definition order."""
-    shapes, calls = _meta_shapes(model, input_shape)
+def _spatial_stride(height: int, width: int, input_hw: tuple[int, int]) -> int | None:
+    """The stride at which a ``height x width`` map covers the input, or None if it cannot be one."""
+    in_height, in_width = input_hw
+    if not (1 <= height <= in_height and 1 <= width <= in_width):
+        return None
+    stride = in_height // height
+    return stride if in_width // width == stride else None
+
+
+def _token_stride(tokens: int, input_hw: tuple[int, int]) -> int | None:
+    """The patch size at which ``tokens`` patch tokens tile the input, or None."""
+    if tokens < 1:
+        return None
+    stride = max(1, round((input_hw[0] * input_hw[1] / tokens) ** 0.5))
+    return stride if (input_hw[0] // stride) * (input_hw[1] // stride) == tokens else None
+
+
+def output_layout(
+    shape: tuple[int, ...] | None, input_hw: tuple[int, int], prefix_tokens: int | None
+) -> tuple[str, int | None, int | None, int | None]:
+    """(layout, channels, stride, prefix tokens) of an output ``shape`` for an input of ``input_hw``."""
+    if shape is None or len(shape) not in (2, 3, 4):
+        return "other", None, None, None
+    if len(shape) == 2:
+        return "NC", shape[1], None, None
+    if len(shape) == 3:
+        for prefix in dict.fromkeys((prefix_tokens or 0, 0)):
+            stride = _token_stride(shape[1] - prefix, input_hw)
+            if stride is not None:
+                return "NLC", shape[2], stride, prefix if prefix_tokens is not None else None
+        return "NLC", shape[2], None, prefix_tokens
+    channels_first = _spatial_stride(shape[2], shape[3], input_hw)
+    channels_last = _spatial_stride(shape[1], shape[2], input_hw)
+    if channels_first is None and channels_last is not None:
+        return "NHWC", shape[3], channels_last, None
+    return "NCHW", shape[1], channels_first, None
+
+
+def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
+    """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace."""
     index = LayerIndex(model, label)
+    input_hw = (found.input_shape[-2], found.input_shape[-1])
+    prefix = prefix_tokens_of(model)
     rows = []
     for path, module in model.named_modules():
         if not path:
             continue
-        channels, stride = _channels_and_stride(shapes.get(path), input_shape[-1])
-        alias = index.alias_of.get(path)
-        rows.append(
-            FeatureInfo(alias or path, alias, path, type(module).__name__, channels, stride, calls.get(path, 0))
-        )
+        calls = found.calls.get(path, 0)
+        for call in range(max(calls, 1)):
+            output = found.outputs.get((path, call))
+            layout, channels, stride, tokens = (
+                output_layout(output.shape, input_hw, prefix) if output is not None else (None, None, None, None)
+            )
+            alias = index.alias_of.get(path) if call == 0 else None
+            name = alias or call_name(path, call)
+            kind = type(module).__name__
+            rows.append(FeatureInfo(name, alias, path, kind, channels, stride, calls, call, layout, tokens))
     return rows
 
 
 def list_layers(
-    backbone: BackboneSpec, *, input_size: int | None = None, include: Iterable[str] | None = None
+    backbone: BackboneSpec,
+    *,
+    weights: WeightsSpec = "DEFAULT",
+    input_size: int | None = None,
+    include: Iterable[str] | None = None,
 ) -> list[FeatureInfo]:
-    """Every tappable layer of ``backbone`` with alias, module path, type, channels and stride.
+    """Every tappable layer call of ``backbone`` with alias, module path, type, layout, channels and stride.
 
-    Named backbones are built on the meta device: nothing is downloaded or computed. ``input_size``
-    (default: the weights' crop size, else 224) sets the spatial size used to derive strides.
-    ``include`` keeps only the rows whose name or path is listed.
+    Named backbones are built on the meta device for ``weights`` (their architecture can depend on
+    it): nothing is downloaded or computed. ``input_size`` (default: the weights' crop size, else
+    224) sets the spatial size used to derive strides. A module that runs several times per forward
+    has one row per call. ``include`` keeps only the rows whose name or path is listed.
 
     Example:
         >>> [row.name for row in list_layers("vgg16")][:3]
         ['conv1_1', 'relu1_1', 'conv1_2']
     """
     if isinstance(backbone, nn.Module):
-        model, label, size = backbone, type(backbone).__name__, input_size or 224
-        channels = next((m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d)), 3)
+        model, label, size, channels = backbone, type(backbone).__name__, input_size or 224, None
     else:
-        with torch.device("meta"):
-            model, preprocessing = build_architecture(backbone)
-        label, size, channels = backbone, input_size or preprocessing.crop_size or 224, 3
-    rows = describe(model, (1, channels, size, size), label)
+        built = build_architecture(backbone, weights)
+        model, label, channels = built.model, backbone, built.in_channels
+        size = input_size or built.preprocessing.crop_size or 224
+    try:
+        found, _ = trace_images(model, size, channels)
+    except Exception as exc:  # the model's own error: a wrong input size, ops without meta kernels, ...
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(
+            f"cannot list the layers of {label}: a shape-only forward of a {size}x{size} image on the meta device "
+            f"failed ({type(exc).__name__}: {first_line}); try another input_size"
+        ) from exc
+    rows = describe(model, found, label)
     if include is not None:
         wanted = set(include)
         rows = [row for row in rows if row.name in wanted or row.path in wanted]

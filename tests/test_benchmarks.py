@@ -113,3 +113,17 @@ def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
         assert row["max_abs_diff"] <= 1e-4, name
         if name.endswith("(compiled)"):
             assert row["graphs"] >= 1 and row["graph_breaks"] >= 0
+
+
+def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
+    overhead = _load("hook_overhead")
+    payload = overhead.main(_common(tmp_path, torch_home))
+    _check_files(tmp_path, "hook_overhead", payload)
+    (group,) = payload["groups"]
+    rows = {row["name"]: row for row in group["rows"]}
+    assert list(rows) == [overhead.FLOOR, overhead.ONE, overhead.ALL, overhead.CAPTURE]
+    assert rows[overhead.FLOOR]["us_per_tap"] is None and all(
+        math.isfinite(rows[name]["us_per_tap"]) for name in (overhead.ONE, overhead.ALL, overhead.CAPTURE)
+    )
+    claims = {t["claim"] for t in payload["targets"]}
+    assert claims == {f"{overhead.ALL}: µs per tap", f"{overhead.CAPTURE}: µs per tap"}

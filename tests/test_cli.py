@@ -12,9 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from featurehooks import FeatureExtractor
+from featurehooks import FeatureExtractor, dump_features
 from featurehooks.cli import main
-from featurehooks.io import dump_features
 
 SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3", "-q"]
 
@@ -151,8 +150,21 @@ def test_help_describes_every_command(command: list[str], capsys: pytest.Capture
 def test_layers_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["layers", "vgg16"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["name", "alias", "path", "type", "channels", "stride"]
-    assert ["relu3_3", "relu3_3", "features.15", "ReLU", "256", "4"] in [line.split() for line in lines]
+    assert lines[0].split() == ["name", "alias", "path", "type", "layout", "channels", "stride", "calls"]
+    assert ["relu3_3", "relu3_3", "features.15", "ReLU", "NCHW", "256", "4", "1"] in [line.split() for line in lines]
+
+
+def test_layers_table_shows_calls_layouts_and_the_weights_architecture(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layers", "resnet18"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["layer1.0.relu_1", "-", "layer1.0.relu", "ReLU", "NCHW", "64", "4", "2"] in rows
+    assert main(["layers", "vit_b_16", "--weights", "IMAGENET1K_SWAG_E2E_V1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    block = next(row for row in rows if row[0] == "encoder.layers.encoder_layer_0")
+    assert block[4:7] == ["NLC+1", "768", "16"]  # 1 class token + 24x24 patches of the 384 SWAG input
+    assert main(["layers", "swin_t"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["features.1", "-", "features.1", "Sequential", "NHWC", "96", "4", "1"] in rows
 
 
 def test_interrupt_exits_130_with_a_hint(
@@ -229,7 +241,7 @@ def test_show_errors_exit_2(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--layers", "layer1.0.relu"], "ran more than once"),  # RepeatedCallError from the dry run
+        (["--layers", "layer1.0.relu_3"], "named layer1.0.relu, layer1.0.relu_1"),  # checked against the trace
         (["--layers", "layer1", "--device", "tpu9"], "unknown device"),
         (["--layers", "layer1", "--device", "cuda:99"], "cuda:99"),
     ],

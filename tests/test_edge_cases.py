@@ -69,7 +69,7 @@ def test_extractor_without_dry_run_works_under_inference_mode() -> None:
     with torch.inference_mode():
         ext(torch.rand(1, 3, 16, 16))
         built_inside = fh.FeatureExtractor(tiny(), ["0", "2"])
-        assert built_inside._session.clone_paths == {"0"}
+        assert built_inside._session._clone == {("0", 0)}
 
 
 def test_capture_hooks_store_nothing_between_forwards() -> None:

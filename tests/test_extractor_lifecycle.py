@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import featurehooks as fh
-from featurehooks._hooks import RepeatedCallError
 
 
 def hook_count(model: nn.Module) -> int:
@@ -159,12 +158,13 @@ def test_input_range_maps_onto_the_same_features(vgg: fh.FeatureExtractor, vgg16
         torch.testing.assert_close(bytes_(images * 255)[name], value, rtol=1e-4, atol=1e-4)
 
 
-def test_a_module_that_runs_twice_is_reported_at_construction(resnet18_cached: Path) -> None:
-    with pytest.raises(RepeatedCallError, match="layer1.0.relu"):
-        fh.FeatureExtractor("resnet18", ["layer1.0.relu"])
+def test_a_call_past_the_last_one_is_refused_with_the_real_names(resnet18_cached: Path) -> None:
+    names = r"runs 2 time\(s\) per forward, named layer1.0.relu, layer1.0.relu_1$"
+    with pytest.raises(fh.LayerNotFoundError, match=names):
+        fh.FeatureExtractor("resnet18", ["layer1.0.relu_2"])
 
 
-def test_a_module_that_runs_twice_is_reported_at_runtime_when_meta_fails(images: torch.Tensor) -> None:
+def test_each_call_of_an_untraceable_module_is_its_own_tap(images: torch.Tensor) -> None:
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -172,12 +172,17 @@ def test_a_module_that_runs_twice_is_reported_at_runtime_when_meta_fails(images:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.conv(x)
-            scale = y.sum().item()  # .item() cannot run on meta tensors, so the dry run stops here
+            scale = y.sum().item()  # .item() cannot run on meta tensors, so there is no trace
             return self.conv(y) * scale
 
-    extractor = fh.FeatureExtractor(Shared(), ["conv"], early_exit=False)
-    with pytest.raises(RepeatedCallError, match="more than once"):
-        extractor(images)
+    module = Shared()
+    extractor = fh.FeatureExtractor(module, ["conv_1", "conv"])
+    out = extractor(images)
+    first = module.conv(images)
+    torch.testing.assert_close(out["conv"], first.detach())
+    torch.testing.assert_close(out["conv_1"], module.conv(first).detach())
+    with pytest.raises(RuntimeError, match="cannot run on the meta device"):
+        _ = extractor.feature_info
 
 
 def test_in_place_change_found_at_runtime_is_cloned_with_a_warning(images: torch.Tensor) -> None:

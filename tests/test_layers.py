@@ -30,7 +30,7 @@ def test_vgg_aliases_for_every_depth(name: str, bn: bool) -> None:
 
 def test_list_layers_rows_carry_channels_and_stride() -> None:
     rows = {row.name: row for row in fh.list_layers("vgg16")}
-    assert rows["relu3_3"] == fh.FeatureInfo("relu3_3", "relu3_3", "features.15", "ReLU", 256, 4, 1)
+    assert rows["relu3_3"] == fh.FeatureInfo("relu3_3", "relu3_3", "features.15", "ReLU", 256, 4, 1, 0, "NCHW", None)
     resnet = {row.path: row for row in fh.list_layers("resnet50")}
     assert (resnet["layer1"].channels, resnet["layer1"].stride) == (256, 4)
     assert (resnet["layer4"].channels, resnet["layer4"].stride) == (2048, 32)

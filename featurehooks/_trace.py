@@ -1,0 +1,198 @@
+"""One shape-only forward on the meta device: what each module call outputs, and which outputs change in place.
+
+Layer listings, ``feature_info`` and hook sessions all read the same ``Trace``: no compute, no
+download, and the caller's model is left as it was (attributes and caches a forward fills included).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from ._taps import Site
+
+__all__ = ["STATE", "CallOutput", "Trace", "preserved_state", "trace", "trace_images", "tracing"]
+
+class _TraceState(threading.local):
+    """Per thread: whether a meta trace is running (hook sessions ignore the forwards of a trace)."""
+
+    active = False
+
+
+STATE = _TraceState()
+
+
+def tracing() -> bool:
+    """Whether this thread is inside a meta trace."""
+    return STATE.active
+
+
+@dataclass(frozen=True)
+class CallOutput:
+    """The output of one module call: ``shape`` of a plain tensor output (None for containers and
+    non-tensors), whether it is a container of tensors, and ``order``, when its hook fired."""
+
+    shape: tuple[int, ...] | None
+    structured: bool
+    order: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one meta forward of a model with input ``input_shape`` showed.
+
+    ``calls``: module path -> how often it ran. ``outputs``: (path, call) -> its output, in firing
+    order. ``changed_at``: for the watched sites whose output (any tensor leaf) was changed in place
+    after the module returned, the firing order at which the change was first seen.
+    """
+
+    input_shape: tuple[int, ...]
+    calls: Mapping[str, int]
+    outputs: Mapping[Site, CallOutput]
+    changed_at: Mapping[Site, int]
+
+    def changed_in_place(self, sites: Collection[Site], stop_early: bool) -> frozenset[Site]:
+        """Sites whose output is changed before the forward ends (or, with early exit, before the
+        last of ``sites`` fires): these must be cloned when captured."""
+        stop = max((self.outputs[site].order for site in sites), default=-1) if stop_early else math.inf
+        return frozenset(site for site in sites if self.changed_at.get(site, math.inf) <= stop)
+
+
+def _container_items(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    return ((key, value) for key, value in vars(module).items() if isinstance(value, (dict, list, set)))
+
+
+@contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Put back every module's attributes when the block ends, and the contents of its dicts, lists
+    and sets (caches such as timm's ``attention_bias_cache`` are filled in place by a forward)."""
+    saved = [
+        (module, dict(vars(module)), {key: copy.copy(value) for key, value in _container_items(module)})
+        for module in model.modules()
+    ]
+    try:
+        yield
+    finally:
+        for module, attributes, contents in saved:
+            for key in [key for key in vars(module) if key not in attributes]:
+                delattr(module, key)
+            vars(module).update(attributes)
+            for key, content in contents.items():
+                container = attributes[key]
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(content)
+                else:
+                    container.update(content)
+
+
+class _Recorder:
+    """Forward hooks on every module that record calls, output shapes and in-place changes."""
+
+    def __init__(self, watch: Collection[Site]) -> None:
+        self.watch = set(watch)
+        self.calls: dict[str, int] = {}
+        self.outputs: dict[Site, CallOutput] = {}
+        self.changed_at: dict[Site, int] = {}
+        self._pending: list[tuple[Site, torch.Tensor, int]] = []
+
+    def hook(self, path: str, _module: nn.Module, _args: Any, output: Any) -> None:
+        order = len(self.outputs)
+        self.note_changes(order)
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        is_tensor = isinstance(output, torch.Tensor)
+        leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        site = (path, call)
+        shape = tuple(output.shape) if is_tensor else None
+        self.outputs[site] = CallOutput(shape, not is_tensor and bool(leaves), order)
+        if site in self.watch:
+            self._pending.extend((site, leaf, leaf._version) for leaf in leaves)
+
+    def note_changes(self, order: int) -> None:
+        """Mark watched outputs whose version moved since they were recorded."""
+        still = []
+        for site, leaf, version in self._pending:
+            if leaf._version != version:
+                self.changed_at.setdefault(site, order)
+            else:
+                still.append((site, leaf, version))
+        self._pending = still
+
+
+def trace(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    watch: Collection[Site] = (),
+    eval_mode: bool = False,
+) -> Trace:
+    """Run ``model`` on meta tensors shaped like ``args`` and record every module call.
+
+    ``watch`` names the sites whose in-place changes matter (the taps of a session).
+    ``eval_mode`` runs in eval mode, as FeatureExtractor does; the caller's flags come back after.
+    Raises whatever the model raises on meta tensors (data-dependent control flow, ops without
+    meta kernels, fixed input sizes); callers decide what a failed trace means.
+    """
+    to_meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
+    state = {name: to_meta(tensor) for name, tensor in chain(model.named_parameters(), model.named_buffers())}
+    recorder = _Recorder(watch)
+    handles = [module.register_forward_hook(partial(recorder.hook, path)) for path, module in model.named_modules()]
+    STATE.active, was_tracing = True, STATE.active
+    try:
+        with preserved_state(model), torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
+            if eval_mode:
+                model.eval()
+            torch.func.functional_call(model, state, to_meta(tuple(args)), to_meta(dict(kwargs or {})), strict=False)
+        recorder.note_changes(len(recorder.outputs))
+    finally:
+        STATE.active = was_tracing
+        for handle in handles:
+            handle.remove()
+    shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
+    return Trace(shape, recorder.calls, recorder.outputs, recorder.changed_at)
+
+
+def _channel_candidates(model: nn.Module) -> list[int]:
+    """Input channel counts to try on a model that does not say: RGB, grayscale, then what its first
+    convolution takes (verified by the trace, never trusted: space-to-depth stems take more)."""
+    first_conv = next((m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return list(dict.fromkeys(c for c in (3, 1, first_conv) if c is not None))
+
+
+def trace_images(
+    model: nn.Module, size: int, channels: int | None = None, *, watch: Collection[Site] = ()
+) -> tuple[Trace, int | None]:
+    """Trace ``model`` on one ``(1, C, size, size)`` image, in eval mode; returns the trace and ``C``.
+
+    ``channels`` comes from the model's metadata when it has some; otherwise the first count that
+    traces is taken, and ``None`` is returned for a model that accepts any count.
+    Raises the model's own error when no count traces.
+    """
+    if channels is not None:
+        return trace(model, (torch.empty(1, channels, size, size),), watch=watch, eval_mode=True), channels
+    error: Exception | None = None
+    for candidate in _channel_candidates(model):
+        try:
+            found = trace(model, (torch.empty(1, candidate, size, size),), watch=watch, eval_mode=True)
+        except Exception as exc:  # the wrong channel count, or a model that cannot run on meta at all
+            error = error or exc
+            continue
+        try:
+            trace(model, (torch.empty(1, candidate + 2, size, size),), eval_mode=True)
+        except Exception:
+            return found, candidate
+        return found, None
+    raise error if error is not None else RuntimeError("model has no input to trace")

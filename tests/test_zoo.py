@@ -1,0 +1,227 @@
+"""Every torchvision classification model through list_layers and FeatureExtractor, against torchvision FX.
+
+For each model of ``torchvision.models.list_models(module=torchvision.models)`` this pins:
+
+- ``list_layers`` has a row for every ``call_module`` node of FX's eval graph (the graph
+  ``get_graph_node_names`` and ``create_feature_extractor`` trace, torchvision ops as leaves), under
+  FX's node name (``path``, ``path_1``, ... or the row's alias) and with FX's count of calls; the rows
+  of modules that FX sees as leaves and that run are exactly those nodes. FX's one naming quirk is
+  left out: it drops a trailing ``_<n>`` from a module path before numbering its calls, so ViT's
+  ``ln_1``/``ln_2`` are FX nodes ``ln``/``ln_1``; those nodes are compared by module path and call only.
+- ``FeatureExtractor(name, picked, weights=None, mode="grad")`` over about six of those nodes spread
+  over the depth (a repeated call and the last stage container among them) returns, bit for bit, what
+  ``create_feature_extractor`` returns on the same backbone when each node's value is cloned the moment
+  it is computed (FX's own outputs are overwritten by later in-place ops), on the smallest input the
+  model takes at or above 64 pixels; input gradients agree to float tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torchvision
+import torchvision.models as tvm
+from torch import Tensor, fx, nn
+from torchvision.models.feature_extraction import NodePathTracer, create_feature_extractor
+
+import featurehooks as fh
+from featurehooks.backbones import build_architecture
+
+MODELS = sorted(tvm.list_models(module=tvm))
+SEED = 0
+PICKS = 6  # nodes spread over the depth, before the repeated call and the stage container are added
+SMALL = 64  # input side for models that take any size: larger than every minimum, small enough to be quick
+# Models that take less than SMALL still get SMALL; these need more (found by trying smaller sizes). ViT and
+# MaxViT take only the size they are built for, the crop size of their DEFAULT weights (vit_h_14: 518).
+LARGER_INPUT = {"inception_v3": 75}
+FIXED_INPUT = ("vit_", "maxvit_")
+# Too slow for the suite's time budget on a 2-core CPU; list_layers is still checked (meta device, no compute).
+TOO_SLOW: dict[str, str] = {}
+STAGE_LAYOUTS = ("NCHW", "NHWC", "NLC")
+_FX_DROPS_SUFFIX = re.compile(r"_[0-9]+$")  # FX's _get_node_qualname strips this before numbering calls
+
+
+@dataclass(frozen=True)
+class LeafCall:
+    """One ``call_module`` node of FX's eval graph: FX's node ``name`` and the module call it runs."""
+
+    name: str
+    path: str
+    call: int
+
+    @property
+    def named_by_call(self) -> bool:
+        """Whether FX's name is ``path`` for the first call and ``path_k`` for the others."""
+        return _FX_DROPS_SUFFIX.search(self.path) is None
+
+
+@dataclass(frozen=True)
+class FxGraph:
+    """FX's leaf-module calls of one model in execution order, and the module paths FX treats as leaves."""
+
+    calls: tuple[LeafCall, ...]
+    leaves: frozenset[str]
+
+
+def fx_tracer() -> NodePathTracer:
+    """The tracer ``get_graph_node_names`` and ``create_feature_extractor`` build by default (their docs):
+    torchvision ops are leaf modules and autowrapped, as ``math`` is."""
+    ops = [obj for obj in vars(torchvision.ops).values() if isinstance(obj, type) and issubclass(obj, nn.Module)]
+    return NodePathTracer(autowrap_modules=(math, torchvision.ops), leaf_modules=ops)
+
+
+@functools.cache
+def layer_rows(name: str) -> tuple[fh.FeatureInfo, ...]:
+    """``fh.list_layers(name)``, once per model for both tests."""
+    return tuple(fh.list_layers(name))
+
+
+@functools.cache
+def fx_graph(name: str) -> FxGraph:
+    """FX's eval graph of ``name``, traced on the architecture with meta parameters (nothing initialized)."""
+    model = build_architecture(name, "DEFAULT").model.eval()
+    tracer = fx_tracer()
+    graph = tracer.trace(model)
+    seen: Counter[str] = Counter()
+    calls = []
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.append(LeafCall(tracer.node_to_qualname[node], node.target, seen[node.target]))
+            seen[node.target] += 1
+    leaves = frozenset(path for path, module in model.named_modules() if path and tracer.is_leaf_module(module, path))
+    return FxGraph(tuple(calls), leaves)
+
+
+def ancestors(path: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b"]``."""
+    parts = path.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def fx_visible_sites(rows: Sequence[fh.FeatureInfo], leaves: frozenset[str]) -> set[tuple[str, int]]:
+    """(path, call) of the module calls FX records as nodes: leaves that run, inside no leaf that runs."""
+    running_leaves = {row.path for row in rows if row.calls and row.path in leaves}
+    return {
+        (row.path, row.call)
+        for row in rows
+        if row.path in running_leaves and not running_leaves.intersection(ancestors(row.path))
+    }
+
+
+def last_stage(rows: Sequence[fh.FeatureInfo], graph: FxGraph) -> str | None:
+    """The last child of the model that holds modules, runs once, outputs a feature map or tokens, and
+    does not hold the model's last leaf call (the head: SqueezeNet's ``classifier`` is a conv stage).
+
+    A child that never runs itself (a ModuleList such as MaxViT's ``blocks``) stands for its children.
+    """
+    head = graph.calls[-1].path
+    first_calls = {row.path: row for row in rows if row.call == 0}
+
+    def children(parent: str) -> list[str]:
+        depth = parent.count(".") + 1 if parent else 0
+        return [p for p in first_calls if p.count(".") == depth and p.startswith(f"{parent}." if parent else "")]
+
+    stages = []
+    for child in children(""):
+        stages.extend(children(child) if first_calls[child].calls == 0 else [child])
+    found = [
+        path
+        for path in stages
+        if children(path)
+        and first_calls[path].calls == 1
+        and first_calls[path].layout in STAGE_LAYOUTS
+        and not head.startswith(f"{path}.")
+    ]
+    return found[-1] if found else None
+
+
+def pick_nodes(rows: Sequence[fh.FeatureInfo], graph: FxGraph) -> list[str]:
+    """About PICKS leaf nodes with tensor outputs, evenly spread over FX's execution order, plus one
+    repeated call (``..._1``) when the model has one and the last stage container."""
+    by_site = {(row.path, row.call): row for row in rows}
+    tensors = [call for call in graph.calls if call.named_by_call and by_site[call.path, call.call].layout != "other"]
+    picked = [tensors[round(i * (len(tensors) - 1) / (PICKS - 1))] for i in range(PICKS)]
+    repeated = [call for call in tensors if call.call > 0]
+    if repeated and not any(call.call > 0 for call in picked):
+        picked.append(repeated[len(repeated) // 2])
+    stage = last_stage(rows, graph)
+    if stage is None:
+        return list(dict.fromkeys(call.name for call in picked))
+    # create_feature_extractor answers each graph node to one query only: asked for "features" and for
+    # "features.30", the last node of "features", it answers "features" with "features.29".
+    stage_end = [call for call in graph.calls if call.path.startswith(f"{stage}.")][-1]
+    return list(dict.fromkeys([call.name for call in picked if call != stage_end] + [stage]))
+
+
+def fx_reference(model: nn.Module, nodes: Sequence[str]) -> fx.GraphModule:
+    """``create_feature_extractor(model, nodes)`` returning a clone of each node's value taken right after
+    the node runs, before a later in-place op (``ReLU(inplace=True)``, ``+=``) can change it."""
+    extractor = create_feature_extractor(model, list(nodes), suppress_diff_warning=True).eval()
+    graph = extractor.graph
+    output = next(node for node in graph.nodes if node.op == "output")
+    clones = {}
+    for key, node in output.args[0].items():
+        with graph.inserting_after(node):
+            clones[key] = graph.call_method("clone", (node,))
+    output.args = (clones,)
+    extractor.recompile()
+    return extractor
+
+
+def input_side(name: str, crop_size: int) -> int:
+    """The side of the square test input: see SMALL, LARGER_INPUT and FIXED_INPUT."""
+    return crop_size if name.startswith(FIXED_INPUT) else LARGER_INPUT.get(name, SMALL)
+
+
+def weighted_sum(features: Mapping[str, Tensor], weights: Mapping[str, Tensor]) -> Tensor:
+    """A scalar that reaches every element of every feature with its own fixed weight."""
+    return sum(((features[key] * weight).sum() for key, weight in weights.items()), torch.zeros(()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_list_layers_names_every_fx_leaf_call(name: str) -> None:
+    rows = layer_rows(name)
+    graph = fx_graph(name)
+    assert len({row.name for row in rows}) == len(rows), "layer names must be unique"
+    by_site = {(row.path, row.call): row for row in rows}
+    counts = Counter(call.path for call in graph.calls)
+    missing = [call.name for call in graph.calls if (call.path, call.call) not in by_site]
+    assert not missing, f"FX nodes without a list_layers row: {missing[:5]}"
+    for call in graph.calls:
+        row = by_site[call.path, call.call]
+        expected = call.name if call.named_by_call else f"{call.path}_{call.call}" if call.call else call.path
+        assert (row.alias or expected, row.calls) == (row.name, counts[call.path]), call.name
+    fx_sites = {(call.path, call.call) for call in graph.calls}
+    assert fx_visible_sites(rows, graph.leaves) == fx_sites
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_features_and_input_gradients_match_fx(name: str) -> None:
+    if name in TOO_SLOW:
+        pytest.skip(TOO_SLOW[name])
+    picked = pick_nodes(layer_rows(name), fx_graph(name))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        extractor = fh.FeatureExtractor(name, picked, weights=None, mode="grad")
+    with extractor:
+        reference = fx_reference(extractor.backbone, picked)
+        side = input_side(name, extractor.preprocessing.crop_size or SMALL)
+        generator = torch.Generator().manual_seed(SEED)
+        images = torch.rand(1, 3, side, side, generator=generator)
+        ours_input, theirs_input = images.clone().requires_grad_(), images.clone().requires_grad_()
+        ours = extractor(ours_input)
+        theirs = reference(extractor.normalize(theirs_input))
+        assert list(ours) == picked
+        for node in picked:
+            torch.testing.assert_close(ours[node], theirs[node], rtol=0, atol=0, msg=lambda m, n=node: f"{n}: {m}")
+        weights = {node: torch.randn(ours[node].shape, generator=generator) for node in picked}
+        weighted_sum(ours, weights).backward()
+        weighted_sum(theirs, weights).backward()
+    torch.testing.assert_close(ours_input.grad, theirs_input.grad, rtol=1e-4, atol=1e-5)
