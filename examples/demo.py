@@ -10,21 +10,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 import featurehooks as fh
 
 HERE = Path(__file__).parent
 IMAGES = sorted((HERE / "images").glob("*.png"))
 OUT = Path("demo-output")
-
-
-def load_images(paths: list[Path], size: int = 224) -> torch.Tensor:
-    """Images as a float batch in [0, 1], resized to ``size`` x ``size``."""
-    arrays = [np.asarray(Image.open(p).convert("RGB").resize((size, size))) for p in paths]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
 
 
 def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
@@ -40,10 +32,10 @@ def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
 def main() -> None:
     print("VGG16 layers (first 10 of", len(fh.list_layers("vgg16")), "):")
     for row in fh.list_layers("vgg16")[:10]:
-        print(f"  {row.name:<10} {row.path:<12} {row.type:<10} channels={row.channels} stride={row.stride}")
+        print(f"  {row.name:<10} {row.path:<12} {row.type:<10} {row.layout} channels={row.channels} stride={row.stride}")
     layers = ["relu3_3", "relu4_3"]
     with make_extractor(layers) as extractor:
-        images = load_images(IMAGES)
+        images = torch.cat([fh.prepare_image(path, extractor) for path in IMAGES])  # as the weights' transforms
         features = extractor(images)
         dump = fh.dump_features(
             extractor, HERE / "images", OUT / "features", pool="avg", num_workers=0, overwrite=True, progress=False
