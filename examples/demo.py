@@ -30,9 +30,10 @@ def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
 
 
 def main() -> None:
-    print("VGG16 layers (first 10 of", len(fh.list_layers("vgg16")), "):")
-    for row in fh.list_layers("vgg16")[:10]:
-        print(f"  {row.name:<10} {row.path:<12} {row.type:<10} {row.layout} channels={row.channels} stride={row.stride}")
+    rows = fh.list_layers("vgg16")
+    print("VGG16 layers (first 10 of", len(rows), "):")
+    for row in rows[:10]:
+        print(f"  {row.name:<10} {row.path:<12} {row.type:<8} {row.layout} channels={row.channels} stride={row.stride}")
     layers = ["relu3_3", "relu4_3"]
     with make_extractor(layers) as extractor:
         images = torch.cat([fh.prepare_image(path, extractor) for path in IMAGES])  # as the weights' transforms
