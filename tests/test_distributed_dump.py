@@ -81,7 +81,7 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess:
 
 def same_files(a: Path, b: Path) -> None:
     names = sorted(p.name for p in a.iterdir())
-    assert names == ["index.csv", "layer1.npy", "layer2.npy", "manifest.json"]
+    assert names == ["index.csv", "inputs.npy", "layer1.npy", "layer2.npy", "manifest.json"]
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -1,7 +1,8 @@
 """Planning a dump: what the inputs are, what will be computed, and what an existing output allows.
 
-Rank 0 runs these; the plan it returns is what every rank follows. ``finish_dump`` writes the index
-and the atomic ``"complete"`` manifest once every chunk is committed.
+Rank 0 runs these; the ``Plan`` it returns is what every rank follows. ``finish_dump`` writes the index
+and the atomic ``"complete"`` manifest once every chunk is committed. For image files, the size and
+modification time of every input are kept in ``inputs.npy``, so a resume refuses inputs changed since.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from .forward import device_of, features_as_arrays
 from .sources import SourceSpec, first_tensor, inputs_digest, list_images
 from .store import FORMAT, INDEX, DumpStore, layer_file_name
 
-__all__ = ["Inputs", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
+__all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 
 # Settings that must match for a resume to continue an earlier run.
 RESUME_KEYS = ("backbone", "weights", "weights_sha256", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
+IDENTITY = "inputs.npy"  # (N, 2) int64: size in bytes and modification time in ns of every input file
+_NAMED = 5  # changed inputs named in an error; the rest are counted
 
 
 def _versions() -> dict[str, str]:
@@ -45,14 +48,37 @@ def _versions() -> dict[str, str]:
     }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Inputs:
-    """The rows of a dump: their names, the dataset (for tensor sources) and the prepared image shape."""
+    """The rows of a dump: their names, the dataset (for tensor sources), the prepared image shape, and
+    for files their identity (size and mtime, to notice files replaced before a resume)."""
 
     names: list[str]
     dataset: Dataset | None
     image_shape: tuple[int, ...]
     transform: ImageTransform | None
+    identity: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank follows: the manifest as written, the chunks still to compute, and their size."""
+
+    manifest: dict[str, Any]
+    pending: tuple[int, ...]
+    chunk_size: int
+
+
+def file_identity(names: list[str]) -> np.ndarray:
+    """``(N, 2)`` size and modification time (ns) of each file; ``-1`` where a file cannot be stat'ed."""
+    identity = np.full((len(names), 2), -1, dtype=np.int64)
+    for row, name in enumerate(names):
+        try:
+            info = os.stat(name)
+        except OSError:  # reported as an invalid row when it is read
+            continue
+        identity[row] = (info.st_size, info.st_mtime_ns)
+    return identity
 
 
 def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any) -> Inputs:
@@ -84,7 +110,7 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
                 continue
         else:
             raise ValueError(f"none of the {len(names)} inputs could be decoded")
-    return Inputs(names, None, shape, transform)
+    return Inputs(names, None, shape, transform, file_identity(names))
 
 
 def weights_digest(extractor: Any) -> str | None:
@@ -141,17 +167,63 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
             "sha256": inputs_digest(inputs.names),
         },
     }
+    if inputs.identity is not None:
+        settings["inputs"]["identity_sha256"] = hashlib.sha256(inputs.identity.tobytes()).hexdigest()
     return json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    # weights_sha256 is newer than the format: a dump started without it is compared on the rest
+    # weights_sha256 and the inputs' identity are newer than the format: a dump started without them
+    # is compared on the rest
+    old_inputs = old.get("inputs")
+    if isinstance(old_inputs, dict) and "identity_sha256" not in old_inputs:
+        new = {**new, "inputs": {k: v for k, v in new["inputs"].items() if k != "identity_sha256"}}
     return [key for key in RESUME_KEYS if old.get(key) != new.get(key) and (key in old or key != "weights_sha256")]
 
 
+def _check_identity(store: DumpStore, old: dict[str, Any], inputs: Inputs) -> None:
+    """Refuse a resume whose input files changed (size or mtime) since the dump began, naming them."""
+    old_digest = (old.get("inputs") or {}).get("identity_sha256")
+    if inputs.identity is None or old_digest is None:
+        return
+    if old_digest == hashlib.sha256(inputs.identity.tobytes()).hexdigest():
+        return
+    try:
+        earlier = np.load(store.root / IDENTITY)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot resume the dump in {store.root}: the input files changed since it began, and {IDENTITY} "
+            f"({type(exc).__name__}) cannot tell which; overwrite=True (--overwrite) starts over"
+        ) from exc
+    if earlier.shape != inputs.identity.shape:
+        changed = list(range(len(inputs.names)))
+    else:
+        changed = np.flatnonzero((earlier != inputs.identity).any(axis=1)).tolist()
+    named = ", ".join(inputs.names[row] for row in changed[:_NAMED])
+    more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
+    raise ValueError(
+        f"cannot resume the dump in {store.root}: {len(changed)} input file(s) changed (size or modification "
+        f"time) since it began: {named}{more}; restore them, or overwrite=True (--overwrite) to start over"
+    )
+
+
+def _save_identity(store: DumpStore, identity: np.ndarray | None) -> None:
+    """Write ``inputs.npy`` atomically (or remove a stale one) before any row is computed."""
+    path = store.root / IDENTITY
+    if identity is None:
+        path.unlink(missing_ok=True)
+        return
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as handle:
+        np.save(handle, identity)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
 def plan_dump(
-    store: DumpStore, settings: dict[str, Any], batch_size: int, resume: bool, overwrite: bool
-) -> dict[str, Any]:
+    store: DumpStore, settings: dict[str, Any], inputs: Inputs, batch_size: int, resume: bool, overwrite: bool
+) -> Plan:
     """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
     out = store.root
     files: dict[str, str] = {}
@@ -177,19 +249,20 @@ def plan_dump(
                 f"{out} holds an unfinished dump; pass resume=True (--resume) to finish it "
                 "or overwrite=True (--overwrite) to start over"
             )
+        if differ == ["inputs"] and existing["inputs"].get("sha256") == settings["inputs"]["sha256"]:
+            _check_identity(store, existing, inputs)
         if differ:
             raise ValueError(
                 f"cannot resume the dump in {out}: {', '.join(differ)} differ from the earlier run; "
                 "use the same settings and inputs, or overwrite=True (--overwrite) to start over"
             )
         if status == "complete":
-            return {"manifest": existing, "pending": [], "chunk_size": existing["chunk_size"]}
+            return Plan(existing, (), int(existing["chunk_size"]))
         chunk_size = int(existing["chunk_size"])
         if store.arrays_match(settings["shapes"], settings["dtype"]):
             num_chunks = -(-num_rows // chunk_size)
             done = store.committed()
-            pending = [c for c in range(num_chunks) if c not in done]
-            return {"manifest": existing, "pending": pending, "chunk_size": chunk_size}
+            return Plan(existing, tuple(c for c in range(num_chunks) if c not in done), chunk_size)
         batch_size = chunk_size  # the arrays were never fully created: start over with the same chunks
     elif existing is None and not overwrite:
         clash = [p.name for p in (store.layer_path(n) for n in settings["layers"]) if p.exists()]
@@ -209,8 +282,9 @@ def plan_dump(
     old_layers = existing.get("layers", []) if existing else []
     store.remove_outputs([*old_layers, *settings["layers"]])
     store.reset_journal()
+    _save_identity(store, inputs.identity)
     store.create_arrays(settings["shapes"], settings["dtype"])
-    return {"manifest": manifest, "pending": list(range(-(-num_rows // batch_size))), "chunk_size": batch_size}
+    return Plan(manifest, tuple(range(-(-num_rows // batch_size))), batch_size)
 
 
 def _read_quietly(store: DumpStore) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .forward import device_of, features_as_arrays
-from .plan import Inputs, describe_settings, finish_dump, plan_dump, resolve_inputs
+from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
 from .sources import ImageFiles, SourceSpec, TensorRows, collate
 from .store import DumpStore
@@ -69,12 +70,21 @@ def _check_options(batch_size: int, num_workers: int | None, pool: str | None, d
     return name
 
 
-def _default_workers() -> int:
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return min(4, max(cores - 1, 0))
+        return os.cpu_count() or 1
+
+
+def _workers(requested: int | None, batches: int) -> int:
+    """DataLoader workers: up to 4 by default; never more than 4 per core, nor more than there are batches.
+
+    Decoding is partly I/O-bound, so a few workers per core can pay; past that, each worker is a process
+    that only costs memory (``--workers 100000`` would fork until the OOM killer stepped in).
+    """
+    wanted = min(4, max(_cores() - 1, 0)) if requested is None else requested
+    return min(wanted, 4 * _cores(), batches)
 
 
 def _loader(
@@ -94,13 +104,36 @@ def _loader(
     )
 
 
-def _progress(total: int, rank: int, world_size: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+class _Progress:
+    """A tqdm bar on stderr that is best-effort: a closed or failing stderr turns it off, never the dump."""
 
-    desc = "extract" if world_size == 1 else f"extract rank {rank}"
-    return tqdm(
-        total=total, unit="img", desc=desc, position=rank, disable=not enabled, file=sys.stderr, dynamic_ncols=True
-    )
+    def __init__(self, total: int, rank: int, world_size: int, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        desc = "extract" if world_size == 1 else f"extract rank {rank}"
+        self._bar: Any = None
+        if enabled and sys.stderr is not None:
+            try:
+                self._bar = tqdm(
+                    total=total, unit="img", desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True
+                )
+            except Exception:  # noqa: BLE001 - ValueError (closed file), OSError (EPIPE, EBADF), ...
+                self._bar = None
+
+    def update(self, count: int) -> None:
+        self._call("update", count)
+
+    def close(self) -> None:
+        self._call("close")
+
+    def _call(self, method: str, *args: int) -> None:
+        if self._bar is None:
+            return
+        try:
+            getattr(self._bar, method)(*args)
+        except Exception:  # noqa: BLE001 - progress never stops a dump
+            bar, self._bar = self._bar, None
+            bar.disable = True  # its finalizer must not write either
 
 
 def dump_features(
@@ -140,7 +173,8 @@ def dump_features(
             already prepared: floats in the extractor's ``input_range``, or ``uint8`` 0..255 pixels.
         out_dir: output folder (created if needed).
         batch_size: images per forward, and the unit of commit and resume.
-        num_workers: DataLoader processes that decode while the model runs (default: up to 4).
+        num_workers: DataLoader processes that decode while the model runs (default: up to 4; at most 4
+            per CPU core and one per batch).
         pool: ``"avg"`` or ``"max"`` over the spatial (or token) axes, or ``None`` to keep maps.
         dtype: ``"float32"`` or ``"float16"`` on disk.
         resume: finish an unfinished dump in ``out_dir`` (with the same settings and inputs).
@@ -165,21 +199,21 @@ def dump_features(
     dtype = _check_options(batch_size, num_workers, pool, dtype)
     if resume and overwrite:
         raise ValueError("pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both")
-    workers = _default_workers() if num_workers is None else num_workers
     device = device_of(extractor)
     dist = Distributed.from_environment(device)
     store = DumpStore(out_dir)
     try:
-        plan = _broadcast_plan(
+        plan, inputs = _broadcast_plan(
             dist, store, extractor, source, pool, dtype, batch_size, resume, overwrite, resize_size, crop_size
         )
-        inputs, manifest = plan["inputs"], plan["manifest"]
+        manifest = plan.manifest
         if manifest.get("status") == "complete":
             return DumpResult(store.root, manifest)
-        mine = split_contiguous(plan["pending"], dist.world_size, dist.rank)
+        mine = split_contiguous(plan.pending, dist.world_size, dist.rank)
+        workers = _workers(num_workers, len(mine))
         failure: Exception | None = None
         try:
-            _compute(extractor, inputs, store, mine, int(plan["chunk_size"]), manifest, dist, workers, device, progress)
+            _compute(extractor, inputs, store, mine, plan.chunk_size, manifest, dist, workers, device, progress)
         except Exception as exc:
             if dist.world_size == 1:
                 raise
@@ -213,33 +247,38 @@ def _broadcast_plan(
     overwrite: bool,
     resize_size: Any,
     crop_size: Any,
-) -> dict[str, Any]:
-    """Rank 0 resolves inputs and prepares the files; the plan (or its error) reaches every rank."""
-    plan: dict[str, Any] | None = None
-    error: tuple[str, str] | None = None
+) -> tuple[Plan, Inputs]:
+    """Rank 0 resolves inputs and prepares the files; the plan (or its error, of the same type) reaches every rank."""
+    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any] | None = None
+    error: BaseException | None = None
     if dist.is_main:
         try:
             inputs = resolve_inputs(extractor, source, resize_size, crop_size)
             settings = describe_settings(extractor, inputs, pool, dtype)
-            plan = plan_dump(store, settings, batch_size, resume, overwrite)
+            plan = plan_dump(store, settings, inputs, batch_size, resume, overwrite)
             names = inputs.names if inputs.dataset is None else None
-            plan["inputs"] = (names, inputs.image_shape, inputs.transform)
-        except (OSError, ValueError, TypeError, LookupError) as exc:
+            shared = (plan, names, inputs.image_shape, inputs.transform)
+        except Exception as exc:
             if dist.world_size == 1:
                 raise
-            error = (type(exc).__name__, str(exc))
-    plan, error = dist.broadcast((plan, error))
+            error = _portable(exc)
+    shared, error = dist.broadcast((shared, error))
     if error is not None:
-        kinds = {"FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
-        raise kinds.get(error[0], ValueError)(error[1])
-    names, image_shape, transform = plan["inputs"]
+        raise error
+    plan, names, image_shape, transform = shared  # type: ignore[misc]
     if names is None:  # a dataset: every rank holds its own copy
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
         count = len(dataset)  # type: ignore[arg-type]
-        plan["inputs"] = Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
-    else:
-        plan["inputs"] = Inputs(names, None, image_shape, transform)
-    return plan
+        return plan, Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
+    return plan, Inputs(names, None, image_shape, transform)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (so other ranks raise the same type), else a RuntimeError saying it."""
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - exceptions with unusual constructors
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _compute(
@@ -266,7 +305,8 @@ def _compute(
     low, high = getattr(extractor, "input_range", (0.0, 1.0))
     batches = [list(range(a, b)) for a, b in ranges]
     loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
-    with _progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress) as bar:
+    bar = _Progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress)
+    try:
         for chunk, (start, stop), (images, reasons) in zip(chunks, ranges, loader):
             arrays = features_as_arrays(
                 extractor, images.to(device, non_blocking=True), manifest["pool"], manifest["dtype"]
@@ -278,5 +318,7 @@ def _compute(
             store.write_rows(start, arrays)
             store.commit(chunk, start, stop, skipped)
             bar.update(stop - start)
+    finally:
+        bar.close()
     store.close_journal()
     store.close_arrays()

@@ -1,0 +1,119 @@
+"""Dump planning and running: bounded workers, changed inputs refused on resume, best-effort progress, errors across ranks."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dump_helpers import mark_unfinished
+from PIL import Image
+from torch import nn
+
+from featurehooks import FeatureExtractor, dump_features
+from featurehooks.dump import run as dump_run
+from featurehooks.errors import LayerNotFoundError
+
+SIZE = 16
+
+
+def extractor() -> FeatureExtractor:
+    torch.manual_seed(0)
+    net = nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 4, 3, stride=2), relu=nn.ReLU()))
+    return FeatureExtractor(net, ["relu"])
+
+
+def images(folder: Path, count: int = 6) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+def dump(source: object, out: Path, **kwargs: object):
+    options = {"batch_size": 2, "num_workers": 0, "progress": False, "resize_size": SIZE, "crop_size": SIZE}
+    return dump_features(extractor(), source, out, **{**options, **kwargs})
+
+
+def test_workers_are_bounded_by_cores_and_batches() -> None:
+    assert dump_run._workers(100_000, 3) == 3
+    assert dump_run._workers(100_000, 10_000) == 4 * dump_run._cores()
+    assert dump_run._workers(0, 5) == 0
+    assert dump_run._workers(None, 0) == 0
+
+
+def test_an_absurd_worker_count_still_dumps(tmp_path: Path) -> None:
+    result = dump(images(tmp_path / "in", 4), tmp_path / "out", num_workers=100_000)
+    assert result.manifest["status"] == "complete" and result.num_rows == 4
+
+
+def test_resume_refuses_input_files_changed_since_the_dump_began(tmp_path: Path) -> None:
+    folder = images(tmp_path / "in")
+    out = tmp_path / "out"
+    dump(folder, out)
+    assert (out / "inputs.npy").is_file()
+    mark_unfinished(out, [(0, 0, 2)]).close_arrays()
+    replaced = folder / "1.png"
+    buffer = io.BytesIO()
+    Image.new("RGB", (SIZE + 4, SIZE)).save(buffer, format="PNG")
+    replaced.write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=r"1 input file\(s\) changed .*1\.png"):
+        dump(folder, out, resume=True)
+    touched = folder / "4.png"
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match=r"2 input file\(s\) changed .*1\.png, .*4\.png"):
+        dump(folder, out, resume=True)
+
+
+def test_resume_with_unchanged_inputs_is_byte_identical(tmp_path: Path) -> None:
+    folder = images(tmp_path / "in")
+    whole = dump(folder, tmp_path / "whole")
+    out = tmp_path / "out"
+    dump(folder, out)
+    store = mark_unfinished(out, [(1, 2, 4)])
+    store.close_arrays()
+    resumed = dump(folder, out, resume=True)
+    assert resumed.manifest["status"] == "complete"
+    assert resumed.path("relu").read_bytes() == whole.path("relu").read_bytes()
+
+
+class _ClosedStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.close()
+
+
+def test_a_closed_stderr_never_stops_a_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stderr", _ClosedStream())
+    result = dump(images(tmp_path / "in"), tmp_path / "out", progress=True)
+    assert result.manifest["status"] == "complete"
+
+
+class _Failing(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_failing_stderr_never_stops_a_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stderr", _Failing())
+    result = dump(images(tmp_path / "in"), tmp_path / "out", progress=True)
+    assert result.manifest["status"] == "complete"
+
+
+class _Unusual(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+def test_errors_keep_their_type_across_ranks() -> None:
+    for error in (FileExistsError("taken"), LayerNotFoundError("no such layer"), OSError(28, "No space left")):
+        copy = dump_run._portable(error)
+        assert type(copy) is type(error) and str(copy) == str(error)
+    unusual = dump_run._portable(_Unusual(3, "x"))
+    assert isinstance(unusual, (RuntimeError, _Unusual)) and "3: x" in str(unusual)
