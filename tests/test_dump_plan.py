@@ -117,3 +117,12 @@ def test_errors_keep_their_type_across_ranks() -> None:
         assert type(copy) is type(error) and str(copy) == str(error)
     unusual = dump_run._portable(_Unusual(3, "x"))
     assert isinstance(unusual, (RuntimeError, _Unusual)) and "3: x" in str(unusual)
+
+
+def test_the_result_says_how_many_rows_this_call_computed(tmp_path: Path) -> None:
+    folder = images(tmp_path / "in", 5)
+    out = tmp_path / "out"
+    assert dump(folder, out).rows_computed == 5
+    assert dump(folder, out, resume=True).rows_computed == 0
+    mark_unfinished(out, [(0, 0, 2), (2, 4, 5)]).close_arrays()
+    assert dump(folder, out, resume=True).rows_computed == 2

@@ -29,10 +29,12 @@ _POOLS = (None, "avg", "max")
 
 @dataclass(frozen=True)
 class DumpResult:
-    """What a dump wrote: ``out_dir``, its ``manifest`` (as saved) and helpers to read it back."""
+    """What a dump wrote: ``out_dir``, its ``manifest`` (as saved), how many rows this call computed
+    (0 when ``resume`` found the dump already complete), and helpers to read it back."""
 
     out_dir: Path
     manifest: dict[str, Any]
+    rows_computed: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -228,7 +230,9 @@ def dump_features(
         final = finish_dump(store, manifest, inputs.names) if dist.is_main else None
         final = dist.broadcast(final)
         dist.barrier()
-        return DumpResult(store.root, final)
+        num_rows = len(inputs.names)
+        computed = sum(min(plan.chunk_size, num_rows - chunk * plan.chunk_size) for chunk in plan.pending)
+        return DumpResult(store.root, final, computed)
     finally:
         store.close_journal()
         store.close_arrays()
