@@ -1,4 +1,4 @@
-"""Dump planning and running: bounded workers, changed inputs refused on resume, best-effort progress, errors across ranks."""
+"""Dump planning and running: bounded workers, changed inputs refused, best-effort progress, errors across ranks."""
 
 from __future__ import annotations
 
