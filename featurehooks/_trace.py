@@ -1,7 +1,8 @@
 """One shape-only forward on the meta device: what each module call outputs, and which outputs change in place.
 
 Layer listings, ``feature_info`` and hook sessions all read the same ``Trace``: no compute, no
-download, and the caller's model is left as it was (attributes and caches a forward fills included).
+download. It runs on a meta copy of the model, so the caller's model is never touched (attributes and
+caches a forward fills included), also while other threads run it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import copy
 import math
 import threading
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._taps import Site
 
-__all__ = ["STATE", "CallOutput", "Trace", "preserved_state", "trace", "trace_images", "tracing"]
+__all__ = ["STATE", "CallOutput", "Trace", "meta_copy", "trace", "trace_images", "tracing"]
 
 class _TraceState(threading.local):
     """Per thread: whether a meta trace is running (hook sessions ignore the forwards of a trace)."""
@@ -69,32 +69,28 @@ class Trace:
         return frozenset(site for site in sites if self.changed_at.get(site, math.inf) <= stop)
 
 
-def _container_items(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    return ((key, value) for key, value in vars(module).items() if isinstance(value, (dict, list, set)))
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty meta tensors (no data is copied).
+
+    The trace runs on this copy, never on the caller's model: a forward in another thread at the same
+    time sees neither meta weights nor trace hooks, and caches a forward fills stay in the copy.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in chain(model.parameters(), model.buffers(), _attribute_tensors(model)):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
-@contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Put back every module's attributes when the block ends, and the contents of its dicts, lists
-    and sets (caches such as timm's ``attention_bias_cache`` are filled in place by a forward)."""
-    saved = [
-        (module, dict(vars(module)), {key: copy.copy(value) for key, value in _container_items(module)})
-        for module in model.modules()
-    ]
-    try:
-        yield
-    finally:
-        for module, attributes, contents in saved:
-            for key in [key for key in vars(module) if key not in attributes]:
-                delattr(module, key)
-            vars(module).update(attributes)
-            for key, content in contents.items():
-                container = attributes[key]
-                container.clear()
-                if isinstance(container, list):
-                    container.extend(content)
-                else:
-                    container.update(content)
+def _attribute_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors modules keep as plain attributes or in caches (dicts, lists): they are part of the copy too,
+    and a cached result of a forward with grad cannot be deep-copied at all."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, (dict, list, tuple)) and not isinstance(value, nn.Module):
+                yield from (leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+            elif isinstance(value, torch.Tensor):
+                yield value
 
 
 class _Recorder:
@@ -142,25 +138,24 @@ def trace(
     """Run ``model`` on meta tensors shaped like ``args`` and record every module call.
 
     ``watch`` names the sites whose in-place changes matter (the taps of a session).
-    ``eval_mode`` runs in eval mode, as FeatureExtractor does; the caller's flags come back after.
+    ``eval_mode`` runs in eval mode, as FeatureExtractor does (on the copy: the caller's flags stay).
     Raises whatever the model raises on meta tensors (data-dependent control flow, ops without
     meta kernels, fixed input sizes); callers decide what a failed trace means.
     """
     to_meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
-    state = {name: to_meta(tensor) for name, tensor in chain(model.named_parameters(), model.named_buffers())}
+    copied = meta_copy(model)
     recorder = _Recorder(watch)
-    handles = [module.register_forward_hook(partial(recorder.hook, path)) for path, module in model.named_modules()]
+    for path, module in copied.named_modules():
+        module.register_forward_hook(partial(recorder.hook, path))
     STATE.active, was_tracing = True, STATE.active
     try:
-        with preserved_state(model), torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
+        with torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
             if eval_mode:
-                model.eval()
-            torch.func.functional_call(model, state, to_meta(tuple(args)), to_meta(dict(kwargs or {})), strict=False)
+                copied.eval()
+            copied(*to_meta(tuple(args)), **to_meta(dict(kwargs or {})))
         recorder.note_changes(len(recorder.outputs))
     finally:
         STATE.active = was_tracing
-        for handle in handles:
-            handle.remove()
     shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
     return Trace(shape, recorder.calls, recorder.outputs, recorder.changed_at)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,19 +88,26 @@ def test_nested_and_overlapping_captures_each_hold_real_outputs() -> None:
 def test_captures_in_threads_read_their_own_forward() -> None:
     net = Net()
     inputs = [torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    results: list[bool] = []
+    start = threading.Barrier(len(inputs))  # four distinct threads, all running at once
     with fh.capture(net, ["body"], mode="detach") as feats:
 
-        def work(x: torch.Tensor) -> bool:
+        def work(x: torch.Tensor) -> None:
+            start.wait()
             ok = True
             for _ in range(20):
                 out = net(x)
                 ok &= torch.equal(feats["body"], out.detach())
-            return ok
+            results.append(ok)
 
-        with ThreadPoolExecutor(4) as pool:
-            assert all(pool.map(work, inputs))
+        threads = [threading.Thread(target=work, args=(x,)) for x in inputs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [True] * len(inputs)
         with pytest.raises(RuntimeError, match="other threads"):
-            feats["body"]
+            _ = feats["body"]
 
 
 class TupleStage(nn.Module):
