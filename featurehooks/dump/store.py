@@ -1,36 +1,84 @@
 """The on-disk layout of a dump: per-layer ``.npy`` files, ``index.csv``, ``manifest.json`` and the journal.
 
-Crash safety rests on three rules:
+Crash safety rests on five rules:
 
 1. ``manifest.json`` is only ever replaced atomically (write a temporary file, fsync, ``os.replace``)
    and says ``"status": "running"`` before any ``.npy`` file is created; ``"complete"`` is written
    last, once every row is committed. A half-written output is therefore never taken for a complete one.
 2. Rows are written in place (``open_memmap``) in fixed chunks; a chunk counts as done only when its
    line in the journal (``.journal/rank-<r>.jsonl``) is fsynced, and that happens after the
-   memmap flush. A torn last journal line is ignored, so a killed run redoes at most one chunk per rank.
+   memmap flush. A line that does not parse (the one a kill cut short) is ignored, so a killed run redoes
+   at most one chunk per rank. A line that parses must fit the manifest it was written for (its digest,
+   its chunk's rows, its rank, its checksum), or the dump is refused: rows never computed are never taken
+   for done.
 3. Row numbers come from the sorted input list alone, so every run writes the same bytes to the same place.
+4. Each ``.npy`` file is built whole under a temporary name, with its disk space reserved
+   (``posix_fallocate``), then renamed into place: a full disk is a ``NoSpaceError`` before any row is
+   computed, never a SIGBUS in a memory-mapped write, and a kill never leaves a half-made array that looks whole.
+5. One dump at a time per folder: ``DumpStore.lock`` (rank 0, for the dump's life) holds an exclusive
+   ``flock`` on ``.lock``; a second dump is refused with a ``DumpLockedError`` naming the holder.
 """
 
 from __future__ import annotations
 
-import csv
+import contextlib
+import errno
+import glob
+import hashlib
+import io
 import json
+import math
 import mmap
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+import socket
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.lib import format as npy
 from numpy.lib.format import open_memmap
 
-__all__ = ["DumpStore", "layer_file_name", "read_manifest"]
+from ..errors import FeatureHooksError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so a second writer into the same folder is not stopped there
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["CorruptDumpError", "DumpLockedError", "DumpStore", "NoSpaceError", "layer_file_name", "read_manifest"]
 
 MANIFEST = "manifest.json"
 INDEX = "index.csv"
 JOURNAL = ".journal"
+LOCK = ".lock"
 FORMAT = "featurehooks.dump/1"
+_DTYPES = ("float16", "float32")
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+_LOCK_TRIES = 100
+_RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
+_START_OVER = "pass overwrite=True (--overwrite) to start over"
+
+
+class NoSpaceError(OSError):
+    """The output's filesystem has no room for what a dump must write (``errno.ENOSPC``).
+
+    A failure of the machine, not of the input, hence not a ``FeatureHooksError`` (the CLI exits 1, not 2).
+    Nothing is left half-written: free space and run the dump again (``resume=True`` finishes a started one).
+    """
+
+
+class CorruptDumpError(FeatureHooksError, ValueError):
+    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump."""
+
+
+class DumpLockedError(FeatureHooksError, OSError):
+    """Another process is writing a dump into the same folder (its pid and host are in the message)."""
 
 
 def layer_file_name(layer: str) -> str:
@@ -52,14 +100,51 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _space_for(folder: Path, what: str, needed: int) -> Iterator[None]:
+    """Turn a full disk (or quota) while doing ``what`` into a one-line ``NoSpaceError`` naming the bytes at stake."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _FULL:
+            raise
+        free = shutil.disk_usage(folder).free
+        raise NoSpaceError(
+            errno.ENOSPC,
+            f"no space left in {folder} to {what}: {needed:,} bytes needed, {free:,} available; free some space "
+            "and run the dump again (resume=True / --resume finishes a started dump)",
+        ) from exc
+
+
+def _temporary(path: Path) -> Path:
+    """Where ``path`` is built before it is renamed into place (hidden, one per process)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte of ``data`` is out (a write may be short on a filling disk)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` with ``text`` so that readers see the old or the new file, never a mix.
+
+    The text is encoded as UTF-8 with ``surrogateescape``: a file name that is not valid UTF-8 (which Python
+    holds as lone surrogates) is written as its own bytes and reads back unchanged with the same handler.
+    """
+    data = text.encode("utf-8", "surrogateescape")
+    tmp = _temporary(path)
+    with _space_for(path.parent, f"write {path.name}", len(data)):
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
 
 
@@ -67,7 +152,9 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The manifest of the dump in ``out_dir``, or ``None`` when there is none.
 
     Raises:
-        ValueError: the file exists but is not a featurehooks manifest.
+        CorruptDumpError: the file exists but is not a featurehooks manifest, or a field its files depend on
+            (status, chunk_size, inputs.count, layers, shapes, files, dtype, and once complete the row
+            counts and skipped rows) is missing, mistyped or inconsistent.
     """
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
@@ -75,10 +162,236 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable manifest ({exc}); pass overwrite=True to start over") from exc
+        raise CorruptDumpError(f"{path} is not a readable manifest ({exc}); {_START_OVER}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a featurehooks dump manifest; pass overwrite=True to start over")
+        raise CorruptDumpError(f"{path} is not a featurehooks dump manifest; {_START_OVER}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CorruptDumpError(f"{path}: {problem} (edited by hand?); {_START_OVER}")
     return manifest
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What makes ``manifest`` unfit to describe its files, or ``None``."""
+    status, chunk_size = manifest.get("status"), manifest.get("chunk_size")
+    if status not in ("running", "complete"):
+        return f"status {status!r} is neither 'running' nor 'complete'"
+    if not _is_count(chunk_size, 1):
+        return f"chunk_size {chunk_size!r} is not a positive integer"
+    inputs = manifest.get("inputs")
+    count = inputs.get("count") if isinstance(inputs, dict) else None
+    if not _is_count(count, 1):
+        return f"inputs.count {count!r} is not a positive integer"
+    problem = _layout_problem(manifest, count)
+    if problem is None and status == "complete":
+        problem = _completion_problem(manifest, count)
+    return problem
+
+
+def _layout_problem(manifest: dict[str, Any], count: int) -> str | None:
+    """What is wrong with the layers, their shapes and files, and the dtype, or ``None``."""
+    layers = manifest.get("layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(name, str) for name in layers):
+        return f"layers {layers!r} is not a list of names"
+    if len(set(layers)) < len(layers):
+        return f"layers {layers!r} repeats a name"
+    shapes = manifest.get("shapes")
+    if not isinstance(shapes, dict) or list(shapes) != layers:
+        return f"shapes does not list the layers {layers}"
+    for layer, shape in shapes.items():
+        if not isinstance(shape, list) or not shape or shape[0] != count or not all(_is_count(n) for n in shape):
+            return f"shapes[{layer!r}] {shape!r} is not [{count}, ...] (inputs.count rows, then sizes)"
+    if manifest.get("files") != {layer: layer_file_name(layer) for layer in layers}:
+        return "files does not map each layer to its <layer>.npy"
+    if manifest.get("dtype") not in _DTYPES:
+        return f"dtype {manifest.get('dtype')!r} is not one of {', '.join(_DTYPES)}"
+    return None
+
+
+def _completion_problem(manifest: dict[str, Any], count: int) -> str | None:
+    """What is wrong with the row accounting of a complete manifest, or ``None``."""
+    num_rows, skipped = manifest.get("num_rows"), manifest.get("skipped")
+    if not _is_count(num_rows) or num_rows != count:
+        return f"num_rows {num_rows!r} is not inputs.count ({count})"
+    if not isinstance(skipped, list) or not all(_is_skipped_row(entry, count) for entry in skipped):
+        return "skipped is not a list of {row, path, reason} within the rows"
+    if len({entry["row"] for entry in skipped}) < len(skipped):
+        return "skipped lists a row twice"
+    if manifest.get("num_valid") != count - len(skipped):
+        return f"num_valid {manifest.get('num_valid')!r} is not num_rows minus the skipped rows"
+    return None
+
+
+def _is_skipped_row(entry: Any, count: int) -> bool:
+    """Whether ``entry`` is a ``{row, path, reason}`` of one of ``count`` rows."""
+    return (
+        isinstance(entry, dict)
+        and _is_count(entry.get("row"))
+        and entry["row"] < count
+        and isinstance(entry.get("path"), str)
+        and isinstance(entry.get("reason"), str)
+    )
+
+
+def _digest(manifest: Mapping[str, Any]) -> str:
+    """A fingerprint of a manifest's content (not its formatting): journal lines name the manifest they belong to."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _checksum(body: Mapping[str, Any]) -> int:
+    """CRC-32 of a journal record without its ``crc``: a line edited by hand no longer matches it."""
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _records(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` for every line of ``path`` that parses; a line a kill cut short does not."""
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        yield number, record
+
+
+def _record_problem(record: Any, rank: int, digest: str, chunk_size: int, num_rows: int) -> str | None:
+    """Why a parsed journal line of rank ``rank`` cannot be trusted for the manifest ``digest``, or ``None``."""
+    if not isinstance(record, dict) or set(record) != _RECORD:
+        return f"its fields are not {', '.join(sorted(_RECORD))}"
+    if record["crc"] != _checksum({key: value for key, value in record.items() if key != "crc"}):
+        return "its checksum does not match its content"
+    if record["manifest"] != digest:
+        return f"it was written for another manifest than this {MANIFEST}"
+    if record["rank"] != rank:
+        return f"it names rank {record['rank']!r} in the journal of rank {rank}"
+    chunk, last = record["chunk"], -(-num_rows // chunk_size) - 1
+    if not _is_count(chunk) or chunk > last:
+        return f"chunk {chunk!r} is not one of 0..{last}"
+    start, stop = chunk * chunk_size, min((chunk + 1) * chunk_size, num_rows)
+    if record["rows"] not in ([start, stop], [start, start + chunk_size]):  # the last chunk's end may run past
+        return f"rows {record['rows']!r} are not chunk {chunk}'s rows [{start}, {stop}] (chunk_size {chunk_size})"
+    if not _skipped_fit(record["skipped"], start, stop):
+        return f"skipped {record['skipped']!r} is not a list of distinct [row, reason] in rows [{start}, {stop})"
+    return None
+
+
+def _skipped_of(record: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """The ``(row, reason)`` pairs a checked journal record lists as invalid."""
+    return [(row, why) for row, why in record["skipped"]]
+
+
+def _conflict(record: Mapping[str, Any], done: Mapping[int, list[tuple[int, str]]]) -> str | None:
+    """Why a checked record contradicts an earlier commit of its chunk (the same commit again is fine), or ``None``."""
+    earlier = done.get(record["chunk"])
+    if earlier is None or earlier == _skipped_of(record):
+        return None
+    return f"chunk {record['chunk']} was committed before with other skipped rows"
+
+
+def _skipped_fit(skipped: Any, start: int, stop: int) -> bool:
+    """Whether ``skipped`` lists distinct ``[row, reason]`` pairs with ``start <= row < stop`` and a reason."""
+    if not isinstance(skipped, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in skipped):
+        return False
+    rows = [row for row, _ in skipped]
+    fit = all(_is_count(row) and start <= row < stop and isinstance(why, str) and why for row, why in skipped)
+    return fit and len(set(rows)) == len(rows)
+
+
+def _npy_header(shape: Sequence[int], dtype: str) -> bytes:
+    """The header numpy writes for a C-ordered array of ``shape`` and ``dtype`` (``np.save``, ``open_memmap``)."""
+    buffer = io.BytesIO()
+    header = {"descr": npy.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)}
+    npy.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
+
+
+def _data_bytes(shape: Sequence[int], dtype: str) -> int:
+    """Bytes of the values of an array of ``shape`` and ``dtype``."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _reserve(fd: int, size: int) -> bool:
+    """Allocate the disk blocks of ``fd``'s first ``size`` bytes now; ``False`` where the OS or filesystem cannot."""
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is None:
+        return False
+    try:
+        allocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_FALLOCATE:
+            return False
+        raise
+    return True
+
+
+def _create_npy(path: Path, header: bytes, size: int) -> int:
+    """Write a zero-filled ``.npy`` of ``size`` bytes at ``path``; returns how many are not reserved on disk."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        os.ftruncate(fd, size)
+        reserved = _reserve(fd, size)
+        _write_all(fd, header)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return 0 if reserved else size
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether ``path`` ends in a line a kill cut short (no final newline)."""
+    with open(path, "rb") as handle:
+        if handle.seek(0, os.SEEK_END) == 0:
+            return False
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) != b"\n"
+
+
+def _take_lock(path: Path) -> int:
+    """An fd holding an exclusive ``flock`` on the file at ``path`` (never on one its last holder unlinked)."""
+    for _ in range(_LOCK_TRIES):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:  # a releasing holder removed the folder it had made: make it again
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DumpLockedError(
+                f"{path.parent} is being written by another dump ({holder}); wait for it to end, or stop it"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        if _is_linked(fd, path):
+            return fd
+        os.close(fd)  # the holder released it between our open and our flock: lock the file there now
+    raise DumpLockedError(f"{path.parent} keeps changing hands: other dumps are starting and ending there")
+
+
+def _is_linked(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (a releasing holder unlinks it before letting go)."""
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """``pid N on host H`` as the holder of a lock file wrote it, or ``pid unknown`` if it has not yet."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(info['pid'])} on host {info['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid unknown"
 
 
 class DumpStore:
@@ -89,8 +402,51 @@ class DumpStore:
         self.manifest_path = self.root / MANIFEST
         self.index_path = self.root / INDEX
         self.journal_dir = self.root / JOURNAL
+        self.lock_path = self.root / LOCK
         self._arrays: dict[str, np.memmap] = {}
-        self._journal: Any = None
+        self._journal: int | None = None
+        self._journal_tag: tuple[int, str] = (0, "")  # this rank, and the digest of the manifest it commits for
+        self._lock: int | None = None
+        self._made_root = False  # whether lock() created out_dir, which unlock() then removes if still empty
+
+    # -- lock -------------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take ``out_dir`` (created if needed) for one dump until ``unlock``: rank 0 only, before planning.
+
+        An exclusive ``flock`` on ``.lock``, which names the holder's pid and host. The ranks of one dump do
+        not take it (rank 0 holds it for them all); the kernel drops it when its process dies, so a stale
+        file never blocks. Where the filesystem has no ``flock``, the dump goes on unguarded, with a warning.
+
+        Raises:
+            DumpLockedError: another process holds the folder.
+        """
+        if self._lock is not None or fcntl is None:
+            return
+        made = not self.root.exists()
+        try:
+            fd = _take_lock(self.lock_path)
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            warnings.warn(f"cannot lock {self.root} ({exc}): a second dump into it would not be stopped", stacklevel=2)
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        self._lock, self._made_root = fd, made
+
+    def unlock(self) -> None:
+        """Give the folder back: remove ``.lock`` while still holding it, then release it.
+
+        A folder that ``lock`` created and nothing else was written to goes too: a refused dump leaves no trace.
+        """
+        if self._lock is None:
+            return
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self._lock)
+        self._lock = None
+        if self._made_root:
+            with contextlib.suppress(OSError):  # not empty: the dump wrote there
+                self.root.rmdir()
 
     # -- manifest ---------------------------------------------------------------------------------
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
@@ -100,29 +456,55 @@ class DumpStore:
     def read_manifest(self) -> dict[str, Any] | None:
         return read_manifest(self.root)
 
+    def _require_manifest(self) -> dict[str, Any]:
+        """The manifest, which a journal cannot be read or written without."""
+        manifest = self.read_manifest()
+        if manifest is None:
+            raise CorruptDumpError(f"{self.manifest_path} is missing, so its journal means nothing; {_START_OVER}")
+        return manifest
+
     # -- arrays -----------------------------------------------------------------------------------
     def layer_path(self, layer: str) -> Path:
         return self.root / layer_file_name(layer)
 
     def create_arrays(self, shapes: Mapping[str, Sequence[int]], dtype: str) -> None:
-        """Preallocate every ``<layer>.npy`` (zero-filled, sparse where the filesystem allows); rank 0 only."""
-        for layer, shape in shapes.items():
-            array = open_memmap(self.layer_path(layer), mode="w+", dtype=np.dtype(dtype), shape=tuple(shape))
-            array.flush()
-            del array
+        """Create every ``<layer>.npy`` whole and zero-filled, its disk space reserved up front (rank 0 only).
+
+        Rows are written through memory maps, where a full disk is a SIGBUS that kills the process. The space
+        is reserved here (``posix_fallocate``; where the filesystem cannot, the free space is checked instead),
+        so a dump that does not fit fails before any row is computed. Files are built under temporary names
+        and renamed once whole: a failure leaves none, a kill only temporary files that ``remove_outputs`` deletes.
+
+        Raises:
+            NoSpaceError: the arrays do not fit on the output's filesystem.
+        """
+        headers = {layer: _npy_header(shape, dtype) for layer, shape in shapes.items()}
+        sizes = {layer: len(headers[layer]) + _data_bytes(shape, dtype) for layer, shape in shapes.items()}
+        temps = {layer: _temporary(self.layer_path(layer)) for layer in shapes}
+        with _space_for(self.root, f"create {len(shapes)} array file(s)", sum(sizes.values())):
+            try:
+                unreserved = sum(_create_npy(temps[layer], headers[layer], sizes[layer]) for layer in shapes)
+                if unreserved > shutil.disk_usage(self.root).free:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                for layer, temp in temps.items():
+                    os.replace(temp, self.layer_path(layer))
+            finally:
+                for temp in temps.values():
+                    temp.unlink(missing_ok=True)
+        _fsync_dir(self.root)
 
     def arrays_match(self, shapes: Mapping[str, Sequence[int]], dtype: str) -> bool:
-        """Whether every ``.npy`` exists whole with the expected header (a kill during creation fails this)."""
+        """Whether every ``.npy`` exists whole, with exactly the header ``create_arrays`` writes (C order)."""
         for layer, shape in shapes.items():
             path = self.layer_path(layer)
+            header = _npy_header(shape, dtype)
             try:
-                array = open_memmap(path, mode="r")
-            except (OSError, ValueError):
+                with open(path, "rb") as handle:
+                    same = handle.read(len(header)) == header
+                size = path.stat().st_size
+            except OSError:
                 return False
-            expected = array.offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
-            ok = tuple(array.shape) == tuple(shape) and array.dtype == np.dtype(dtype)
-            del array
-            if not ok or path.stat().st_size != expected:
+            if not same or size != len(header) + _data_bytes(shape, dtype):
                 return False
         return True
 
@@ -149,41 +531,76 @@ class DumpStore:
 
     # -- journal ----------------------------------------------------------------------------------
     def reset_journal(self) -> None:
-        """Forget every committed chunk (rank 0 only, before the arrays are created)."""
-        shutil.rmtree(self.journal_dir, ignore_errors=True)
+        """Forget every committed chunk (rank 0 only, before the arrays are created).
+
+        Fails loudly: a journal left in place would mark chunks of the new dump as done.
+        """
+        try:
+            shutil.rmtree(self.journal_dir)
+        except FileNotFoundError:
+            pass
         self.journal_dir.mkdir(parents=True, exist_ok=True)
 
     def open_journal(self, rank: int) -> None:
+        """Open rank ``rank``'s journal for appending; its records will name the manifest now on disk."""
+        self._journal_tag = (rank, _digest(self._require_manifest()))
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         path = self.journal_dir / f"rank-{rank}.jsonl"
-        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        self._journal = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        if torn:  # a kill cut the last line short: end it, so the next record starts on a line of its own
-            self._journal.write("\n")
+        self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        if _ends_torn(path):  # a kill cut the last line short: end it, so the next record starts on a line of its own
+            self._append(b"\n", "end a torn journal line")
+
+    def _append(self, data: bytes, what: str) -> None:
+        """Append ``data`` to this rank's journal and make it durable."""
+        fd = self._journal
+        if fd is None:
+            raise RuntimeError("open_journal(rank) before committing")
+        with _space_for(self.root, what, len(data)):
+            _write_all(fd, data)
+            os.fsync(fd)
 
     def commit(self, chunk: int, start: int, stop: int, skipped: Sequence[tuple[int, str]]) -> None:
         """Record chunk ``chunk`` (rows ``start:stop``) as done, after flushing its rows to disk."""
         self.flush(start, stop)
-        line = json.dumps({"chunk": chunk, "rows": [start, stop], "skipped": [list(s) for s in skipped]})
-        self._journal.write(line + "\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        rank, digest = self._journal_tag
+        body = {
+            "chunk": chunk,
+            "rows": [start, stop],
+            "skipped": [list(pair) for pair in skipped],
+            "rank": rank,
+            "manifest": digest,
+        }
+        line = json.dumps({**body, "crc": _checksum(body)}) + "\n"
+        self._append(line.encode(), f"commit rows {start}:{stop}")
 
     def close_journal(self) -> None:
         if self._journal is not None:
-            self._journal.close()
+            os.close(self._journal)
             self._journal = None
 
     def committed(self) -> dict[int, list[tuple[int, str]]]:
-        """Chunk -> its skipped rows, for every chunk some rank committed (torn lines ignored)."""
+        """Chunk -> its skipped rows, for every chunk some rank committed (lines a kill cut short ignored).
+
+        Raises:
+            CorruptDumpError: a line parses but does not fit ``manifest.json`` (another manifest, a checksum
+                that does not match, rows that are not its chunk's, a chunk committed twice differently):
+                the dump is refused rather than rows never computed taken for done.
+        """
+        manifest = self._require_manifest()
+        expected = (_digest(manifest), manifest["chunk_size"], manifest["inputs"]["count"])
         done: dict[int, list[tuple[int, str]]] = {}
         for path in sorted(self.journal_dir.glob("rank-*.jsonl")):
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                    done[int(record["chunk"])] = [(int(row), str(reason)) for row, reason in record["skipped"]]
-                except (ValueError, KeyError, TypeError):
-                    continue  # the line a kill cut short
+            rank = path.name[len("rank-") : -len(".jsonl")]
+            if not rank.isdigit():
+                continue  # not a journal this store writes
+            for number, record in _records(path):
+                problem = _record_problem(record, int(rank), *expected) or _conflict(record, done)
+                if problem:
+                    raise CorruptDumpError(
+                        f"{path} line {number}: {problem}; the journal does not fit {MANIFEST} "
+                        f"(edited by hand, or left by another dump): {_START_OVER}"
+                    )
+                done[record["chunk"]] = _skipped_of(record)
         return done
 
     def remove_journal(self) -> None:
@@ -191,32 +608,30 @@ class DumpStore:
 
     # -- index ------------------------------------------------------------------------------------
     def write_index(self, names: Sequence[str], invalid: Mapping[int, str]) -> None:
-        """``index.csv``: ``row,valid,path`` for every row (rank 0 only)."""
-        lines: list[str] = []
-        buffer = _Lines(lines)
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["row", "valid", "path"])
-        for row, name in enumerate(names):
-            writer.writerow([row, 0 if row in invalid else 1, name])
-        write_atomic(self.index_path, "".join(lines))
+        """``index.csv``: ``row,valid,path`` for every row (rank 0 only); names not valid UTF-8 keep their bytes."""
+        rows = (f"{row},{0 if row in invalid else 1},{_csv_field(name)}\n" for row, name in enumerate(names))
+        write_atomic(self.index_path, "row,valid,path\n" + "".join(rows))
 
     def remove_outputs(self, layers: Iterable[str]) -> None:
-        """Delete what an earlier dump left: arrays of ``layers``, index and journal (rank 0 only)."""
-        for layer in layers:
-            self.layer_path(layer).unlink(missing_ok=True)
-        self.index_path.unlink(missing_ok=True)
+        """Delete what an earlier dump left: arrays of ``layers`` and their temporary files, index, journal (rank 0).
+
+        A temporary array a kill left behind holds reserved space, so it goes too.
+        """
+        for path in [*(self.layer_path(layer) for layer in layers), self.index_path]:
+            path.unlink(missing_ok=True)
+            for temp in self.root.glob(f".{glob.escape(path.name)}.tmp-*"):
+                temp.unlink(missing_ok=True)
         self.remove_journal()
 
 
-class _Lines:
-    """A file-like sink for csv.writer that collects lines in a list."""
+def _csv_field(text: str) -> str:
+    """``text`` as one CSV field, quoted when it holds a comma, a quote or a line break.
 
-    def __init__(self, lines: list[str]) -> None:
-        self.lines = lines
-
-    def write(self, text: str) -> int:
-        self.lines.append(text)
-        return len(text)
+    ``csv.writer`` leaves a lone ``\\r`` unquoted, which splits the row for every CSV reader.
+    """
+    if any(ch in text for ch in ',"\r\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def _drop_pages(array: np.memmap, start: int, stop: int) -> None:
