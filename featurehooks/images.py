@@ -7,71 +7,147 @@ same pixels whichever route it takes.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, BinaryIO, Union
 
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as F
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
 from .backbones import Preprocessing
+from .errors import InvalidTypeError, InvalidValueError
 
 if TYPE_CHECKING:
     from .extractor import FeatureExtractor
 
 __all__ = [
+    "MAX_DECODED_PIXELS",
+    "MAX_RESIZED_PIXELS",
     "ImageTransform",
     "decode_image",
     "from_input_range",
     "prepare_image",
     "read_image",
+    "resized_size",
     "to_input_range",
     "transform_for",
 ]
 
 ImageSpec = Union[str, "os.PathLike[str]", Tensor]
 
+MAX_DECODED_PIXELS = 2**26
+"""Most pixels (width × height) an image file may have; a larger one is refused before it is decoded.
+
+67 million (8192 × 8192, a 64 MP photo). Decoding peaks at about 10 bytes per pixel (17 for 16-bit
+images), so one image costs at most about 0.7 GB (1.1 GB). Pillow's own check refuses only above 179
+million and can be switched off (``Image.MAX_IMAGE_PIXELS = None``); this one always holds. Raise it by
+assigning ``featurehooks.images.MAX_DECODED_PIXELS`` (before a dump starts its workers).
+"""
+
+MAX_RESIZED_PIXELS = 2**25
+"""Most pixels the shorter-side resize may produce; checked before resizing, so a thin image cannot explode.
+
+33.5 million (100 MiB of RGB ``uint8``): a 1000 × 1 PNG resized to 256 would become 256000 × 256
+(65.5 million pixels) and is refused, while a 1:100 panorama at 256 (6.6 million) is far inside.
+"""
+
 _HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 _DEFAULT_CROP = 224
 _DEFAULT_RESIZE = 256
 _FROM_WEIGHTS = "weights"
+_SPECIAL_FILES = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "fifo"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
 
 
-def _high_depth_rgb(image: Image.Image) -> np.ndarray:
-    """RGB float32 (H, W, 3) in [0, 1] from a 16-bit, 32-bit integer or float grayscale image."""
-    values = np.asarray(image, dtype=np.float32)
+def _refuse_special(mode: int) -> None:
+    """Raise ``OSError`` unless ``mode`` is a regular file's: reading a FIFO or a device may never end."""
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _SPECIAL_FILES if test(mode)), "special file")
+        raise OSError(f"not a regular file: {kind}")
+
+
+def _open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file (checked before opening, and again on what was opened)."""
+    _refuse_special(os.stat(path).st_mode)  # opening a device can have effects of its own
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in meanwhile cannot block
+    handle = os.fdopen(fd, "rb")
+    try:
+        _refuse_special(os.fstat(fd).st_mode)
+    except OSError:
+        handle.close()
+        raise
+    return handle
+
+
+def _identify(handle: BinaryIO, path: str | os.PathLike[str]) -> Image.Image:
+    """``Image.open`` on an open file; an unknown format names the path, as when Pillow opens the file itself."""
+    try:
+        return Image.open(handle)
+    except UnidentifiedImageError:
+        raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}") from None
+
+
+def _check_decoded_size(width: int, height: int) -> None:
+    """Refuse an image over ``MAX_DECODED_PIXELS`` from its header, before any pixel is decoded."""
+    if width * height > MAX_DECODED_PIXELS:
+        raise InvalidValueError(
+            f"image of {width}x{height} pixels is over MAX_DECODED_PIXELS = {MAX_DECODED_PIXELS} (featurehooks.images)"
+        )
+
+
+def _high_depth_rgb(image: Image.Image) -> Tensor:
+    """(3, H, W) float32 in [0, 1] from a 16-bit, 32-bit integer or float grayscale image.
+
+    Float pixels are taken as they are (NaN or infinite ones are refused); 16-bit are divided by 65535.
+    """
+    gray = np.array(image, dtype=np.float32)
     if image.mode == "F":
-        gray = values
+        if not np.isfinite(gray).all():
+            raise InvalidValueError("float image with NaN or infinite pixels")
     else:  # 16-bit; mode "I" may also hold 8-bit values
-        gray = values / (65535.0 if image.mode != "I" or values.max(initial=0) > 255 else 255.0)
-    return np.repeat(np.clip(gray, 0.0, 1.0)[..., None], 3, axis=2)
+        gray /= 65535.0 if image.mode != "I" or gray.max(initial=0) > 255 else 255.0
+    np.clip(gray, 0.0, 1.0, out=gray)
+    return torch.from_numpy(gray).expand(3, *gray.shape).contiguous()
 
 
-def _rgb8(image: Image.Image) -> Image.Image:
-    """An 8-bit RGB image from any other mode; transparent pixels are composited on white."""
+def _rgb8(image: Image.Image) -> Tensor:
+    """(3, H, W) ``uint8`` from an image of any other mode; transparent pixels are composited on white."""
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
-    return image.convert("RGB")  # L, 1, P, CMYK, YCbCr, LAB, HSV
+    if image.mode != "RGB":  # L, 1, P, CMYK, YCbCr, LAB, HSV; convert() would copy an RGB image too
+        image = image.convert("RGB")
+    return torch.from_numpy(np.asarray(image).transpose(2, 0, 1).copy())
 
 
 def read_image(path: str | os.PathLike[str]) -> Tensor:
     """Read an image file as (3, H, W): ``uint8`` for 8-bit images, float32 in [0, 1] for deeper ones.
 
     Keeping 8-bit images in ``uint8`` until after the resize is what torchvision's
-    ``weights.transforms()`` does, and twice as fast as resizing floats. Grayscale, palette,
-    RGBA/LA (composited on white), CMYK and 16-bit images are converted; EXIF orientation is applied.
-    Raises ``OSError``/``ValueError`` (from Pillow) for unreadable files.
+    ``weights.transforms()`` does. Grayscale, palette, RGBA/LA (composited on white), CMYK and
+    16-bit images are converted; EXIF orientation is applied.
+
+    Raises:
+        OSError: the file cannot be read or decoded (a truncated file, not an image), or it is not a
+            regular file (a directory, a FIFO or a device, which could block forever).
+        ValueError: the image is over ``MAX_DECODED_PIXELS``, or a float image holds NaN or infinity.
+            Pillow may raise others for broken files (``SyntaxError``, ``DecompressionBombError``, ...).
     """
-    with Image.open(path) as image:
+    with _open_regular(path) as handle, _identify(handle, path) as image:
+        _check_decoded_size(*image.size)
         image.load()  # a truncated file fails here, not later
-        image = ImageOps.exif_transpose(image)
-        array = _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else np.array(_rgb8(image))
-    return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1).contiguous()
+        ImageOps.exif_transpose(image, in_place=True)
+        return _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else _rgb8(image)
 
 
 def decode_image(path: str | os.PathLike[str]) -> Tensor:
@@ -83,7 +159,7 @@ def _bounds(input_range: tuple[float, float]) -> tuple[float, float]:
     """``input_range`` as two floats, refused unless low < high (the scaling divides by the width)."""
     low, high = (float(v) for v in input_range)
     if not low < high:
-        raise ValueError(f"input_range must be (low, high) with low < high, got {input_range}")
+        raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
     return low, high
 
 
@@ -97,7 +173,7 @@ def to_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor:
     if images.dtype == torch.uint8:
         images = images.float().div_(255)
     elif not images.is_floating_point():
-        raise TypeError(f"expected uint8 pixels or floats in [0, 1], got {images.dtype}")
+        raise InvalidTypeError(f"expected uint8 pixels or floats in [0, 1], got {images.dtype}")
     return images if (low, high) == (0.0, 1.0) else images * (high - low) + low
 
 
@@ -107,15 +183,61 @@ def from_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor
     return images if (low, high) == (0.0, 1.0) else (images - low) / (high - low)
 
 
+def resized_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """(H, W) after resizing the shorter side to ``size``, the longer one truncated as torchvision does."""
+    if height < 1 or width < 1:
+        raise InvalidValueError(f"cannot resize an empty image of {height}x{width} pixels")
+    short, long = (width, height) if width <= height else (height, width)
+    longer = int(size * long / short)
+    return (longer, size) if width <= height else (size, longer)
+
+
+def _resize(image: Tensor, size: int, mode: InterpolationMode) -> Tensor:
+    """Shorter side of (..., C, H, W) to ``size``, refused past ``MAX_RESIZED_PIXELS`` before any work."""
+    height, width = image.shape[-2:]
+    new = resized_size(height, width, size)
+    if new[0] * new[1] > MAX_RESIZED_PIXELS:
+        raise InvalidValueError(
+            f"image of {width}x{height} pixels would be resized to {new[1]}x{new[0]}, over MAX_RESIZED_PIXELS = "
+            f"{MAX_RESIZED_PIXELS} (featurehooks.images)"
+        )
+    if new == (height, width):
+        return image
+    if image.dtype == torch.uint8:
+        return _pillow_resize(image, new, mode)
+    return F.resize(image, list(new), interpolation=mode, antialias=True)
+
+
+def _pillow_resize(image: Tensor, size: tuple[int, int], mode: InterpolationMode) -> Tensor:
+    """Resize (..., C, H, W) ``uint8`` with Pillow: the pixels ``weights.transforms()`` makes of a PIL image.
+
+    torch's own ``uint8`` kernel rounds otherwise (one level on a share of the pixels, a different share
+    on CPUs without AVX2), so Pillow is what makes the result equal torchvision's on every machine.
+    """
+    flat = image.detach().cpu().reshape(-1, *image.shape[-3:])
+    resized = torch.stack([_pillow_resize_one(one, list(size), mode) for one in flat])
+    return resized.reshape(*image.shape[:-2], *size).to(image.device)
+
+
+def _pillow_resize_one(image: Tensor, size: list[int], mode: InterpolationMode) -> Tensor:
+    """Resize one (C, H, W) ``uint8`` image: as one RGB picture, else channel by channel (the same numbers)."""
+    if image.shape[0] == 3:
+        picture = Image.fromarray(image.permute(1, 2, 0).numpy())
+        return F.pil_to_tensor(F.resize(picture, size, interpolation=mode))
+    planes = [F.resize(Image.fromarray(plane.numpy()), size, interpolation=mode) for plane in image]
+    return torch.cat([F.pil_to_tensor(plane) for plane in planes])  # not as RGBA: Pillow would premultiply alpha
+
+
 @dataclass(frozen=True)
 class ImageTransform:
     """Resize the shorter side to ``resize_size``, center-crop ``crop_size``, map [0, 1] to ``input_range``.
 
-    Takes ``uint8`` images (0..255) or floats in [0, 1]; for ``uint8`` the steps are exactly those of
-    torchvision's ``weights.transforms()`` (without the normalization, which the extractor applies).
+    Takes ``uint8`` images (0..255) or floats in [0, 1]. ``uint8`` images are resized by Pillow, so
+    their pixels equal those of torchvision's ``weights.transforms()`` applied to the PIL image (before
+    its normalization, which the extractor applies); floats are resized by torch and clamped.
 
     ``None`` skips that step; without a crop every image must already share one size (dumps report
-    others as invalid rows).
+    others as invalid rows). A resize past ``MAX_RESIZED_PIXELS`` raises ``ValueError`` before any work.
     """
 
     resize_size: int | None
@@ -124,9 +246,8 @@ class ImageTransform:
     input_range: tuple[float, float]
 
     def __call__(self, image: Tensor) -> Tensor:
-        mode = InterpolationMode(self.interpolation)
         if self.resize_size is not None:
-            image = F.resize(image, [self.resize_size], interpolation=mode, antialias=True)
+            image = _resize(image, self.resize_size, InterpolationMode(self.interpolation))
         if self.crop_size is not None:
             image = F.center_crop(image, [self.crop_size, self.crop_size])
         if image.is_floating_point():
@@ -166,7 +287,7 @@ def transform_for(
         crop_size = preprocessing.crop_size if known else _DEFAULT_CROP
     for name, value in (("resize_size", resize_size), ("crop_size", crop_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            raise InvalidValueError(f"{name} must be a positive int or None, got {value!r}")
     interpolation = preprocessing.interpolation or "bilinear"
     return ImageTransform(resize_size, crop_size, interpolation, _bounds(input_range))
 
@@ -194,6 +315,10 @@ def prepare_image(
     Shape:
         output: ``(1, C, crop, crop)`` for one image, ``(B, C, crop, crop)`` for a batch.
 
+    Raises:
+        ValueError: not an image or a batch, or a resize past ``MAX_RESIZED_PIXELS``; for a path, also
+            what ``read_image`` raises.
+
     Example:
         >>> ext = FeatureExtractor("vgg16", ["relu1_2"], weights=None)
         >>> prepare_image(torch.zeros(3, 300, 400, dtype=torch.uint8), ext).shape
@@ -201,9 +326,9 @@ def prepare_image(
     """
     pixels = read_image(image) if isinstance(image, (str, os.PathLike)) else image
     if not isinstance(pixels, Tensor):
-        raise TypeError(f"expected an image path or tensor, got {type(pixels).__name__}")
+        raise InvalidTypeError(f"expected an image path or tensor, got {type(pixels).__name__}")
     if pixels.dim() not in (3, 4):
-        raise ValueError(f"expected an image (C, H, W) or a batch (B, C, H, W), got shape {tuple(pixels.shape)}")
+        raise InvalidValueError(f"expected an image (C, H, W) or a batch (B, C, H, W), got shape {tuple(pixels.shape)}")
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
     batch = transform(pixels)
     reference = extractor.mean  # a buffer: it follows .to(), .cuda(), .double()

@@ -6,57 +6,94 @@ marked invalid), so row numbers depend only on the sorted input list, never on w
 
 from __future__ import annotations
 
-import glob
 import hashlib
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
 from ..images import read_image, to_input_range
 
 __all__ = [
     "IMAGE_SUFFIXES",
+    "Batch",
+    "DatasetLayout",
     "ImageFiles",
     "Sample",
     "SourceSpec",
     "TensorRows",
+    "dataset_layout",
     "list_images",
 ]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor]
 _GLOB_CHARS = set("*?[")
+_PROBE_LIMIT = 64  # dataset items tried for the image shape before the dump is refused
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass
 class Sample:
-    """One decoded row: ``image`` (C, H, W) float, or zeros with ``reason`` saying why it is invalid."""
+    """One decoded row: ``image`` (C, H, W) float, or zeros with ``reason`` saying why it is invalid.
+
+    ``label`` is the integer label of an ``(image, label)`` dataset item, ``None`` without one or for an invalid row.
+    """
 
     image: Tensor
     reason: str
+    label: int | None = None
+
+
+class Batch(NamedTuple):
+    """Collated samples: images (B, C, H, W), reasons (empty for valid rows), labels (``None`` where absent)."""
+
+    images: Tensor
+    reasons: list[str]
+    labels: list[int | None]
+
+
+def _glob(pattern: str) -> list[str]:
+    """Files matching ``pattern``, like ``glob.glob`` but without following symlinked folders for ``**``.
+
+    ``glob.glob`` follows them, so a symlink cycle lists every file dozens of times, and two make it
+    run for ever. As in ``glob``, hidden names match only a pattern that names a hidden part itself.
+    """
+    parts = Path(pattern).parts
+    literal = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
+    root, rest = Path(*parts[:literal]), parts[literal:]
+    if rest[-1] == "**":  # glob's "dir/**" lists the files below dir; pathlib's only the folders
+        rest = (*rest, "*")
+    hidden_ok = any(part.startswith(".") for part in rest)
+    return sorted(
+        str(path)
+        for path in root.glob(str(Path(*rest)))
+        if path.is_file() and (hidden_ok or not any(p.startswith(".") for p in path.relative_to(root).parts))
+    )
 
 
 def _expand(item: str | os.PathLike[str]) -> list[str]:
     text = os.fspath(item)
     if _GLOB_CHARS & set(text) and not os.path.exists(text):  # "photo [1].jpg" is a file, not a pattern
-        found = sorted(p for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+        found = _glob(text)
         if not found:
-            raise FileNotFoundError(f"no files match {text!r}")
+            raise InputNotFoundError(f"no files match {text!r}")
         return found
     path = Path(text)
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
-            raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...) under {text}")
+            raise InputNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...) under {text}")
         return files
     if not path.exists():
-        raise FileNotFoundError(f"no such file or folder: {text}")
+        raise InputNotFoundError(f"no such file or folder: {text}")
     return [text]
 
 
@@ -66,11 +103,12 @@ def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     ``source`` is a folder (searched recursively for common image suffixes), a glob pattern, a file,
     or a list of any of these. Each folder or glob is sorted; the items keep the order given.
     Files listed explicitly are kept whatever their suffix (an unreadable one is reported later).
-    A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``).
+    A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``). Neither
+    folders nor ``**`` follow symlinked folders, so a symlink cycle cannot repeat files or run for ever.
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not items:
-        raise ValueError("no inputs given: pass a folder, a glob pattern or a list of image paths")
+        raise InvalidValueError("no inputs given: pass a folder, a glob pattern or a list of image paths")
     paths: list[str] = []
     for item in items:
         paths.extend(os.path.abspath(p) for p in _expand(item))
@@ -112,30 +150,73 @@ class ImageFiles(Dataset):
 
 
 class TensorRows(Dataset):
-    """Rows of a user's dataset of image tensors (or tuples whose first item is one).
+    """Rows of a user's dataset of image tensors (or tuples whose first item is one, and second the label).
 
     Float tensors are taken as they are (already in ``input_range``); ``uint8`` tensors hold 0..255
     pixels, as ``torchvision.io.decode_image`` returns them, and are scaled to ``input_range`` like image files.
+    With ``labelled``, every row carries its item's integer label (a row without one is invalid).
     """
 
-    def __init__(self, dataset: Dataset, shape: tuple[int, ...], input_range: tuple[float, float] = (0.0, 1.0)) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        shape: tuple[int, ...],
+        input_range: tuple[float, float] = (0.0, 1.0),
+        labelled: bool = False,
+    ) -> None:
         self.dataset = dataset
         self.shape = shape
         self.input_range = input_range
+        self.labelled = labelled
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Sample:
         try:
-            item = first_tensor(self.dataset[index])
+            item = self.dataset[index]
+            image = first_tensor(item)
+            _check_pixel_dtype(image)
+            label = item_label(item) if self.labelled else None
         except Exception as exc:  # a user's dataset may raise anything for a bad item
             return Sample(torch.zeros(self.shape), _describe(exc))
-        if tuple(item.shape) != self.shape:
-            return Sample(torch.zeros(self.shape), f"shape {tuple(item.shape)} differs from {self.shape}")
-        if item.dtype == torch.uint8:
-            return Sample(to_input_range(item, self.input_range), "")
-        return Sample(item.float(), "")
+        if tuple(image.shape) != self.shape:
+            return Sample(torch.zeros(self.shape), f"shape {tuple(image.shape)} differs from {self.shape}")
+        if image.dtype == torch.uint8:
+            return Sample(to_input_range(image, self.input_range), "", label)
+        return Sample(image.float(), "", label)
+
+
+@dataclass(frozen=True)
+class DatasetLayout:
+    """What every row of a dataset shares: the image shape, and whether items carry integer labels."""
+
+    shape: tuple[int, ...]
+    labelled: bool
+
+
+def dataset_layout(dataset: Dataset) -> DatasetLayout:
+    """The layout of the first item that can be read (items that raise are skipped: they become invalid rows).
+
+    Raises:
+        ValueError: the dataset is empty, or none of its first items could be read.
+        TypeError: an item is not an image tensor (or a tuple starting with one) of ``uint8`` or floats;
+            that is true of every row, so the dump is refused at once.
+    """
+    count = len(dataset)  # type: ignore[arg-type]
+    if count == 0:
+        raise InvalidValueError("the dataset is empty")
+    errors: list[str] = []
+    for index in range(min(count, _PROBE_LIMIT)):
+        try:
+            item = dataset[index]
+        except Exception as exc:  # a user's dataset may raise anything for a bad item
+            errors.append(f"item {index}: {_describe(exc)}")
+            continue
+        image = first_tensor(item)
+        _check_pixel_dtype(image)
+        return DatasetLayout(tuple(image.shape), _has_label(item))
+    raise InvalidValueError(f"none of the first {len(errors)} dataset items could be read ({errors[0]})")
 
 
 def first_tensor(item: Any) -> Tensor:
@@ -143,10 +224,45 @@ def first_tensor(item: Any) -> Tensor:
     if isinstance(item, (tuple, list)) and item:
         item = item[0]
     if not isinstance(item, Tensor):
-        raise TypeError(f"dataset items must be image tensors (C, H, W), got {type(item).__name__}")
+        raise InvalidTypeError(f"dataset items must be image tensors (C, H, W), got {type(item).__name__}")
     return item
 
 
+def _check_pixel_dtype(image: Tensor) -> None:
+    """Refuse integer images other than ``uint8``: their scale is unknown (0..255? 0..65535?)."""
+    if image.dtype != torch.uint8 and not image.is_floating_point():
+        raise InvalidTypeError(f"dataset images must be uint8 pixels or floats in input_range, got {image.dtype}")
+
+
+def item_label(item: Any) -> int:
+    """The label of an ``(image, label)`` item: an int (numpy's too) or a one-element integer tensor."""
+    if not isinstance(item, (tuple, list)) or len(item) < 2:
+        raise InvalidValueError("the item has no label; expected (image, label)")
+    label = item[1]
+    if isinstance(label, Tensor) and label.numel() == 1 and not (label.is_floating_point() or label.is_complex()):
+        label = label.item()
+    if not isinstance(label, numbers.Integral):
+        raise InvalidTypeError(f"a label must be an int or a one-element integer tensor, got {type(label).__name__}")
+    if not _INT64[0] <= label <= _INT64[1]:
+        raise InvalidValueError(f"label {label} does not fit in int64")
+    return int(label)
+
+
+def _has_label(item: Any) -> bool:
+    """Whether ``item`` is ``(image, label)`` with an integer label (other targets, e.g. boxes, are not stored)."""
+    try:
+        item_label(item)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def collate_batch(samples: list[Sample]) -> Batch:
+    """Stack a batch of samples: images, reasons (empty for valid rows) and labels."""
+    return Batch(torch.stack([s.image for s in samples]), [s.reason for s in samples], [s.label for s in samples])
+
+
 def collate(samples: list[Sample]) -> tuple[Tensor, list[str]]:
-    """Stack a batch of samples: images and the reasons (empty for valid rows)."""
-    return torch.stack([s.image for s in samples]), [s.reason for s in samples]
+    """Stack a batch of samples: images and the reasons (empty for valid rows); ``collate_batch`` adds labels."""
+    batch = collate_batch(samples)
+    return batch.images, batch.reasons
