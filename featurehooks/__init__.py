@@ -3,7 +3,20 @@
 from . import functional, losses
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import DumpResult, dump_features, read_manifest
-from .errors import BackboneNotFoundError, FeatureHooksError, LayerNotFoundError, TraceError, WeightsUnavailableError
+from .errors import (
+    BackboneNotFoundError,
+    FeatureHooksError,
+    InputNotFoundError,
+    InvalidTypeError,
+    InvalidValueError,
+    LayerNotFoundError,
+    LayerNotRunError,
+    MissingDependencyError,
+    OutputExistsError,
+    RunFailedError,
+    TraceError,
+    WeightsUnavailableError,
+)
 from .extractor import CapturedFeatures, FeatureExtractor, capture
 from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
@@ -19,10 +32,17 @@ __all__ = [
     "FeatureExtractor",
     "FeatureHooksError",
     "FeatureInfo",
+    "InputNotFoundError",
+    "InvalidTypeError",
+    "InvalidValueError",
     "FeatureMatchingLoss",
     "LayerNotFoundError",
+    "LayerNotRunError",
     "LossGroup",
+    "MissingDependencyError",
+    "OutputExistsError",
     "PerceptualLoss",
+    "RunFailedError",
     "Preprocessing",
     "StyleLoss",
     "TotalVariationLoss",

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _trace
 from ._taps import Site, Taps, call_name
 from ._trace import Trace, trace, tracing
+from .errors import LayerNotRunError
 
 __all__ = ["HookSession", "StopForward"]
 
@@ -211,7 +212,7 @@ class HookSession:
 
     def _raise_missing(self, forward: _Forward) -> None:
         missing = [name for name in self.taps.names if name not in forward.store]
-        raise RuntimeError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
+        raise LayerNotRunError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
 
     def follow(self, publish: Callable[[dict[str, Any]], None]) -> None:
         """Collect every forward of the hooked model that its caller runs (for ``capture``).

@@ -1,8 +1,10 @@
 """The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid).
 
-Exit status: 0 success, 1 the run failed (I/O error), 2 bad input (unknown backbone or layer,
-missing images, an existing output without ``--resume``/``--overwrite``), 130 interrupted
-(finish with ``--resume``), 141 output pipe closed (``featurehooks layers vgg16 | head``).
+Exit status: 0 success, 1 the run failed (I/O error, another rank), 2 bad input (unknown backbone
+or layer, missing images, unusable weights, an existing output without ``--resume``/``--overwrite``),
+130 interrupted (finish with ``--resume``), 141 output pipe closed (``featurehooks layers vgg16 | head``).
+Errors print one line. Only featurehooks' own errors (``FeatureHooksError``) and command-line
+mistakes count as bad input; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import FeatureHooksError
+from .errors import FeatureHooksError, RunFailedError, first_line
 from .layers import list_layers
 
 EXIT_FAILED = 1
@@ -76,25 +78,44 @@ _non_negative = _integer(0)
 
 
 def _device(name: str) -> Any:
+    """The torch device for ``--device``: one this machine can compute on, else a UserError."""
     import torch
 
-    if name != "auto":
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:1, ... or auto") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if device.type != "cuda" or device.index is not None:
-            return device
-    elif not torch.cuda.is_available():
-        return torch.device("cpu")
-    # "auto" or a plain "cuda": under torchrun each rank takes its own GPU, not all of them GPU 0
+    if name == "auto":
+        return _local_cuda() if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:1, ... or auto") from None
+    if device.type == "meta":
+        raise UserError("--device meta: meta tensors have shapes but no values, so there is nothing to extract")
+    if device.type != "cuda":
+        _check_usable(device, name)
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device if device.index is not None else _local_cuda()
+
+
+def _local_cuda() -> Any:
+    """This process's GPU: under torchrun each rank takes its own (LOCAL_RANK), not all of them GPU 0."""
+    import torch
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def _check_usable(device: Any, name: str) -> None:
+    """Allocate an empty tensor on ``device``: a backend this torch lacks (mps, xla, xpu, ...) fails here."""
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001 - backends fail in their own ways: RuntimeError, AssertionError, ...
+        raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
 
 
 def _extractor(args: argparse.Namespace) -> Any:
@@ -120,23 +141,10 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from .dump import dump_features, list_images
+    from .dump import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
-    extractor = _extractor(args)
-    result = dump_features(
-        extractor,
-        sources,
-        args.out,
-        batch_size=args.batch_size,
-        num_workers=args.workers,
-        pool=args.pool,
-        dtype=args.dtype,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        **_sizes(args),
-    )
+    result = _dump(_extractor(args), sources, args)
     if int(os.environ.get("RANK", "0")) == 0:
         manifest = result.manifest
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
@@ -144,6 +152,28 @@ def _extract(args: argparse.Namespace) -> int:
         note = f"; {skipped} unreadable input(s) zero-filled, see manifest.json" if skipped else ""
         print(f"wrote {manifest['num_rows']} rows to {result.out_dir}: {shapes} {manifest['dtype']}{note}")
     return 0
+
+
+def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
+    """``dump_features`` with the command's options; an output that needs --resume/--overwrite is a UserError."""
+    from .dump import dump_features
+
+    try:
+        return dump_features(
+            extractor,
+            sources,
+            args.out,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            pool=args.pool,
+            dtype=args.dtype,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            **_sizes(args),
+        )
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -162,11 +192,23 @@ def _show(args: argparse.Namespace) -> int:
     image = prepare_image(picture, extractor, **_sizes(args))
     with torch.no_grad():
         features = extractor(image)
+    _check_drawable(features, args.backbone)
     path = save_feature_grid(
         args.out, features, image, channels=args.channels, tile_size=args.tile_size, input_range=extractor.input_range
     )
     print(f"wrote {path} ({', '.join(features)}; {args.channels} most active channels each)")
     return 0
+
+
+def _check_drawable(features: dict[str, Any], backbone: str) -> None:
+    """Refuse layers whose outputs are no maps (B, C, H, W) or tokens (B, N, C), such as a classifier's (B, C)."""
+    for name, value in features.items():
+        if not hasattr(value, "dim") or value.dim() not in (3, 4):
+            shape = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
+            raise UserError(
+                f"layer {name!r} has shape {shape}, not a feature map (B, C, H, W); pick a convolutional layer "
+                f"(see `featurehooks layers {backbone}`)"
+            )
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
@@ -268,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")
     _model_options(show)
     show.add_argument("--channels", type=_positive, default=8, metavar="K", help="maps per layer (default: 8)")
-    show.add_argument("--tile-size", type=_positive, default=96, metavar="PX", help="tile side in pixels (default: 96)")
+    show.add_argument(
+        "--tile-size", type=_integer(8), default=96, metavar="PX", help="tile side in pixels (default: 96)"
+    )
     show.set_defaults(run=_show)
     return parser
 
@@ -279,20 +323,18 @@ def _error(message: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; user mistakes print one line on stderr and exit with status 2."""
+    """Run the CLI; bad input prints one line on stderr and exits 2, a failed run exits 1.
+
+    Only featurehooks' own errors and command-line mistakes are reported this way: any other
+    exception is a bug in featurehooks, and keeps its traceback (exit status 1).
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (
-        UserError,
-        FeatureHooksError,
-        ImportError,
-        ValueError,
-        TypeError,
-        LookupError,
-        FileNotFoundError,
-        FileExistsError,
-    ) as exc:
+    except RunFailedError as exc:
+        _error(exc)
+        return EXIT_FAILED
+    except (UserError, FeatureHooksError) as exc:
         _error(exc)
         return EXIT_USAGE
     except BrokenPipeError:
@@ -303,6 +345,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("featurehooks: interrupted; rerun with --resume to finish", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except OSError as exc:
-        _error(f"{exc}")
+    except OSError as exc:  # disk full, permissions, a vanished file: the run failed, not the input
+        _error(exc)
         return EXIT_FAILED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from ._hooks import HookSession
 from ._trace import Trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
+from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
 __all__ = ["FeatureExtractor", "LayerSpec", "capture"]
@@ -26,7 +28,13 @@ _RANGE_SLACK = 0.1
 
 def _check_mode(mode: str) -> None:
     if mode not in ("detach", "grad"):
-        raise ValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
+        raise InvalidValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
+
+
+def _floating_tensor(model: nn.Module) -> Tensor:
+    """The model's first floating-point parameter or buffer (an empty float tensor for none): its dtype and device."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
 class FeatureExtractor(nn.Module):
@@ -81,7 +89,7 @@ class FeatureExtractor(nn.Module):
         _check_mode(mode)
         low, high = (float(v) for v in input_range)
         if not low < high:
-            raise ValueError(f"input_range must be (low, high) with low < high, got {input_range}")
+            raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
         loaded = load_backbone(
             backbone,
             weights,
@@ -119,11 +127,16 @@ class FeatureExtractor(nn.Module):
         return self._model
 
     def _register_normalization(self, pre: Preprocessing) -> None:
-        """Buffers ``mean``/``std`` in the units of ``input_range``, so forward is one ``(x - mean) / std``."""
+        """Buffers ``mean``/``std`` in the units of ``input_range``, so forward is one ``(x - mean) / std``.
+
+        They start with the backbone's dtype and device (a user's module may be float64 or on a GPU already)
+        and follow ``.to()`` from then on: forward casts images to their dtype and checks their device.
+        """
         low, high = self.input_range
         channels = len(pre.mean) if pre.mean is not None else (self.in_channels or 1)
-        mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels)
-        std = torch.tensor(pre.std if pre.std is not None else [1.0] * channels)
+        like = _floating_tensor(self._model)
+        mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels).to(like)
+        std = torch.tensor(pre.std if pre.std is not None else [1.0] * channels).to(like)
         self.register_buffer("mean", (low + mean * (high - low)).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", (std * (high - low)).view(1, -1, 1, 1), persistent=False)
         self._normalizes = pre.mean is not None or (low, high) != (0.0, 1.0)
@@ -151,21 +164,27 @@ class FeatureExtractor(nn.Module):
         return self
 
     def _check_input(self, images: Tensor) -> None:
+        """Raise before any compute for what no cast can fix: not a tensor, shape, integer dtype, channels, device."""
         if not isinstance(images, Tensor):
-            raise TypeError(f"expected a torch.Tensor of images, got {type(images).__name__}")
+            raise InvalidTypeError(f"expected a torch.Tensor of images, got {type(images).__name__}")
         if images.dim() != 4:
-            raise ValueError(
+            raise InvalidValueError(
                 f"expected images of shape (batch, {self.in_channels or 'channels'}, height, width), "
                 f"got shape {tuple(images.shape)}"
             )
         if not images.is_floating_point():
-            raise TypeError(
+            raise InvalidTypeError(
                 f"expected floating-point images in input_range={self.input_range}, got {images.dtype}; "
                 "convert with images.float() (and divide uint8 by 255 for input_range=(0, 1))"
             )
         if self.in_channels is not None and images.shape[1] != self.in_channels:
             hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
-            raise ValueError(f"expected {self.in_channels} channels, got {images.shape[1]}{hint}")
+            raise InvalidValueError(f"expected {self.in_channels} channels, got {images.shape[1]}{hint}")
+        if images.device != self.mean.device:
+            raise InvalidValueError(
+                f"images are on {images.device} but the extractor is on {self.mean.device}; "
+                "move one of them, e.g. images.to(extractor.mean.device)"
+            )
         if not self._range_checked and images.numel() and not torch.compiler.is_compiling():
             self._range_checked = True  # checked once: a per-call check would sync the device every step
             self._warn_if_out_of_range(images)
@@ -186,11 +205,16 @@ class FeatureExtractor(nn.Module):
         return (images - self.mean) / self.std if self._normalizes else images
 
     def forward(self, images: Tensor) -> dict[str, Tensor]:
-        """Return ``{name: feature}`` for the requested layers, in request order."""
+        """Return ``{name: feature}`` for the requested layers, in request order.
+
+        Images of any floating dtype are cast to the extractor's (that of its buffers, which follow ``.half()``
+        and ``.to()``): no copy when they agree, and gradients still reach a float64 input in ``mode="grad"``.
+        Under autocast the backbone's ops choose their own precision, as usual.
+        """
         if not self._session.active:
             raise RuntimeError("this FeatureExtractor was closed; create a new one")
         self._check_input(images)
-        x = self.normalize(images)
+        x = self.normalize(images.to(self.mean.dtype))
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             return self._session.run(self._model, x)

@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import InvalidTypeError, InvalidValueError
+
 __all__ = [
     "DISTANCES",
     "Distance",
     "GramNormalization",
     "Reduction",
     "channel_normalize",
+    "check_batch",
     "check_reduction",
     "feature_distance",
     "gram_matrix",
@@ -77,11 +80,11 @@ def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> T
         Super-Resolution. ECCV.
     """
     if not isinstance(features, Tensor):
-        raise TypeError(f"features must be a Tensor, got {type(features).__name__}")
+        raise InvalidTypeError(f"features must be a Tensor, got {type(features).__name__}")
     if features.dim() < 3:
-        raise ValueError(f"features must have shape (B, C, H, W) or (B, C, N), got {tuple(features.shape)}")
+        raise InvalidValueError(f"features must have shape (B, C, H, W) or (B, C, N), got {tuple(features.shape)}")
     if normalization not in _GRAM_NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {_GRAM_NORMALIZATIONS}, not {normalization!r}")
+        raise InvalidValueError(f"normalization must be one of {_GRAM_NORMALIZATIONS}, not {normalization!r}")
     batch, channels = features.shape[:2]
     with _no_autocast(features):
         flat = _float32_or_wider(features).reshape(batch, channels, -1)
@@ -121,7 +124,7 @@ def channel_normalize(features: Tensor, dim: int = 1, eps: float = 1e-10) -> Ten
         as a Perceptual Metric. CVPR.
     """
     if eps <= 0:
-        raise ValueError(f"eps must be positive (it keeps the gradient at zero finite), got {eps}")
+        raise InvalidValueError(f"eps must be positive (it keeps the gradient at zero finite), got {eps}")
     with _no_autocast(features):
         x = _float32_or_wider(features)
         return x * torch.rsqrt(x.pow(2).sum(dim=dim, keepdim=True) + eps)
@@ -133,9 +136,19 @@ def per_sample_mean(values: Tensor) -> Tensor:
     Shape:
         values: ``(B, ...)``; output: ``(B,)``.
     """
-    if values.dim() == 0:
-        raise ValueError("expected a tensor with a batch dimension, got a scalar")
+    check_batch(values, "values")
     return values.reshape(values.shape[0], -1).mean(dim=1)
+
+
+def check_batch(values: Tensor, name: str) -> None:
+    """Raise unless ``values`` starts with a non-empty batch dimension; ``name`` says which argument it is.
+
+    An empty batch has no loss to average (its mean is NaN), and a 0-D tensor has no batch at all.
+    """
+    if values.dim() == 0:
+        raise InvalidValueError(f"{name} is a 0-D tensor; expected a batch of shape (B, ...)")
+    if values.shape[0] == 0:
+        raise InvalidValueError(f"{name} is an empty batch, shape {tuple(values.shape)}; pass at least one sample")
 
 
 def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:
@@ -155,7 +168,7 @@ def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:
 def check_reduction(reduction: str) -> None:
     """Raise ValueError unless ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"``."""
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+        raise InvalidValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
 
 
 def _squared(x: Tensor, y: Tensor) -> Tensor:
@@ -199,7 +212,7 @@ def resolve_distance(distance: Distance) -> Callable[[Tensor, Tensor], Tensor]:
         return distance
     if isinstance(distance, str) and distance in DISTANCES:
         return DISTANCES[distance]
-    raise ValueError(f"distance must be one of {sorted(DISTANCES)} or a callable, not {distance!r}")
+    raise InvalidValueError(f"distance must be one of {sorted(DISTANCES)} or a callable, not {distance!r}")
 
 
 def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") -> Tensor:
@@ -251,11 +264,12 @@ def total_variation(images: Tensor, norm: Literal["l1", "l2"] = "l1", reduction:
     """
     if not isinstance(images, Tensor) or images.dim() != 4:
         shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
-        raise ValueError(f"images must have shape (B, C, H, W), got {shape}")
+        raise InvalidValueError(f"images must have shape (B, C, H, W), got {shape}")
+    check_batch(images, "images")
     if images.shape[-1] < 2 or images.shape[-2] < 2:
-        raise ValueError(f"total variation needs H and W of at least 2, got {tuple(images.shape)}")
+        raise InvalidValueError(f"total variation needs H and W of at least 2, got {tuple(images.shape)}")
     if norm not in ("l1", "l2"):
-        raise ValueError(f"norm must be 'l1' or 'l2', not {norm!r}")
+        raise InvalidValueError(f"norm must be 'l1' or 'l2', not {norm!r}")
     check_reduction(reduction)
     x = _float32_or_wider(images)
     dy = x[:, :, 1:, :] - x[:, :, :-1, :]

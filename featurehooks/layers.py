@@ -13,7 +13,7 @@ from torchvision.models import VGG, VisionTransformer
 from ._taps import Site, Tap, Taps, call_name
 from ._trace import Trace, trace_images
 from .backbones import BackboneSpec, WeightsSpec, build_architecture
-from .errors import LayerNotFoundError, TraceError, did_you_mean
+from .errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, TraceError, did_you_mean
 
 __all__ = ["FeatureInfo", "LayerIndex", "LayerSpec", "describe", "list_layers", "prefix_tokens_of", "vgg_aliases"]
 
@@ -121,13 +121,13 @@ class LayerIndex:
             layers = [layers]
         pairs = list(layers.items()) if isinstance(layers, Mapping) else [(name, name) for name in layers]
         if not pairs:
-            raise ValueError(f"no layers requested; pick some from featurehooks.list_layers({self.label!r})")
+            raise InvalidValueError(f"no layers requested; pick some from featurehooks.list_layers({self.label!r})")
         items: list[Tap] = []
         for name, out_name in pairs:
             if not isinstance(name, str) or not isinstance(out_name, str):
-                raise TypeError(f"layer names must be strings, got {name!r}")
+                raise InvalidTypeError(f"layer names must be strings, got {name!r}")
             if any(tap.name == out_name for tap in items):
-                raise ValueError(f"layer {out_name!r} requested twice")
+                raise InvalidValueError(f"layer {out_name!r} requested twice")
             items.append(Tap(out_name, *self.resolve(name)))
         return Taps(tuple(items))
 

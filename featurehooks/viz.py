@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
+from .errors import InvalidValueError
 from .images import from_input_range
 
 __all__ = ["feature_grid", "save_feature_grid", "top_channels"]
@@ -56,7 +57,7 @@ def _as_map(name: str, feature: Tensor) -> Tensor:
         for extra in (0, 1):  # a class token may lead the sequence
             if (side * side) == tokens - extra and side > 0:
                 return value[0, extra:].T.reshape(-1, side, side)
-    raise ValueError(
+    raise InvalidValueError(
         f"layer {name!r} has shape {tuple(feature.shape)}, not a feature map (B, C, H, W); "
         "pick a convolutional layer (see `featurehooks layers BACKBONE`)"
     )
@@ -121,9 +122,9 @@ def feature_grid(
         ((30, 34, 3), dtype('uint8'))
     """
     if not features:
-        raise ValueError("no features to draw")
+        raise InvalidValueError("no features to draw")
     if channels < 1 or tile_size < 8:
-        raise ValueError(f"channels must be >= 1 and tile_size >= 8, got {channels} and {tile_size}")
+        raise InvalidValueError(f"channels must be >= 1 and tile_size >= 8, got {channels} and {tile_size}")
     maps = {name: _as_map(name, value) for name, value in features.items()}
     columns = min(channels, max(m.shape[0] for m in maps.values())) + (1 if image is not None else 0)
     row_height = _LABEL_HEIGHT + tile_size

@@ -10,6 +10,7 @@ from typing import Union
 from torch import nn
 from torchvision.models import WeightsEnum
 
+from ..errors import InvalidTypeError, InvalidValueError
 from . import timm_models, torchvision_models
 from ._files import is_state_dict_file, load_fitting, read_state_dict
 from .base import Backbone, Preprocessing
@@ -57,9 +58,9 @@ def load_backbone(
     elif isinstance(spec, str):
         backbone = torchvision_models.load(spec, weights)
     else:
-        raise TypeError(f"backbone must be a model name or an nn.Module, not {type(spec).__name__}")
+        raise InvalidTypeError(f"backbone must be a model name or an nn.Module, not {type(spec).__name__}")
     if (mean is None) != (std is None):
-        raise ValueError("give both mean and std, or neither")
+        raise InvalidValueError("give both mean and std, or neither")
     if mean is not None and std is not None:
         pre = backbone.preprocessing
         backbone.preprocessing = Preprocessing(
@@ -75,7 +76,7 @@ def _own_module(module: nn.Module, weights: WeightsSpec) -> Backbone:
         load_fitting(model, read_state_dict(weights), str(weights))  # type: ignore[arg-type]
         return Backbone(model, type(module).__name__, str(weights), Preprocessing(), in_channels=None)
     if weights not in ("DEFAULT", None):
-        raise ValueError(
+        raise InvalidValueError(
             f"weights={weights!r} cannot apply to an nn.Module: pass a local state-dict file, or "
             "'DEFAULT'/None to use the module's own weights"
         )

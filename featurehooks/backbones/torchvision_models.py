@@ -13,7 +13,7 @@ from torch import nn
 from torchvision.models import WeightsEnum
 
 from ..errors import BackboneNotFoundError, WeightsUnavailableError, did_you_mean
-from ._files import is_state_dict_file, load_fitting, load_hub_checkpoint, read_state_dict
+from ._files import check_kinds, is_state_dict_file, load_fitting, load_hub_checkpoint, read_state_dict
 from ._meta import meta_parameters, meta_tensor_names
 from .base import Backbone, Preprocessing
 
@@ -192,6 +192,7 @@ def _with_state(name: str, member: WeightsEnum, state: dict[str, torch.Tensor], 
     state = _without_discarded_heads(name, _fix_legacy_keys(state))
     # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision
     # file would otherwise make a half-precision model), as a copying load_state_dict does.
+    check_kinds(model, state, source)  # before the cast below, which would turn integers into floats
     dtypes = {key: value.dtype for key, value in model.state_dict().items()}
     state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
     load_fitting(model, state, source, assign=True)

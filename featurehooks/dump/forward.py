@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import InvalidTypeError
+
 __all__ = ["compute_dtype_of", "device_of", "features_as_arrays", "pool_features"]
 
 
@@ -49,6 +51,8 @@ def features_as_arrays(extractor: Any, images: Tensor, pool: str | None, dtype: 
     arrays = {}
     for name, value in outputs.items():
         if not isinstance(value, Tensor):
-            raise TypeError(f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped")
+            raise InvalidTypeError(
+                f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped"
+            )
         arrays[name] = pool_features(value.detach(), pool).to(getattr(torch, dtype)).cpu().numpy()
     return arrays

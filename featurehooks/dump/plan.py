@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
+from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, RunFailedError
 from ..images import ImageTransform, read_image, transform_for
 from .forward import device_of, features_as_arrays
-from .sources import SourceSpec, first_tensor, inputs_digest, list_images
+from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
 from .store import FORMAT, INDEX, DumpStore, layer_file_name
 
 __all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
@@ -50,14 +51,16 @@ def _versions() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Inputs:
-    """The rows of a dump: their names, the dataset (for tensor sources), the prepared image shape, and
-    for files their identity (size and mtime, to notice files replaced before a resume)."""
+    """The rows of a dump: their names, the dataset (for tensor sources), the prepared image shape, for
+    files their identity (size and mtime, to notice files replaced before a resume), and whether the
+    dataset's items carry integer labels."""
 
     names: list[str]
     dataset: Dataset | None
     image_shape: tuple[int, ...]
     transform: ImageTransform | None
     identity: np.ndarray | None = None
+    labelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,16 +88,14 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
     """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
     if isinstance(source, Tensor):
         if source.dim() != 4:
-            raise ValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
+            raise InvalidValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
         source = TensorDataset(source)
     if isinstance(source, Dataset):
-        count = len(source)  # type: ignore[arg-type]
-        if count == 0:
-            raise ValueError("the dataset is empty")
-        shape = tuple(first_tensor(source[0]).shape)
-        return Inputs([f"dataset[{i}]" for i in range(count)], source, shape, None)
+        layout = dataset_layout(source)  # the first readable item: one that raises is an invalid row
+        names = [f"dataset[{i}]" for i in range(len(source))]  # type: ignore[arg-type]
+        return Inputs(names, source, layout.shape, None, labelled=layout.labelled)
     if not isinstance(source, (str, os.PathLike, list, tuple)):
-        raise TypeError(
+        raise InvalidTypeError(
             "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
             f"not {type(source).__name__}"
         )
@@ -109,7 +110,7 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
             except Exception:  # unreadable: it is reported as an invalid row later
                 continue
         else:
-            raise ValueError(f"none of the {len(names)} inputs could be decoded")
+            raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
     return Inputs(names, None, shape, transform, file_identity(names))
 
 
@@ -191,7 +192,7 @@ def _check_identity(store: DumpStore, old: dict[str, Any], inputs: Inputs) -> No
     try:
         earlier = np.load(store.root / IDENTITY)
     except (OSError, ValueError) as exc:
-        raise ValueError(
+        raise InvalidValueError(
             f"cannot resume the dump in {store.root}: the input files changed since it began, and {IDENTITY} "
             f"({type(exc).__name__}) cannot tell which; overwrite=True (--overwrite) starts over"
         ) from exc
@@ -201,7 +202,7 @@ def _check_identity(store: DumpStore, old: dict[str, Any], inputs: Inputs) -> No
         changed = np.flatnonzero((earlier != inputs.identity).any(axis=1)).tolist()
     named = ", ".join(inputs.names[row] for row in changed[:_NAMED])
     more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
-    raise ValueError(
+    raise InvalidValueError(
         f"cannot resume the dump in {store.root}: {len(changed)} input file(s) changed (size or modification "
         f"time) since it began: {named}{more}; restore them, or overwrite=True (--overwrite) to start over"
     )
@@ -214,11 +215,15 @@ def _save_identity(store: DumpStore, identity: np.ndarray | None) -> None:
         path.unlink(missing_ok=True)
         return
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as handle:
-        np.save(handle, identity)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as handle:
+            np.save(handle, identity)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def plan_dump(
@@ -230,7 +235,7 @@ def plan_dump(
     for layer in settings["layers"]:  # "a/b" and "a_b" (or "A" and "a" on macOS) would share one file
         other = files.setdefault(layer_file_name(layer).lower(), layer)
         if other != layer:
-            raise ValueError(
+            raise InvalidValueError(
                 f"layers {other!r} and {layer!r} would both be written to {layer_file_name(layer)}; rename one "
                 "(FeatureExtractor(..., layers={'module.path': 'output_name'}))"
             )
@@ -240,19 +245,19 @@ def plan_dump(
         differ = _differences(existing, settings)
         status = existing.get("status")
         if status == "complete" and not resume:
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{out} already holds a complete dump ({existing.get('num_rows')} rows); "
                 "pass overwrite=True (--overwrite) to replace it"
             )
         if not resume:
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{out} holds an unfinished dump; pass resume=True (--resume) to finish it "
                 "or overwrite=True (--overwrite) to start over"
             )
         if differ == ["inputs"] and existing["inputs"].get("sha256") == settings["inputs"]["sha256"]:
             _check_identity(store, existing, inputs)
         if differ:
-            raise ValueError(
+            raise InvalidValueError(
                 f"cannot resume the dump in {out}: {', '.join(differ)} differ from the earlier run; "
                 "use the same settings and inputs, or overwrite=True (--overwrite) to start over"
             )
@@ -269,7 +274,7 @@ def plan_dump(
         if (out / INDEX).exists():
             clash.append(INDEX)
         if clash:
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{out} already has {', '.join(clash)} but no manifest; "
                 "pass overwrite=True (--overwrite) to replace them"
             )
@@ -278,10 +283,10 @@ def plan_dump(
     manifest["index"] = INDEX
     manifest["versions"] = _versions()
     out.mkdir(parents=True, exist_ok=True)
+    store.reset_journal()  # before the new manifest: a kill in between must not pair it with an old journal
     store.write_manifest(manifest)  # "running" before any array exists
     old_layers = existing.get("layers", []) if existing else []
     store.remove_outputs([*old_layers, *settings["layers"]])
-    store.reset_journal()
     _save_identity(store, inputs.identity)
     store.create_arrays(settings["shapes"], settings["dtype"])
     return Plan(manifest, tuple(range(-(-num_rows // batch_size))), batch_size)
@@ -301,7 +306,7 @@ def finish_dump(store: DumpStore, manifest: dict[str, Any], names: list[str]) ->
     done = store.committed()
     missing = [c for c in range(-(-num_rows // chunk_size)) if c not in done]
     if missing:
-        raise RuntimeError(f"chunks {missing[:5]} of {store.root} were not committed; rerun with resume=True")
+        raise RunFailedError(f"chunks {missing[:5]} of {store.root} were not committed; rerun with resume=True")
     invalid = {row: reason for skipped in done.values() for row, reason in skipped}
     store.write_index(names, invalid)
     manifest = dict(manifest)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ..errors import InvalidValueError, RunFailedError
 from .forward import device_of, features_as_arrays
 from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
@@ -55,11 +56,11 @@ class DumpResult:
 
 def _check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
-        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     if pool not in _POOLS:
-        raise ValueError(f"pool must be None, 'avg' or 'max', not {pool!r}")
+        raise InvalidValueError(f"pool must be None, 'avg' or 'max', not {pool!r}")
     if isinstance(dtype, torch.dtype):
         name = str(dtype).replace("torch.", "")
     else:
@@ -68,7 +69,7 @@ def _check_options(batch_size: int, num_workers: int | None, pool: str | None, d
         except TypeError:
             name = str(dtype)
     if name not in _DTYPES:
-        raise ValueError(f"dtype must be 'float16' or 'float32', not {dtype!r}")
+        raise InvalidValueError(f"dtype must be 'float16' or 'float32', not {dtype!r}")
     return name
 
 
@@ -200,7 +201,9 @@ def dump_features(
     """
     dtype = _check_options(batch_size, num_workers, pool, dtype)
     if resume and overwrite:
-        raise ValueError("pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both")
+        raise InvalidValueError(
+            "pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both"
+        )
     device = device_of(extractor)
     dist = Distributed.from_environment(device)
     store = DumpStore(out_dir)
@@ -223,7 +226,7 @@ def dump_features(
         if not dist.all_ok(failure is None):
             if failure is not None:
                 raise failure
-            raise RuntimeError(
+            raise RunFailedError(
                 f"another rank failed while dumping to {store.root} (see its error); "
                 "what was committed is kept: rerun with resume=True (--resume) to finish"
             )
@@ -236,6 +239,7 @@ def dump_features(
     finally:
         store.close_journal()
         store.close_arrays()
+        store.unlock()
         dist.close()
 
 
@@ -259,6 +263,7 @@ def _broadcast_plan(
         try:
             inputs = resolve_inputs(extractor, source, resize_size, crop_size)
             settings = describe_settings(extractor, inputs, pool, dtype)
+            store.lock()  # one dump per folder: rank 0 holds it for every rank
             plan = plan_dump(store, settings, inputs, batch_size, resume, overwrite)
             names = inputs.names if inputs.dataset is None else None
             shared = (plan, names, inputs.image_shape, inputs.transform)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import RunFailedError
+
 __all__ = ["Distributed", "chunk_rows", "split_contiguous"]
 
 
@@ -53,7 +55,7 @@ class Distributed:
         if world_size <= 1:
             return cls()
         if not dist.is_available():
-            raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+            raise RunFailedError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=60))
         return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)

@@ -8,6 +8,7 @@ the batch. Subclasses only define the statistic.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Union
 
@@ -16,8 +17,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..backbones import BackboneSpec, WeightsSpec
+from ..errors import InvalidTypeError, InvalidValueError
 from ..extractor import FeatureExtractor
-from ..functional import Distance, Reduction, check_reduction, feature_distance, reduce_loss, resolve_distance
+from ..functional import (
+    Distance,
+    Reduction,
+    check_batch,
+    check_reduction,
+    feature_distance,
+    reduce_loss,
+    resolve_distance,
+)
 
 LayerWeights = Union[Mapping[str, float], Sequence[float], None]
 Resize = Union[int, tuple[int, int], None]
@@ -30,37 +40,65 @@ def resolve_layer_weights(layer_weights: LayerWeights, layers: Sequence[str]) ->
     if isinstance(layer_weights, Mapping):
         unknown = [name for name in layer_weights if name not in layers]
         if unknown:
-            raise ValueError(f"layer_weights names layers that are not in layers={list(layers)}: {unknown}")
+            raise InvalidValueError(f"layer_weights names layers that are not in layers={list(layers)}: {unknown}")
         missing = [name for name in layers if name not in layer_weights]
         if missing:
-            raise ValueError(f"layer_weights has no weight for {missing}; give one per layer in {list(layers)}")
+            raise InvalidValueError(f"layer_weights has no weight for {missing}; give one per layer in {list(layers)}")
         return [float(layer_weights[name]) for name in layers]
     if isinstance(layer_weights, (str, bytes)) or not isinstance(layer_weights, Iterable):
-        raise TypeError(f"layer_weights must be a dict by layer name or a sequence of floats, got {layer_weights!r}")
+        raise InvalidTypeError(
+            f"layer_weights must be a dict by layer name or a sequence of floats, got {layer_weights!r}"
+        )
     weights = [float(w) for w in layer_weights]
     if len(weights) != len(layers):
-        raise ValueError(f"{len(weights)} layer_weights for {len(layers)} layers {list(layers)}; give one per layer")
+        raise InvalidValueError(
+            f"{len(weights)} layer_weights for {len(layers)} layers {list(layers)}; give one per layer"
+        )
     return weights
 
 
 def check_resize(resize: Resize) -> tuple[int, int] | None:
-    """``None``, or ``(height, width)`` from an int (square) or a pair of positive ints."""
+    """``None``, or ``(height, width)`` from an int (square) or a pair of positive ints; a bool is a mistake."""
     if resize is None:
         return None
-    size = (resize, resize) if isinstance(resize, int) else tuple(resize)
-    if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
-        raise ValueError(f"resize must be None, a positive int or (height, width), not {resize!r}")
-    return (size[0], size[1])
+    expected = f"resize must be None, a positive int or (height, width), not {resize!r}"
+    if isinstance(resize, bool):
+        raise InvalidTypeError(f"{expected}; a bool is no size: give one (224 or (224, 224)), or None not to resize")
+    pair = list(resize) if isinstance(resize, Sequence) and not isinstance(resize, str) else [resize, resize]
+    sizes = [_positive_int(value) for value in pair]
+    if len(sizes) != 2 or sizes[0] is None or sizes[1] is None:
+        raise InvalidValueError(expected)
+    return (sizes[0], sizes[1])
+
+
+def _positive_int(value: object) -> int | None:
+    """``value`` as an int if it is a positive integer (numpy's too) and not a bool, else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return number if number > 0 else None
+
+
+def check_images(images: object, name: str) -> None:
+    """Raise unless ``images`` is a non-empty ``(B, C, H, W)`` tensor; ``name`` is the argument's name."""
+    if not isinstance(images, Tensor):
+        raise InvalidTypeError(f"{name} must be a Tensor, got {type(images).__name__}")
+    if images.dim() != 4:
+        raise InvalidValueError(f"{name} must be (B, C, H, W) images, got shape {tuple(images.shape)}")
+    check_batch(images, name)
 
 
 def as_layer_list(layers: str | Sequence[str]) -> list[str]:
     """Layer names as a list; a single string is one layer."""
     names = [layers] if isinstance(layers, str) else list(layers)
     if not names:
-        raise ValueError("layers is empty; name at least one layer, e.g. layers=['relu3_3']")
+        raise InvalidValueError("layers is empty; name at least one layer, e.g. layers=['relu3_3']")
     for name in names:
         if not isinstance(name, str):
-            raise TypeError(f"layer names must be strings, got {name!r}")
+            raise InvalidTypeError(f"layer names must be strings, got {name!r}")
     return names
 
 
@@ -94,13 +132,13 @@ class FeatureLoss(nn.Module):
         super().__init__()
         if isinstance(backbone, FeatureExtractor):
             if backbone.mode != "grad":
-                raise ValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
+                raise InvalidValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
             if weights != "DEFAULT" or tuple(float(v) for v in input_range) != (0.0, 1.0):
-                raise ValueError("weights and input_range come from the shared FeatureExtractor; set them there")
+                raise InvalidValueError("weights and input_range come from the shared FeatureExtractor; set them there")
             names = as_layer_list(layers) if layers is not None else list(backbone.layers)
             missing = [name for name in names if name not in backbone.layers]
             if missing:
-                raise ValueError(
+                raise InvalidValueError(
                     f"layers {missing} are not computed by the shared FeatureExtractor (it has {backbone.layers}); "
                     "build it over the union of the layers of every loss that shares it"
                 )
@@ -136,10 +174,12 @@ class FeatureLoss(nn.Module):
 
     def _statistics(self, features: Mapping[str, Tensor], side: str) -> list[Tensor]:
         if not isinstance(features, Mapping):
-            raise TypeError(f"{side} features must be a dict of layer name -> Tensor, got {type(features).__name__}")
+            raise InvalidTypeError(
+                f"{side} features must be a dict of layer name -> Tensor, got {type(features).__name__}"
+            )
         missing = [name for name in self.layers if name not in features]
         if missing:
-            raise ValueError(f"{side} features lack layers {missing}; got {list(features)}")
+            raise InvalidValueError(f"{side} features lack layers {missing}; got {list(features)}")
         return [self.statistic(features[name]) for name in self.layers]
 
     # -- fixed target ------------------------------------------------------------------------------
@@ -156,6 +196,7 @@ class FeatureLoss(nn.Module):
         Shape:
             target: ``(1, C, H, W)`` (broadcast over the input batch) or ``(B, C, H, W)``.
         """
+        check_images(target, "target")
         target = target.to(self.extractor.mean.device)
         self._target = [stat.detach() for stat in self._statistics(self.features(target), "target")]
 
@@ -174,17 +215,11 @@ class FeatureLoss(nn.Module):
 
     def _check_images(self, input: Tensor, target: Tensor) -> None:
         """Raise before any forward if the target cannot be compared with the input."""
-        if not isinstance(target, Tensor):
-            raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
-        if not isinstance(input, Tensor):
-            raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
-        if input.dim() != 4 or target.dim() != 4:
-            raise ValueError(
-                f"input and target must be (B, C, H, W) images, got {tuple(input.shape)} and {tuple(target.shape)}"
-            )
+        check_images(target, "target")
+        check_images(input, "input")
         same_size = input.shape[1:] == target.shape[1:] or not self._needs_same_size()
         if not same_size or target.shape[0] not in (1, input.shape[0]) or input.shape[1] != target.shape[1]:
-            raise ValueError(self._shape_message(tuple(input.shape), tuple(target.shape)))
+            raise InvalidValueError(self._shape_message(tuple(input.shape), tuple(target.shape)))
 
     def _needs_same_size(self) -> bool:
         return self.resize is None
@@ -198,10 +233,12 @@ class FeatureLoss(nn.Module):
     def _target_statistics(self, input: Tensor, target: Tensor | None) -> list[Tensor]:
         if target is None:
             if self._target is None:
-                raise ValueError(f"{type(self).__name__} needs a target: pass one, or call set_target(image) once")
+                raise InvalidValueError(
+                    f"{type(self).__name__} needs a target: pass one, or call set_target(image) once"
+                )
             return self._target
         if self._target is not None:
-            raise ValueError(
+            raise InvalidValueError(
                 f"this {type(self).__name__} has a fixed target from set_target(); call it without a target "
                 "or call clear_target() first"
             )
@@ -215,6 +252,7 @@ class FeatureLoss(nn.Module):
             input: ``(B, C, H, W)`` in ``input_range``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``;
             output: scalar, or ``(B,)`` with ``reduction="none"``.
         """
+        check_images(input, "input")
         target_stats = self._target_statistics(input, target)
         return self._combine(self._statistics(self.features(input), "input"), target_stats)
 
@@ -231,10 +269,10 @@ class FeatureLoss(nn.Module):
         input_stats = self._statistics(input_features, "input")
         if target_features is None:
             if self._target is None:
-                raise ValueError(f"{type(self).__name__} needs target features, or call set_target(image) once")
+                raise InvalidValueError(f"{type(self).__name__} needs target features, or call set_target(image) once")
             return self._combine(input_stats, self._target)
         if self._target is not None:
-            raise ValueError(
+            raise InvalidValueError(
                 f"this {type(self).__name__} has a fixed target from set_target(); pass no target_features"
             )
         return self._combine(input_stats, self._statistics(target_features, "target"))
@@ -242,8 +280,10 @@ class FeatureLoss(nn.Module):
     def _combine(self, input_stats: list[Tensor], target_stats: list[Tensor]) -> Tensor:
         terms = []
         for name, weight, a, b in zip(self.layers, self.layer_weights, input_stats, target_stats):
+            check_batch(a, f"the input features of layer {name!r}")
+            check_batch(b, f"the target features of layer {name!r}")
             if a.shape[1:] != b.shape[1:] or b.shape[0] not in (1, a.shape[0]):
-                raise ValueError(
+                raise InvalidValueError(
                     f"layer {name!r}: input {tuple(a.shape)} and target {tuple(b.shape)} do not match "
                     "(the target's batch may be 1 or the input's)"
                 )

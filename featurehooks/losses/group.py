@@ -6,7 +6,8 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from ._base import FeatureLoss
+from ..errors import InvalidTypeError, InvalidValueError
+from ._base import FeatureLoss, check_images
 
 __all__ = ["LossGroup"]
 
@@ -46,22 +47,23 @@ class LossGroup(nn.Module):
     def __init__(self, losses: Mapping[str, nn.Module], weights: Mapping[str, float] | None = None) -> None:
         super().__init__()
         if not losses:
-            raise ValueError("LossGroup needs at least one loss")
+            raise InvalidValueError("LossGroup needs at least one loss")
         for name, loss in losses.items():
             if not isinstance(loss, nn.Module):
-                raise TypeError(f"loss {name!r} must be an nn.Module, got {type(loss).__name__}")
+                raise InvalidTypeError(f"loss {name!r} must be an nn.Module, got {type(loss).__name__}")
         weights = dict(weights or {})
         unknown = [name for name in weights if name not in losses]
         if unknown:
-            raise ValueError(f"weights name losses that are not in the group: {unknown}; it has {list(losses)}")
+            raise InvalidValueError(f"weights name losses that are not in the group: {unknown}; it has {list(losses)}")
         reductions = {getattr(loss, "reduction", None) for loss in losses.values()} - {None}
         if len(reductions) > 1:
-            raise ValueError(f"the losses of a group must share one reduction, got {sorted(reductions)}")
+            raise InvalidValueError(f"the losses of a group must share one reduction, got {sorted(reductions)}")
         self.losses = nn.ModuleDict(losses)
         self.weights = {name: float(weights.get(name, 1.0)) for name in losses}
 
     def terms(self, input: Tensor, target: Tensor | None = None) -> dict[str, Tensor]:
         """Each loss times its weight, by name (useful for logging); their sum is ``forward``."""
+        check_images(input, "input")
         input_features: dict[tuple[int, object], dict[str, Tensor]] = {}
         target_features: dict[tuple[int, object], dict[str, Tensor]] = {}
         result: dict[str, Tensor] = {}
@@ -74,7 +76,7 @@ class LossGroup(nn.Module):
                     value = loss.from_features(input_features[key])
                 else:
                     if target is None:
-                        raise ValueError(
+                        raise InvalidValueError(
                             f"loss {name!r} has no fixed target: pass a target, or call "
                             f"group.losses[{name!r}].set_target(image) once"
                         )

@@ -8,7 +8,16 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from ..functional import Distance, Reduction, check_reduction, feature_distance, reduce_loss, resolve_distance
+from ..errors import InvalidTypeError, InvalidValueError
+from ..functional import (
+    Distance,
+    Reduction,
+    check_batch,
+    check_reduction,
+    feature_distance,
+    reduce_loss,
+    resolve_distance,
+)
 from ._base import LayerWeights, resolve_layer_weights
 
 __all__ = ["FeatureMatchingLoss"]
@@ -20,16 +29,20 @@ MultiScaleFeatures = Union[Features, Sequence[Features]]
 def _as_scales(features: MultiScaleFeatures, side: str) -> list[list[tuple[str, Tensor]]]:
     """``[[(name, tensor), ...] per discriminator]`` from a dict, a list, or a list of dicts/lists."""
     if isinstance(features, Tensor):
-        raise TypeError(f"{side} must be a dict or list of feature tensors (or a list of those), not a single Tensor")
+        raise InvalidTypeError(
+            f"{side} must be a dict or list of feature tensors (or a list of those), not a single Tensor"
+        )
     if isinstance(features, Mapping):
         return [_named(features, side)]
     if not isinstance(features, Sequence) or not features:
-        raise TypeError(f"{side} must be a non-empty dict, list of Tensors, or list of lists; got {features!r:.80}")
+        raise InvalidTypeError(
+            f"{side} must be a non-empty dict, list of Tensors, or list of lists; got {features!r:.80}"
+        )
     if all(isinstance(item, Tensor) for item in features):
         return [_named(features, side)]
     if all(isinstance(item, (Mapping, Sequence)) and not isinstance(item, Tensor) for item in features):
         return [_named(item, side) for item in features]
-    raise TypeError(f"{side} mixes Tensors and containers; pass a list of Tensors or a list of lists")
+    raise InvalidTypeError(f"{side} mixes Tensors and containers; pass a list of Tensors or a list of lists")
 
 
 def _by_name(features: MultiScaleFeatures, index: int) -> bool:
@@ -40,10 +53,11 @@ def _by_name(features: MultiScaleFeatures, index: int) -> bool:
 def _named(features: Features, side: str) -> list[tuple[str, Tensor]]:
     items = list(features.items()) if isinstance(features, Mapping) else [(str(i), f) for i, f in enumerate(features)]
     if not items:
-        raise ValueError(f"{side} holds no features")
+        raise InvalidValueError(f"{side} holds no features")
     for name, value in items:
         if not isinstance(value, Tensor):
-            raise TypeError(f"{side} feature {name!r} is a {type(value).__name__}, not a Tensor")
+            raise InvalidTypeError(f"{side} feature {name!r} is a {type(value).__name__}, not a Tensor")
+        check_batch(value, f"{side} feature {name!r}")
     return items
 
 
@@ -104,22 +118,26 @@ class FeatureMatchingLoss(nn.Module):
         """The loss between ``fake`` features (with graph) and ``real`` features (detached)."""
         fake_scales, real_scales = _as_scales(fake, "fake"), _as_scales(real, "real")
         if len(fake_scales) != len(real_scales):
-            raise ValueError(f"fake has features of {len(fake_scales)} discriminators but real of {len(real_scales)}")
+            raise InvalidValueError(
+                f"fake has features of {len(fake_scales)} discriminators but real of {len(real_scales)}"
+            )
         per_scale = []
         for index, (fake_items, real_items) in enumerate(zip(fake_scales, real_scales)):
             where = f"discriminator {index}: " if len(fake_scales) > 1 else ""
             names = [name for name, _ in fake_items]
             real_by_name = dict(real_items)
             if sorted(names) != sorted(real_by_name):
-                raise ValueError(f"{where}fake has layers {names} but real has {list(real_by_name)}")
+                raise InvalidValueError(f"{where}fake has layers {names} but real has {list(real_by_name)}")
             if isinstance(self.layer_weights, Mapping) and not _by_name(fake, index):
-                raise TypeError("layer_weights by name needs features given as dicts; give a list of weights instead")
+                raise InvalidTypeError(
+                    "layer_weights by name needs features given as dicts; give a list of weights instead"
+                )
             weights = resolve_layer_weights(self.layer_weights, names)
             terms = []
             for (name, fake_value), weight in zip(fake_items, weights):
                 real_value = real_by_name[name].detach()
                 if fake_value.shape[1:] != real_value.shape[1:] or real_value.shape[0] not in (1, fake_value.shape[0]):
-                    raise ValueError(
+                    raise InvalidValueError(
                         f"{where}layer {name!r}: fake {tuple(fake_value.shape)} and real {tuple(real_value.shape)} "
                         "do not match"
                     )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..backbones import BackboneSpec, WeightsSpec
+from ..errors import InvalidValueError
 from ..extractor import FeatureExtractor
 from ..functional import Distance, GramNormalization, Reduction, gram_matrix
 from ._base import FeatureLoss, LayerWeights, Resize
@@ -75,7 +76,9 @@ class StyleLoss(FeatureLoss):
         target: Tensor | None = None,
     ) -> None:
         if gram_normalization not in _GRAM_NORMALIZATIONS:
-            raise ValueError(f"gram_normalization must be one of {_GRAM_NORMALIZATIONS}, not {gram_normalization!r}")
+            raise InvalidValueError(
+                f"gram_normalization must be one of {_GRAM_NORMALIZATIONS}, not {gram_normalization!r}"
+            )
         super().__init__(
             backbone,
             layers,

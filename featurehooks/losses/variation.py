@@ -6,6 +6,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
+from ..errors import InvalidValueError
 from ..functional import Reduction, check_reduction, total_variation
 
 __all__ = ["TotalVariationLoss"]
@@ -41,7 +42,7 @@ class TotalVariationLoss(nn.Module):
     def __init__(self, norm: Literal["l1", "l2"] = "l1", *, reduction: Reduction = "mean") -> None:
         super().__init__()
         if norm not in ("l1", "l2"):
-            raise ValueError(f"norm must be 'l1' or 'l2', not {norm!r}")
+            raise InvalidValueError(f"norm must be 'l1' or 'l2', not {norm!r}")
         check_reduction(reduction)
         self.norm: Literal["l1", "l2"] = norm
         self.reduction: Reduction = reduction
