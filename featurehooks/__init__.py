@@ -2,7 +2,7 @@
 
 from . import functional, losses
 from .backbones import Preprocessing, available_backbones, load_backbone
-from .dump import DumpResult, dump_features, read_manifest
+from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
 from .errors import (
     BackboneNotFoundError,
     FeatureHooksError,
@@ -28,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BackboneNotFoundError",
     "CapturedFeatures",
+    "CorruptDumpError",
+    "DumpLockedError",
     "DumpResult",
     "FeatureExtractor",
     "FeatureHooksError",
@@ -40,6 +42,7 @@ __all__ = [
     "LayerNotRunError",
     "LossGroup",
     "MissingDependencyError",
+    "NoSpaceError",
     "OutputExistsError",
     "PerceptualLoss",
     "RunFailedError",

@@ -9,12 +9,15 @@ resume/overwrite rules, completion), ``sharding`` (ranks and their rows), ``run`
 
 from .run import DumpResult, dump_features
 from .sources import IMAGE_SUFFIXES, list_images
-from .store import read_manifest
+from .store import CorruptDumpError, DumpLockedError, NoSpaceError, read_manifest
 
 __all__ = [
     "IMAGE_SUFFIXES",
+    "CorruptDumpError",
+    "DumpLockedError",
     "DumpResult",
     "dump_features",
     "list_images",
+    "NoSpaceError",
     "read_manifest",
 ]
