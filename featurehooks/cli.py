@@ -150,7 +150,8 @@ def _extract(args: argparse.Namespace) -> int:
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
         skipped = len(manifest["skipped"])
         note = f"; {skipped} unreadable input(s) zero-filled, see manifest.json" if skipped else ""
-        print(f"wrote {manifest['num_rows']} rows to {result.out_dir}: {shapes} {manifest['dtype']}{note}")
+        done = f"wrote {manifest['num_rows']} rows to" if result.rows_computed else "already complete:"
+        print(f"{done} {result.out_dir}: {shapes} {manifest['dtype']}{note}")
     return 0
 
 

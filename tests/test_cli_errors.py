@@ -265,3 +265,11 @@ def test_a_bug_in_a_real_process_prints_a_traceback_and_exits_1(tmp_path: Path) 
         [sys.executable, "-c", script, "layers", "vgg16"], capture_output=True, text=True, env={**os.environ}
     )
     assert done.returncode == 1 and "Traceback" in done.stderr and "KeyError" in done.stderr
+
+
+def test_resume_of_a_complete_dump_says_so(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    _finished(images, out, capsys)
+    assert main([*extract(images, out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("already complete:") and "wrote" not in printed
