@@ -176,17 +176,22 @@ def trace_images(
     traces is taken, and ``None`` is returned for a model that accepts any count.
     Raises the model's own error when no count traces.
     """
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def image(count: int) -> torch.Tensor:
+        return torch.empty(1, count, size, size, dtype=dtype)  # the model's own dtype: a .double() module traces
+
     if channels is not None:
-        return trace(model, (torch.empty(1, channels, size, size),), watch=watch, eval_mode=True), channels
+        return trace(model, (image(channels),), watch=watch, eval_mode=True), channels
     error: Exception | None = None
     for candidate in _channel_candidates(model):
         try:
-            found = trace(model, (torch.empty(1, candidate, size, size),), watch=watch, eval_mode=True)
+            found = trace(model, (image(candidate),), watch=watch, eval_mode=True)
         except Exception as exc:  # the wrong channel count, or a model that cannot run on meta at all
             error = error or exc
             continue
         try:
-            trace(model, (torch.empty(1, candidate + 2, size, size),), eval_mode=True)
+            trace(model, (image(candidate + 2),), eval_mode=True)
         except Exception:
             return found, candidate
         return found, None

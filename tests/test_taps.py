@@ -217,3 +217,11 @@ def test_layouts_channels_and_strides() -> None:
 def test_list_layers_of_a_model_that_cannot_trace_is_one_clear_error() -> None:
     with pytest.raises(fh.TraceError, match=r"cannot list the layers of Sequential: .* 2x2 image"):
         fh.list_layers(nn.Sequential(nn.Conv2d(3, 4, 5)), input_size=2)
+
+
+def test_a_float64_module_is_traced_in_its_own_dtype() -> None:
+    net = Net().double()
+    extractor = fh.FeatureExtractor(net, ["stem.0", "body"])
+    assert [row.channels for row in extractor.feature_info] == [4, 2]
+    x = torch.rand(1, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(extractor(x)["stem.0"], net.stem[0](x).detach())
