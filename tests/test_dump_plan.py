@@ -126,3 +126,29 @@ def test_the_result_says_how_many_rows_this_call_computed(tmp_path: Path) -> Non
     assert dump(folder, out, resume=True).rows_computed == 0
     mark_unfinished(out, [(0, 0, 2), (2, 4, 5)]).close_arrays()
     assert dump(folder, out, resume=True).rows_computed == 2
+
+
+class Labelled(torch.utils.data.Dataset):
+    """(image, label) items; item 2 cannot be read."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index == 2:
+            raise OSError("cannot read item 2")
+        return torch.full((3, SIZE, SIZE), index / 10), 10 + index
+
+
+def test_labels_of_an_image_label_dataset_are_written(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = dump(Labelled(), out)
+    assert result.labels().tolist() == [10, 11, -1, 13, 14]
+    assert result.manifest["labels"] == "labels.npy" and result.manifest["inputs"]["labels"] is True
+    mark_unfinished(out, [(0, 0, 2)]).close_arrays()
+    resumed = dump(Labelled(), out, resume=True)
+    assert resumed.labels().tolist() == [10, 11, -1, 13, 14]
+    plain = dump(torch.rand(3, 3, SIZE, SIZE), tmp_path / "plain")
+    assert "labels" not in plain.manifest and not (tmp_path / "plain" / "labels.npy").exists()
+    with pytest.raises(FileNotFoundError, match="no labels"):
+        plain.labels()

@@ -23,7 +23,7 @@ from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, Run
 from ..images import ImageTransform, read_image, transform_for
 from .forward import device_of, features_as_arrays
 from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
-from .store import FORMAT, INDEX, DumpStore, layer_file_name
+from .store import FORMAT, INDEX, LABELS, DumpStore, layer_file_name
 
 __all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 
@@ -168,6 +168,8 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
             "sha256": inputs_digest(inputs.names),
         },
     }
+    if inputs.labelled:  # only then: manifests of unlabelled dumps compare equal to earlier ones
+        settings["inputs"]["labels"] = True
     if inputs.identity is not None:
         settings["inputs"]["identity_sha256"] = hashlib.sha256(inputs.identity.tobytes()).hexdigest()
     return json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
@@ -231,7 +233,7 @@ def plan_dump(
 ) -> Plan:
     """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
     out = store.root
-    files: dict[str, str] = {}
+    files: dict[str, str] = {LABELS: "the labels"} if settings["inputs"].get("labels") else {}
     for layer in settings["layers"]:  # "a/b" and "a_b" (or "A" and "a" on macOS) would share one file
         other = files.setdefault(layer_file_name(layer).lower(), layer)
         if other != layer:
@@ -264,7 +266,8 @@ def plan_dump(
         if status == "complete":
             return Plan(existing, (), int(existing["chunk_size"]))
         chunk_size = int(existing["chunk_size"])
-        if store.arrays_match(settings["shapes"], settings["dtype"]):
+        labelled = bool(settings["inputs"].get("labels"))
+        if store.arrays_match(settings["shapes"], settings["dtype"]) and (not labelled or store.labels_match(num_rows)):
             num_chunks = -(-num_rows // chunk_size)
             done = store.committed()
             return Plan(existing, tuple(c for c in range(num_chunks) if c not in done), chunk_size)
@@ -280,6 +283,8 @@ def plan_dump(
             )
     manifest = {"format": FORMAT, "status": "running", **settings, "chunk_size": batch_size}
     manifest["files"] = {name: layer_file_name(name) for name in settings["layers"]}
+    if settings["inputs"].get("labels"):
+        manifest["labels"] = LABELS
     manifest["index"] = INDEX
     manifest["versions"] = _versions()
     out.mkdir(parents=True, exist_ok=True)
@@ -289,6 +294,8 @@ def plan_dump(
     store.remove_outputs([*old_layers, *settings["layers"]])
     _save_identity(store, inputs.identity)
     store.create_arrays(settings["shapes"], settings["dtype"])
+    if settings["inputs"].get("labels"):
+        store.create_labels(num_rows)
     return Plan(manifest, tuple(range(-(-num_rows // batch_size))), batch_size)
 
 

@@ -19,7 +19,7 @@ from ..errors import InvalidValueError, RunFailedError
 from .forward import device_of, features_as_arrays
 from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
-from .sources import ImageFiles, SourceSpec, TensorRows, collate
+from .sources import ImageFiles, SourceSpec, TensorRows, collate_batch
 from .store import DumpStore
 
 __all__ = ["DumpResult", "dump_features"]
@@ -52,6 +52,16 @@ class DumpResult:
     def load(self, layer: str, mmap: bool = True) -> np.ndarray:
         """The array of ``layer`` (memory-mapped read-only by default)."""
         return np.load(self.path(layer), mmap_mode="r" if mmap else None)
+
+    def labels(self) -> np.ndarray:
+        """``(N,)`` int64 labels of an ``(image, label)`` dataset (-1 where a row has none).
+
+        Raises:
+            FileNotFoundError: the dump's source carried no integer labels.
+        """
+        if "labels" not in self.manifest:
+            raise FileNotFoundError(f"the dump in {self.out_dir} has no labels: its source items had none")
+        return np.load(self.out_dir / self.manifest["labels"])
 
 
 def _check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
@@ -94,14 +104,14 @@ def _loader(
     inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool, input_range: tuple[float, float]
 ) -> DataLoader:
     if inputs.dataset is not None:
-        rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape, input_range)
+        rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape, input_range, labelled=inputs.labelled)
     else:
         rows = ImageFiles(inputs.names, inputs.transform, inputs.image_shape)
     return DataLoader(
         rows,
         batch_sampler=batches,
         num_workers=num_workers,
-        collate_fn=collate,
+        collate_fn=collate_batch,
         pin_memory=pin,
         prefetch_factor=2 if num_workers > 0 else None,
     )
@@ -257,7 +267,7 @@ def _broadcast_plan(
     crop_size: Any,
 ) -> tuple[Plan, Inputs]:
     """Rank 0 resolves inputs and prepares the files; the plan (or its error, of the same type) reaches every rank."""
-    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any] | None = None
+    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any, bool] | None = None
     error: BaseException | None = None
     if dist.is_main:
         try:
@@ -266,7 +276,7 @@ def _broadcast_plan(
             store.lock()  # one dump per folder: rank 0 holds it for every rank
             plan = plan_dump(store, settings, inputs, batch_size, resume, overwrite)
             names = inputs.names if inputs.dataset is None else None
-            shared = (plan, names, inputs.image_shape, inputs.transform)
+            shared = (plan, names, inputs.image_shape, inputs.transform, inputs.labelled)
         except Exception as exc:
             if dist.world_size == 1:
                 raise
@@ -274,11 +284,12 @@ def _broadcast_plan(
     shared, error = dist.broadcast((shared, error))
     if error is not None:
         raise error
-    plan, names, image_shape, transform = shared  # type: ignore[misc]
+    plan, names, image_shape, transform, labelled = shared  # type: ignore[misc]
     if names is None:  # a dataset: every rank holds its own copy
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
         count = len(dataset)  # type: ignore[arg-type]
-        return plan, Inputs([f"dataset[{i}]" for i in range(count)], dataset, image_shape, None)  # type: ignore[arg-type]
+        names = [f"dataset[{i}]" for i in range(count)]
+        return plan, Inputs(names, dataset, image_shape, None, labelled=labelled)  # type: ignore[arg-type]
     return plan, Inputs(names, None, image_shape, transform)
 
 
@@ -316,7 +327,8 @@ def _compute(
     loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
     bar = _Progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress)
     try:
-        for chunk, (start, stop), (images, reasons) in zip(chunks, ranges, loader):
+        for chunk, (start, stop), batch in zip(chunks, ranges, loader):
+            images, reasons = batch.images, batch.reasons
             arrays = features_as_arrays(
                 extractor, images.to(device, non_blocking=True), manifest["pool"], manifest["dtype"]
             )
@@ -325,6 +337,8 @@ def _compute(
                 for value in arrays.values():
                     value[row - start] = 0
             store.write_rows(start, arrays)
+            if inputs.labelled:
+                store.write_labels(start, [-1 if label is None else label for label in batch.labels])
             store.commit(chunk, start, stop, skipped)
             bar.update(stop - start)
     finally:

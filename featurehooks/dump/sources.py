@@ -261,8 +261,3 @@ def collate_batch(samples: list[Sample]) -> Batch:
     """Stack a batch of samples: images, reasons (empty for valid rows) and labels."""
     return Batch(torch.stack([s.image for s in samples]), [s.reason for s in samples], [s.label for s in samples])
 
-
-def collate(samples: list[Sample]) -> tuple[Tensor, list[str]]:
-    """Stack a batch of samples: images and the reasons (empty for valid rows); ``collate_batch`` adds labels."""
-    batch = collate_batch(samples)
-    return batch.images, batch.reasons

@@ -55,6 +55,8 @@ MANIFEST = "manifest.json"
 INDEX = "index.csv"
 JOURNAL = ".journal"
 LOCK = ".lock"
+LABELS = "labels.npy"  # (N,) int64 labels of an (image, label) dataset; -1 for a row without one
+_LABELS_KEY = "\0labels"  # its key among the open arrays: no layer can have it
 FORMAT = "featurehooks.dump/1"
 _DTYPES = ("float16", "float32")
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -509,9 +511,39 @@ class DumpStore:
         return True
 
     def open_arrays(self, layers: Iterable[str]) -> None:
-        """Open every layer file for in-place writes."""
+        """Open every layer file (and ``labels.npy`` when the dump has one) for in-place writes."""
         for layer in layers:
             self._arrays[layer] = open_memmap(self.layer_path(layer), mode="r+")
+        if (self.root / LABELS).is_file():
+            self._arrays[_LABELS_KEY] = open_memmap(self.root / LABELS, mode="r+")
+
+    def create_labels(self, num_rows: int) -> None:
+        """Create ``labels.npy`` filled with -1 (rank 0, with the arrays), by plain writes: every block exists
+        before rows are written through its map, so a full disk is an error here, never a SIGBUS later."""
+        path = self.root / LABELS
+        temp = _temporary(path)
+        with _space_for(self.root, "create labels.npy", len(_npy_header((num_rows,), "int64")) + 8 * num_rows):
+            try:
+                with open(temp, "wb") as handle:
+                    np.save(handle, np.full(num_rows, -1, dtype=np.int64))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temp, path)
+            finally:
+                temp.unlink(missing_ok=True)
+        _fsync_dir(self.root)
+
+    def labels_match(self, num_rows: int) -> bool:
+        """Whether ``labels.npy`` exists whole, as ``create_labels`` writes it."""
+        try:
+            labels = np.load(self.root / LABELS, mmap_mode="r")
+        except (OSError, ValueError):
+            return False
+        return labels.shape == (num_rows,) and labels.dtype == np.int64
+
+    def write_labels(self, start: int, labels: Sequence[int]) -> None:
+        """Write labels of rows ``start:start+len`` (made durable with the rows, by ``commit``)."""
+        self._arrays[_LABELS_KEY][start : start + len(labels)] = labels
 
     def write_rows(self, start: int, values: Mapping[str, np.ndarray]) -> None:
         """Write rows ``start:start+len`` of every layer (not yet durable: see ``commit``)."""
@@ -617,7 +649,7 @@ class DumpStore:
 
         A temporary array a kill left behind holds reserved space, so it goes too.
         """
-        for path in [*(self.layer_path(layer) for layer in layers), self.index_path]:
+        for path in [*(self.layer_path(layer) for layer in layers), self.index_path, self.root / LABELS]:
             path.unlink(missing_ok=True)
             for temp in self.root.glob(f".{glob.escape(path.name)}.tmp-*"):
                 temp.unlink(missing_ok=True)
