@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, BinaryIO, Union
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as F
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
@@ -150,6 +150,17 @@ def read_image(path: str | os.PathLike[str]) -> Tensor:
         return _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else _rgb8(image)
 
 
+_ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(H, W) of the image ``read_image`` would return, from the file's header (no pixel is decoded)."""
+    with _open_regular(path) as handle, _identify(handle, path) as image:
+        width, height = image.size
+        rotated = image.getexif().get(ExifTags.Base.Orientation) in _ROTATED
+    return (width, height) if rotated else (height, width)
+
+
 def decode_image(path: str | os.PathLike[str]) -> Tensor:
     """Read an image file as float (3, H, W) in [0, 1] (see ``read_image`` for the conversions)."""
     return to_input_range(read_image(path), (0.0, 1.0))
@@ -253,6 +264,14 @@ class ImageTransform:
         if image.is_floating_point():
             image = image.clamp(0.0, 1.0)  # bicubic overshoots on floats
         return to_input_range(image, self.input_range)  # uint8 is scaled after the resize, like torchvision
+
+    def prepared_size(self, height: int, width: int) -> tuple[int, int]:
+        """(H, W) this transform gives an image of ``height x width``."""
+        if self.resize_size is not None:
+            height, width = resized_size(height, width, self.resize_size)
+        if self.crop_size is not None:
+            height, width = self.crop_size, self.crop_size
+        return height, width
 
     def output_shape(self, channels: int = 3) -> tuple[int, int, int] | None:
         """(C, H, W) of every prepared image, or ``None`` when there is no crop."""

@@ -238,15 +238,16 @@ def test_missing_inputs_are_file_not_found(extractor: FeatureExtractor, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-def test_without_crop_images_must_share_a_size(extractor: FeatureExtractor, tmp_path: Path) -> None:
+def test_without_crop_only_feature_maps_need_one_size(extractor: FeatureExtractor, tmp_path: Path) -> None:
     folder = tmp_path / "imgs"
     folder.mkdir()
     for i, size in enumerate([(40, 40), (40, 40), (50, 40)]):
         Image.new("RGB", size, (i * 40, 0, 0)).save(folder / f"{i}.png")
     result = dump(extractor, folder, tmp_path / "out", resize_size=None, crop_size=None, pool="avg")
-    assert result.manifest["preprocessing"]["image_shape"] == [3, 40, 40]
-    assert [s["row"] for s in result.skipped] == [2]
-    assert "differs" in result.skipped[0]["reason"] or "size" in result.skipped[0]["reason"]
+    assert result.manifest["preprocessing"]["image_shape"] == [3, 40, 40]  # the first image probes the shapes
+    assert result.skipped == []  # pooled features need no common size: every image is computed
+    with pytest.raises(ValueError, match="different sizes"):
+        dump(extractor, folder, tmp_path / "maps", resize_size=None, crop_size=None)
 
 
 def test_paths_with_glob_characters_are_taken_literally(extractor: FeatureExtractor, tmp_path: Path) -> None:

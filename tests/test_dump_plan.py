@@ -152,3 +152,34 @@ def test_labels_of_an_image_label_dataset_are_written(tmp_path: Path) -> None:
     assert "labels" not in plain.manifest and not (tmp_path / "plain" / "labels.npy").exists()
     with pytest.raises(FileNotFoundError, match="no labels"):
         plain.labels()
+
+
+def _sized(folder: Path, sizes: list[tuple[int, int]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    for i, (width, height) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+def test_pooled_features_of_images_of_different_sizes_are_each_computed(tmp_path: Path) -> None:
+    from featurehooks.images import read_image, transform_for
+
+    folder = _sized(tmp_path / "in", [(16, 16), (24, 16), (16, 32), (16, 16), (20, 28)])
+    result = dump(folder, tmp_path / "out", pool="avg", resize_size=None, crop_size=None, batch_size=3)
+    assert result.skipped == [] and result.num_rows == 5
+    ext = extractor()
+    transform = transform_for(ext.preprocessing, ext.input_range, None, None)
+    for row in range(5):
+        image = transform(read_image(folder / f"{row}.png"))[None]
+        expected = ext(image)["relu"].mean(dim=(2, 3))[0].numpy()
+        np.testing.assert_allclose(result.load("relu")[row], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_feature_maps_of_images_of_different_sizes_are_refused_while_planning(tmp_path: Path) -> None:
+    folder = _sized(tmp_path / "in", [(16, 16), (16, 16), (24, 16)])
+    with pytest.raises(ValueError, match=r"different sizes .*0\.png is 16x16 and .*2\.png is 24x16"):
+        dump(folder, tmp_path / "out", resize_size=None, crop_size=None)
+    assert not (tmp_path / "out" / "relu.npy").exists()
+    same = dump(_sized(tmp_path / "same", [(16, 16), (16, 16)]), tmp_path / "ok", resize_size=None, crop_size=None)
+    assert same.load("relu").shape == (2, 4, 7, 7)

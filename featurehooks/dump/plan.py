@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, RunFailedError
-from ..images import ImageTransform, read_image, transform_for
+from ..images import ImageTransform, image_size, read_image, transform_for
 from .forward import device_of, features_as_arrays
 from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
 from .store import FORMAT, INDEX, LABELS, DumpStore, layer_file_name
@@ -53,7 +53,8 @@ def _versions() -> dict[str, str]:
 class Inputs:
     """The rows of a dump: their names, the dataset (for tensor sources), the prepared image shape, for
     files their identity (size and mtime, to notice files replaced before a resume), and whether the
-    dataset's items carry integer labels."""
+    dataset's items carry integer labels, and whether images may differ in size (pooled, uncropped files:
+    ``image_shape`` is then the first readable image's, which probes the features' shapes)."""
 
     names: list[str]
     dataset: Dataset | None
@@ -61,6 +62,7 @@ class Inputs:
     transform: ImageTransform | None
     identity: np.ndarray | None = None
     labelled: bool = False
+    sizes_vary: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def file_identity(names: list[str]) -> np.ndarray:
     return identity
 
 
-def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any) -> Inputs:
+def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any, pool: str | None) -> Inputs:
     """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
     if isinstance(source, Tensor):
         if source.dim() != 4:
@@ -102,7 +104,9 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
     names = list_images(source)
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
     shape = transform.output_shape()
-    if shape is None:  # no crop: every image must have the size of the first readable one
+    if shape is None:  # no crop: the first readable image's shape probes the features' shapes
+        if pool is None:
+            _check_one_size(names, transform)
         for name in names:
             try:
                 shape = tuple(transform(read_image(name)).shape)
@@ -111,7 +115,25 @@ def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_si
                 continue
         else:
             raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
-    return Inputs(names, None, shape, transform, file_identity(names))
+    return Inputs(names, None, shape, transform, file_identity(names), sizes_vary=pool is not None)
+
+
+def _check_one_size(names: list[str], transform: ImageTransform) -> None:
+    """Spatial maps of every row share one shape: refuse, while planning, images that would differ."""
+    first: tuple[str, tuple[int, int]] | None = None
+    for name in names:
+        try:
+            size = transform.prepared_size(*image_size(name))
+        except Exception:  # unreadable: an invalid row later
+            continue
+        if first is None:
+            first = (name, size)
+        elif size != first[1]:
+            raise InvalidValueError(
+                f"images of different sizes cannot share one array of feature maps: {first[0]} is "
+                f"{first[1][1]}x{first[1][0]} and {name} is {size[1]}x{size[0]} once prepared; set a crop "
+                "(crop_size=, --crop) or pool the features (pool='avg', --pool avg)"
+            )
 
 
 def weights_digest(extractor: Any) -> str | None:

@@ -106,7 +106,7 @@ def _loader(
     if inputs.dataset is not None:
         rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape, input_range, labelled=inputs.labelled)
     else:
-        rows = ImageFiles(inputs.names, inputs.transform, inputs.image_shape)
+        rows = ImageFiles(inputs.names, inputs.transform, inputs.image_shape, any_size=inputs.sizes_vary)
     return DataLoader(
         rows,
         batch_sampler=batches,
@@ -267,16 +267,16 @@ def _broadcast_plan(
     crop_size: Any,
 ) -> tuple[Plan, Inputs]:
     """Rank 0 resolves inputs and prepares the files; the plan (or its error, of the same type) reaches every rank."""
-    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any, bool] | None = None
+    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any, bool, bool] | None = None
     error: BaseException | None = None
     if dist.is_main:
         try:
-            inputs = resolve_inputs(extractor, source, resize_size, crop_size)
+            inputs = resolve_inputs(extractor, source, resize_size, crop_size, pool)
             settings = describe_settings(extractor, inputs, pool, dtype)
             store.lock()  # one dump per folder: rank 0 holds it for every rank
             plan = plan_dump(store, settings, inputs, batch_size, resume, overwrite)
             names = inputs.names if inputs.dataset is None else None
-            shared = (plan, names, inputs.image_shape, inputs.transform, inputs.labelled)
+            shared = (plan, names, inputs.image_shape, inputs.transform, inputs.labelled, inputs.sizes_vary)
         except Exception as exc:
             if dist.world_size == 1:
                 raise
@@ -284,13 +284,13 @@ def _broadcast_plan(
     shared, error = dist.broadcast((shared, error))
     if error is not None:
         raise error
-    plan, names, image_shape, transform, labelled = shared  # type: ignore[misc]
+    plan, names, image_shape, transform, labelled, sizes_vary = shared  # type: ignore[misc]
     if names is None:  # a dataset: every rank holds its own copy
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
         count = len(dataset)  # type: ignore[arg-type]
         names = [f"dataset[{i}]" for i in range(count)]
         return plan, Inputs(names, dataset, image_shape, None, labelled=labelled)  # type: ignore[arg-type]
-    return plan, Inputs(names, None, image_shape, transform)
+    return plan, Inputs(names, None, image_shape, transform, sizes_vary=sizes_vary)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -299,6 +299,23 @@ def _portable(exc: BaseException) -> BaseException:
         return pickle.loads(pickle.dumps(exc))
     except Exception:  # noqa: BLE001 - exceptions with unusual constructors
         return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _features(
+    extractor: Any, images: Tensor | list[Tensor], device: torch.device, pool: str | None, dtype: str
+) -> dict[str, np.ndarray]:
+    """Features of one batch; a batch of images of several sizes (pooled, uncropped) runs one forward per size."""
+    if isinstance(images, Tensor):
+        return features_as_arrays(extractor, images.to(device, non_blocking=True), pool, dtype)
+    rows_of: dict[tuple[int, ...], list[int]] = {}
+    for row, image in enumerate(images):
+        rows_of.setdefault(tuple(image.shape), []).append(row)
+    batch: dict[str, np.ndarray] = {}
+    for rows in rows_of.values():
+        same = torch.stack([images[row] for row in rows]).to(device, non_blocking=True)
+        for name, value in features_as_arrays(extractor, same, pool, dtype).items():
+            batch.setdefault(name, np.empty((len(images), *value.shape[1:]), value.dtype))[rows] = value
+    return batch
 
 
 def _compute(
@@ -329,9 +346,7 @@ def _compute(
     try:
         for chunk, (start, stop), batch in zip(chunks, ranges, loader):
             images, reasons = batch.images, batch.reasons
-            arrays = features_as_arrays(
-                extractor, images.to(device, non_blocking=True), manifest["pool"], manifest["dtype"]
-            )
+            arrays = _features(extractor, images, device, manifest["pool"], manifest["dtype"])
             skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
             for row, _ in skipped:
                 for value in arrays.values():

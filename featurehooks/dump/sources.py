@@ -53,9 +53,10 @@ class Sample:
 
 
 class Batch(NamedTuple):
-    """Collated samples: images (B, C, H, W), reasons (empty for valid rows), labels (``None`` where absent)."""
+    """Collated samples: images (B, C, H, W) or a list of (C, H, W) of several sizes, reasons (empty for valid
+    rows), labels (``None`` where absent)."""
 
-    images: Tensor
+    images: Tensor | list[Tensor]
     reasons: list[str]
     labels: list[int | None]
 
@@ -131,10 +132,11 @@ def _describe(exc: BaseException) -> str:
 class ImageFiles(Dataset):
     """Rows of image files, decoded and prepared by ``transform``; failures become invalid rows."""
 
-    def __init__(self, paths: Sequence[str], transform: Any, shape: tuple[int, ...]) -> None:
+    def __init__(self, paths: Sequence[str], transform: Any, shape: tuple[int, ...], any_size: bool = False) -> None:
         self.paths = list(paths)
         self.transform = transform
         self.shape = shape
+        self.any_size = any_size  # pooled features need no common size
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -144,7 +146,7 @@ class ImageFiles(Dataset):
             image = self.transform(read_image(self.paths[index]))
         except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
             return Sample(torch.zeros(self.shape), _describe(exc))
-        if tuple(image.shape) != self.shape:
+        if tuple(image.shape) != self.shape and not self.any_size:
             return Sample(torch.zeros(self.shape), f"size {tuple(image.shape)} differs from {self.shape}; set a crop")
         return Sample(image, "")
 
@@ -258,6 +260,9 @@ def _has_label(item: Any) -> bool:
 
 
 def collate_batch(samples: list[Sample]) -> Batch:
-    """Stack a batch of samples: images, reasons (empty for valid rows) and labels."""
-    return Batch(torch.stack([s.image for s in samples]), [s.reason for s in samples], [s.label for s in samples])
+    """A batch of samples: images (stacked, or a list when their sizes differ), reasons (empty for valid
+    rows) and labels."""
+    images = [s.image for s in samples]
+    stacked = torch.stack(images) if len({tuple(i.shape) for i in images}) == 1 else images
+    return Batch(stacked, [s.reason for s in samples], [s.label for s in samples])
 
