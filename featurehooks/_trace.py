@@ -41,10 +41,9 @@ def tracing() -> bool:
 @dataclass(frozen=True)
 class CallOutput:
     """The output of one module call: ``shape`` of a plain tensor output (None for containers and
-    non-tensors), whether it is a container of tensors, and ``order``, when its hook fired."""
+    non-tensors), and ``order``, when its hook fired."""
 
     shape: tuple[int, ...] | None
-    structured: bool
     order: int
 
 
@@ -108,12 +107,10 @@ class _Recorder:
         self.note_changes(order)
         call = self.calls.get(path, 0)
         self.calls[path] = call + 1
-        is_tensor = isinstance(output, torch.Tensor)
-        leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)]
         site = (path, call)
-        shape = tuple(output.shape) if is_tensor else None
-        self.outputs[site] = CallOutput(shape, not is_tensor and bool(leaves), order)
+        self.outputs[site] = CallOutput(tuple(output.shape) if isinstance(output, torch.Tensor) else None, order)
         if site in self.watch:
+            leaves = (leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
             self._pending.extend((site, leaf, leaf._version) for leaf in leaves)
 
     def note_changes(self, order: int) -> None:
