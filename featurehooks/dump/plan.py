@@ -23,7 +23,7 @@ from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, Run
 from ..images import ImageTransform, image_size, read_image, transform_for
 from .forward import device_of, features_as_arrays
 from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
-from .store import FORMAT, INDEX, LABELS, DumpStore, layer_file_name
+from .store import FORMAT, INDEX, LABELS, DumpStore, layer_file_name, write_npy_atomic
 
 __all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 
@@ -238,16 +238,7 @@ def _save_identity(store: DumpStore, identity: np.ndarray | None) -> None:
     if identity is None:
         path.unlink(missing_ok=True)
         return
-    partial = path.with_name(path.name + ".partial")
-    try:
-        with open(partial, "wb") as handle:
-            np.save(handle, identity)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_npy_atomic(path, identity)
 
 
 def plan_dump(

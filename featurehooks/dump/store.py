@@ -130,13 +130,13 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, never a mix.
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Replace ``path`` with ``text`` (or bytes) so that readers see the old or the new file, never a mix.
 
     The text is encoded as UTF-8 with ``surrogateescape``: a file name that is not valid UTF-8 (which Python
     holds as lone surrogates) is written as its own bytes and reads back unchanged with the same handler.
     """
-    data = text.encode("utf-8", "surrogateescape")
+    data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
     tmp = _temporary(path)
     with _space_for(path.parent, f"write {path.name}", len(data)):
         try:
@@ -171,6 +171,13 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     if problem:
         raise CorruptDumpError(f"{path}: {problem} (edited by hand?); {_START_OVER}")
     return manifest
+
+
+def write_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """``np.save`` through ``write_atomic``: plain writes, so a full disk is a ``NoSpaceError``, never a SIGBUS."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    write_atomic(path, buffer.getvalue())
 
 
 def _is_count(value: Any, least: int = 0) -> bool:
@@ -520,18 +527,7 @@ class DumpStore:
     def create_labels(self, num_rows: int) -> None:
         """Create ``labels.npy`` filled with -1 (rank 0, with the arrays), by plain writes: every block exists
         before rows are written through its map, so a full disk is an error here, never a SIGBUS later."""
-        path = self.root / LABELS
-        temp = _temporary(path)
-        with _space_for(self.root, "create labels.npy", len(_npy_header((num_rows,), "int64")) + 8 * num_rows):
-            try:
-                with open(temp, "wb") as handle:
-                    np.save(handle, np.full(num_rows, -1, dtype=np.int64))
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(temp, path)
-            finally:
-                temp.unlink(missing_ok=True)
-        _fsync_dir(self.root)
+        write_npy_atomic(self.root / LABELS, np.full(num_rows, -1, dtype=np.int64))
 
     def labels_match(self, num_rows: int) -> bool:
         """Whether ``labels.npy`` exists whole, as ``create_labels`` writes it."""
