@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..errors import InvalidTypeError
 
-__all__ = ["compute_dtype_of", "device_of", "features_as_arrays", "pool_features"]
+__all__ = ["device_of", "features_as_arrays", "pool_features"]
 
 
 def pool_features(feature: Tensor, pool: str | None) -> Tensor:
@@ -31,21 +31,11 @@ def device_of(extractor: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def compute_dtype_of(extractor: torch.nn.Module) -> torch.dtype:
-    """The floating dtype the extractor computes in (``float16`` after ``.half()``), else ``float32``."""
-    backbone = getattr(extractor, "backbone", extractor)
-    for tensor in (*backbone.parameters(), *extractor.buffers()):
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return torch.float32
-
-
 def features_as_arrays(extractor: Any, images: Tensor, pool: str | None, dtype: str) -> dict[str, np.ndarray]:
     """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU.
 
-    Images are cast to the extractor's own dtype first, so a ``.half()`` or ``.bfloat16()`` extractor works.
+    The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works.
     """
-    images = images.to(compute_dtype_of(extractor))
     with torch.no_grad():
         outputs = extractor(images)
     arrays = {}
