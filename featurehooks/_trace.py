@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._taps import Site
 
-__all__ = ["STATE", "CallOutput", "Trace", "meta_copy", "trace", "trace_images", "tracing"]
+__all__ = ["STATE", "CallOutput", "Trace", "fixed_input_size", "meta_copy", "trace", "trace_images", "tracing"]
 
 class _TraceState(threading.local):
     """Per thread: whether a meta trace is running (hook sessions ignore the forwards of a trace)."""
@@ -164,19 +164,34 @@ def _channel_candidates(model: nn.Module) -> list[int]:
     return list(dict.fromkeys(c for c in (3, 1, first_conv) if c is not None))
 
 
+def fixed_input_size(model: nn.Module) -> tuple[int, int] | None:
+    """The only ``(height, width)`` a model accepts, when it says so: a timm patch embedding with a strict
+    image size (which may be non-square), torchvision's ViT; None for models that take any size."""
+    embed = getattr(model, "patch_embed", None)
+    size = getattr(embed, "img_size", None)
+    if getattr(embed, "strict_img_size", False) and isinstance(size, tuple) and len(size) == 2:
+        return (int(size[0]), int(size[1]))
+    size = getattr(model, "image_size", None)
+    if type(model).__module__.startswith("torchvision.models") and isinstance(size, int):
+        return (size, size)
+    return None
+
+
 def trace_images(
-    model: nn.Module, size: int, channels: int | None = None, *, watch: Collection[Site] = ()
+    model: nn.Module, size: int | tuple[int, int], channels: int | None = None, *, watch: Collection[Site] = ()
 ) -> tuple[Trace, int | None]:
-    """Trace ``model`` on one ``(1, C, size, size)`` image, in eval mode; returns the trace and ``C``.
+    """Trace ``model`` on one ``(1, C, height, width)`` image (``size`` or a square of it), in eval mode;
+    returns the trace and ``C``.
 
     ``channels`` comes from the model's metadata when it has some; otherwise the first count that
     traces is taken, and ``None`` is returned for a model that accepts any count.
     Raises the model's own error when no count traces.
     """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    height, width = size if isinstance(size, tuple) else (size, size)
 
     def image(count: int) -> torch.Tensor:
-        return torch.empty(1, count, size, size, dtype=dtype)  # the model's own dtype: a .double() module traces
+        return torch.empty(1, count, height, width, dtype=dtype)  # the model's own dtype: a .double() module traces
 
     if channels is not None:
         return trace(model, (image(channels),), watch=watch, eval_mode=True), channels

@@ -118,7 +118,7 @@ def _check_usable(device: Any, name: str) -> None:
         raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
 
 
-def _extractor(args: argparse.Namespace) -> Any:
+def _extractor(args: argparse.Namespace, output_format: str) -> Any:
     import torch
 
     from .extractor import FeatureExtractor
@@ -127,7 +127,9 @@ def _extractor(args: argparse.Namespace) -> Any:
     weights = _weights(args.weights)
     if weights is None:
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
-    extractor = FeatureExtractor(args.backbone, args.layers, weights=weights, mode="detach")
+    extractor = FeatureExtractor(
+        args.backbone, args.layers, weights=weights, mode="detach", output_format=output_format
+    )
     return extractor.to(device)
 
 
@@ -144,7 +146,7 @@ def _extract(args: argparse.Namespace) -> int:
     from .dump import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
-    result = _dump(_extractor(args), sources, args)
+    result = _dump(_extractor(args, args.output_format), sources, args)
     if int(os.environ.get("RANK", "0")) == 0:
         manifest = result.manifest
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
@@ -189,7 +191,7 @@ def _show(args: argparse.Namespace) -> int:
         raise UserError(f"no such image: {args.image}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary
         raise UserError(f"cannot read image {args.image}: {exc}") from None
-    extractor = _extractor(args)
+    extractor = _extractor(args, "nchw")  # token and channels-last layers drawn as maps
     image = prepare_image(picture, extractor, **_sizes(args))
     with torch.no_grad():
         features = extractor(image)
@@ -279,7 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
     )
     extract.add_argument(
-        "--pool", choices=("avg", "max"), default=None, help="pool maps over space (default: keep maps)"
+        "--pool",
+        choices=("avg", "max", "cls"),
+        default=None,
+        help="avg/max over each layer's positions (patch tokens, never class tokens), or the class token (cls) "
+        "of token layers (default: keep maps)",
+    )
+    extract.add_argument(
+        "--output-format",
+        choices=("native", "nchw"),
+        default="native",
+        help="native: module outputs as they are; nchw: token (ViT) and channels-last (Swin) outputs as "
+        "(B, C, H, W) maps without prefix tokens (default: native)",
     )
     extract.add_argument("--dtype", choices=("float16", "float32"), default="float32", help="on-disk dtype")
     mode = extract.add_mutually_exclusive_group()

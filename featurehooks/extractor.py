@@ -14,14 +14,16 @@ import torch
 from torch import Tensor, nn
 
 from ._hooks import HookSession
-from ._trace import Trace, trace_images
+from ._layout import Layout, check_nchw, classify, prefix_tokens_of, to_nchw
+from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
-__all__ = ["FeatureExtractor", "LayerSpec", "capture"]
+__all__ = ["FeatureExtractor", "LayerSpec", "OutputFormat", "capture"]
 
 Mode = Literal["detach", "grad"]
+OutputFormat = Literal["native", "nchw"]
 # Values this far outside input_range (as a fraction of its width) are almost surely the wrong scale.
 _RANGE_SLACK = 0.1
 
@@ -29,6 +31,19 @@ _RANGE_SLACK = 0.1
 def _check_mode(mode: str) -> None:
     if mode not in ("detach", "grad"):
         raise InvalidValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
+
+
+def _check_format(output_format: str, return_prefix_tokens: bool, prefix_tokens: int | None) -> None:
+    if output_format not in ("native", "nchw"):
+        raise InvalidValueError(f"output_format must be 'native' or 'nchw', not {output_format!r}")
+    if return_prefix_tokens and output_format != "nchw":
+        raise InvalidValueError(
+            "return_prefix_tokens=True goes with output_format='nchw' (native token outputs keep their prefix tokens)"
+        )
+    if prefix_tokens is not None and (isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int)):
+        raise InvalidTypeError(f"prefix_tokens must be a non-negative int or None, not {prefix_tokens!r}")
+    if prefix_tokens is not None and prefix_tokens < 0:
+        raise InvalidValueError(f"prefix_tokens must be a non-negative int or None, not {prefix_tokens}")
 
 
 def _floating_tensor(model: nn.Module) -> Tensor:
@@ -57,6 +72,17 @@ class FeatureExtractor(nn.Module):
         mean: per-channel mean for images scaled to [0, 1]; overrides the weights' normalization.
         std: per-channel std for images scaled to [0, 1]; overrides the weights' normalization.
         early_exit: stop the forward after the deepest requested layer (turn off only to measure).
+        output_format: ``"native"`` returns module outputs as they are; ``"nchw"`` returns every map
+            and token output as ``(B, C, H, W)``: channels-last maps (Swin) permuted, tokens (ViT)
+            without their prefix tokens and reshaped to the patch grid of the images at hand. Both
+            are views, no copy. ``(B, C)`` vectors and other outputs are returned as they are.
+        return_prefix_tokens: with ``"nchw"``, also return the class/register/distillation tokens of
+            each token layer that has some, as ``"<name>.prefix"`` of shape ``(B, P, C)``.
+        prefix_tokens: how many tokens lead the patch tokens of the model's token outputs; read
+            from the model (timm's ``num_prefix_tokens``, torchvision's ViT), so only needed for
+            your own modules that do not say.
+
+    ``output_layouts`` tells the layout of each returned output.
 
     Grayscale input is an error rather than silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
 
@@ -84,9 +110,13 @@ class FeatureExtractor(nn.Module):
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         early_exit: bool = True,
+        output_format: OutputFormat = "native",
+        return_prefix_tokens: bool = False,
+        prefix_tokens: int | None = None,
     ) -> None:
         super().__init__()
         _check_mode(mode)
+        _check_format(output_format, return_prefix_tokens, prefix_tokens)
         low, high = (float(v) for v in input_range)
         if not low < high:
             raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
@@ -104,17 +134,25 @@ class FeatureExtractor(nn.Module):
         self.mode: Mode = mode
         self.input_range = (low, high)
         self.early_exit = early_exit
+        self.output_format: OutputFormat = output_format
+        self.return_prefix_tokens = return_prefix_tokens
+        self._prefix_tokens = prefix_tokens if prefix_tokens is not None else prefix_tokens_of(model)
         index = LayerIndex(model, loaded.name)
         self.taps = index.taps(layers)
+        self._check_prefix_names()
         size = self.preprocessing.crop_size or 224
         self._untraced = ""
         try:
-            found, self.in_channels = trace_images(model, size, loaded.in_channels, watch=self.taps.sites)
+            found, self.in_channels = trace_images(
+                model, fixed_input_size(model) or size, loaded.in_channels, watch=self.taps.sites
+            )
         except Exception as exc:  # the model cannot run on meta tensors: real forwards are checked instead
             found, self.in_channels = None, loaded.in_channels
             self._untraced = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self._layouts: dict[str, Layout] | None = None
         if found is not None:
             index.check_calls(self.taps, found)
+            self._set_layouts({tap.name: found.outputs[tap.site].shape for tap in self.taps}, found.input_shape)
         self._trace: Trace | None = found
         self._register_normalization(loaded.preprocessing)
         self._range_checked = False
@@ -145,6 +183,41 @@ class FeatureExtractor(nn.Module):
     def layers(self) -> list[str]:
         """Output names in request order."""
         return self.taps.names
+
+    def _check_prefix_names(self) -> None:
+        clashes = [f"{name}.prefix" for name in self.taps.names if f"{name}.prefix" in self.taps.names]
+        if self.return_prefix_tokens and clashes:
+            raise InvalidValueError(f"return_prefix_tokens=True would return {clashes} twice; rename those layers")
+
+    def _set_layouts(self, shapes: Mapping[str, tuple[int, ...] | None], input_shape: tuple[int, ...]) -> None:
+        """The layout of each tap from its output shape; with ``"nchw"``, refuse token outputs that cannot
+        become maps (their prefix count unknown, or tokens that do not tile the input)."""
+        layouts = {name: classify(shape, input_shape, self._prefix_tokens) for name, shape in shapes.items()}
+        if self.output_format == "nchw":
+            for name, layout in layouts.items():
+                check_nchw(layout, shapes[name] or (), (input_shape[-2], input_shape[-1]), name)
+        self._layouts = layouts
+
+    @property
+    def output_layouts(self) -> dict[str, Layout]:
+        """The layout of each returned output, by name (after ``output_format``; ``"<name>.prefix"``
+        outputs are ``"NLC"`` tokens that are all prefix tokens)."""
+        if self._layouts is None:
+            raise RuntimeError(
+                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so the layouts of its "
+                "outputs are known after its first forward"
+            )
+        if self.output_format == "native":
+            return dict(self._layouts)
+        layouts: dict[str, Layout] = {}
+        for name, layout in self._layouts.items():
+            if layout.kind in ("NHWC", "NLC"):
+                layouts[name] = Layout("NCHW", layout.channels, layout.stride)
+                if self.return_prefix_tokens and layout.kind == "NLC" and layout.prefix_tokens:
+                    layouts[f"{name}.prefix"] = Layout("NLC", layout.channels, None, layout.prefix_tokens)
+            else:
+                layouts[name] = layout
+        return layouts
 
     @functools.cached_property
     def feature_info(self) -> list[FeatureInfo]:
@@ -217,7 +290,26 @@ class FeatureExtractor(nn.Module):
         x = self.normalize(images.to(self.mean.dtype))
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
-            return self._session.run(self._model, x)
+            features = self._session.run(self._model, x)
+        if self._layouts is None:  # an untraced model: layouts from its first real forward
+            shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
+            self._set_layouts(shapes, tuple(images.shape))
+        if self.output_format == "nchw":
+            return self._as_maps(features, (images.shape[-2], images.shape[-1]))
+        return features
+
+    def _as_maps(self, features: dict[str, Any], image_hw: tuple[int, int]) -> dict[str, Any]:
+        """Token and channels-last outputs as ``(B, C, H, W)`` views; prefix tokens kept on request."""
+        layouts = self._layouts or {}
+        maps: dict[str, Any] = {}
+        for name, value in features.items():
+            if not isinstance(value, Tensor):
+                maps[name] = value
+                continue
+            maps[name], prefix = to_nchw(value, layouts[name], image_hw, name)
+            if self.return_prefix_tokens and prefix is not None and prefix.shape[1]:
+                maps[f"{name}.prefix"] = prefix
+        return maps
 
     def close(self) -> None:
         """Remove every hook from the backbone; the extractor cannot be called afterwards."""
@@ -230,9 +322,11 @@ class FeatureExtractor(nn.Module):
         self.close()
 
     def extra_repr(self) -> str:
+        layout = "" if self.output_format == "native" else f", output_format={self.output_format!r}"
+        prefix = ", return_prefix_tokens=True" if self.return_prefix_tokens else ""
         return (
             f"backbone={self.backbone_name!r}, weights={self.weights!r}, layers={self.layers}, "
-            f"mode={self.mode!r}, input_range={self.input_range}"
+            f"mode={self.mode!r}, input_range={self.input_range}{layout}{prefix}"
         )
 
 

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from typing import Union
 
 from torch import nn
-from torchvision.models import VGG, VisionTransformer
+from torchvision.models import VGG
 
+from ._layout import classify, prefix_tokens_of
 from ._taps import Site, Tap, Taps, call_name
-from ._trace import Trace, trace_images
+from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, WeightsSpec, build_architecture
 from .errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, TraceError, did_you_mean
 
-__all__ = ["FeatureInfo", "LayerIndex", "LayerSpec", "describe", "list_layers", "prefix_tokens_of", "vgg_aliases"]
+__all__ = ["FeatureInfo", "LayerIndex", "LayerSpec", "describe", "list_layers", "vgg_aliases"]
 
 LayerSpec = Union[str, Sequence[str], Mapping[str, str]]
 _CALL_SUFFIX = re.compile(r"(.+)_([1-9][0-9]*)")
@@ -72,16 +73,6 @@ def vgg_aliases(model: nn.Module) -> dict[str, str]:
 def aliases_of(model: nn.Module) -> dict[str, str]:
     """Readable aliases known for this architecture (alias -> module path); empty when none."""
     return vgg_aliases(model) if isinstance(model, VGG) else {}
-
-
-def prefix_tokens_of(model: nn.Module) -> int | None:
-    """How many tokens (class, register, distillation) lead the patch tokens, if the model says."""
-    count = getattr(model, "num_prefix_tokens", None)  # timm
-    if isinstance(count, int):
-        return count
-    if isinstance(model, VisionTransformer):  # torchvision: one class token
-        return 1
-    return None
 
 
 class LayerIndex:
@@ -149,48 +140,9 @@ class LayerIndex:
             )
 
 
-def _spatial_stride(height: int, width: int, input_hw: tuple[int, int]) -> int | None:
-    """The stride at which a ``height x width`` map covers the input, or None if it cannot be one."""
-    in_height, in_width = input_hw
-    if not (1 <= height <= in_height and 1 <= width <= in_width):
-        return None
-    stride = in_height // height
-    return stride if in_width // width == stride else None
-
-
-def _token_stride(tokens: int, input_hw: tuple[int, int]) -> int | None:
-    """The patch size at which ``tokens`` patch tokens tile the input, or None."""
-    if tokens < 1:
-        return None
-    stride = max(1, round((input_hw[0] * input_hw[1] / tokens) ** 0.5))
-    return stride if (input_hw[0] // stride) * (input_hw[1] // stride) == tokens else None
-
-
-def output_layout(
-    shape: tuple[int, ...] | None, input_hw: tuple[int, int], prefix_tokens: int | None
-) -> tuple[str, int | None, int | None, int | None]:
-    """(layout, channels, stride, prefix tokens) of an output ``shape`` for an input of ``input_hw``."""
-    if shape is None or len(shape) not in (2, 3, 4):
-        return "other", None, None, None
-    if len(shape) == 2:
-        return "NC", shape[1], None, None
-    if len(shape) == 3:
-        for prefix in dict.fromkeys((prefix_tokens or 0, 0)):
-            stride = _token_stride(shape[1] - prefix, input_hw)
-            if stride is not None:
-                return "NLC", shape[2], stride, prefix if prefix_tokens is not None else None
-        return "NLC", shape[2], None, prefix_tokens
-    channels_first = _spatial_stride(shape[2], shape[3], input_hw)
-    channels_last = _spatial_stride(shape[1], shape[2], input_hw)
-    if channels_first is None and channels_last is not None:
-        return "NHWC", shape[3], channels_last, None
-    return "NCHW", shape[1], channels_first, None
-
-
 def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
     """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace."""
     index = LayerIndex(model, label)
-    input_hw = (found.input_shape[-2], found.input_shape[-1])
     prefix = prefix_tokens_of(model)
     rows = []
     for path, module in model.named_modules():
@@ -199,13 +151,19 @@ def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
         calls = found.calls.get(path, 0)
         for call in range(max(calls, 1)):
             output = found.outputs.get((path, call))
-            layout, channels, stride, tokens = (
-                output_layout(output.shape, input_hw, prefix) if output is not None else (None, None, None, None)
-            )
+            layout = classify(output.shape, found.input_shape, prefix) if output is not None else None
             alias = index.alias_of.get(path) if call == 0 else None
             name = alias or call_name(path, call)
             kind = type(module).__name__
-            rows.append(FeatureInfo(name, alias, path, kind, channels, stride, calls, call, layout, tokens))
+            if layout is None:
+                rows.append(FeatureInfo(name, alias, path, kind, None, None, calls, call))
+                continue
+            rows.append(
+                FeatureInfo(
+                    name, alias, path, kind, layout.channels, layout.stride, calls, call, layout.kind,
+                    layout.prefix_tokens,
+                )
+            )
     return rows
 
 
@@ -233,13 +191,14 @@ def list_layers(
         built = build_architecture(backbone, weights)
         model, label, channels = built.model, backbone, built.in_channels
         size = input_size or built.preprocessing.crop_size or 224
+    traced_size = (size, size) if input_size is not None else fixed_input_size(model) or (size, size)
     try:
-        found, _ = trace_images(model, size, channels)
+        found, _ = trace_images(model, traced_size, channels)
     except Exception as exc:  # the model's own error: a wrong input size, ops without meta kernels, ...
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise TraceError(
-            f"cannot list the layers of {label}: a shape-only forward of a {size}x{size} image on the meta device "
-            f"failed ({type(exc).__name__}: {first_line}); try another input_size"
+            f"cannot list the layers of {label}: a shape-only forward of a {traced_size[0]}x{traced_size[1]} image "
+            f"on the meta device failed ({type(exc).__name__}: {first_line}); try another input_size"
         ) from exc
     rows = describe(model, found, label)
     if include is not None:

@@ -8,17 +8,35 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InvalidTypeError
+from .._layout import Layout, Pool, classify, pool_positions
+from ..errors import InvalidTypeError, InvalidValueError
 
 __all__ = ["device_of", "features_as_arrays", "pool_features"]
 
 
-def pool_features(feature: Tensor, pool: str | None) -> Tensor:
-    """Average or max over the spatial axes of ``(B, C, ...)`` maps or the token axis of ``(B, T, C)``."""
-    if pool is None or feature.dim() <= 2:
+def pool_features(feature: Tensor, layout: Layout, pool: Pool | None, name: str) -> Tensor:
+    """``feature`` unchanged, or pooled to ``(B, C)`` over its positions (never its prefix tokens) with
+    ``"avg"``/``"max"``, or its class token with ``"cls"``; the layout says which axes those are."""
+    if pool is None:
         return feature
-    dims = (1,) if feature.dim() == 3 else tuple(range(2, feature.dim()))  # tokens (B, T, C) or maps (B, C, ...)
-    return feature.mean(dim=dims) if pool == "avg" else feature.amax(dim=dims)
+    if pool != "cls" and name.endswith(".prefix") and layout.kind == "NLC" and layout.stride is None:
+        raise InvalidValueError(
+            f"{name!r} holds prefix tokens only, no positions to pool over; dump it with pool=None or pool='cls', "
+            "or build the extractor without return_prefix_tokens"
+        )
+    return pool_positions(feature, layout, pool, name)
+
+
+def _layouts(extractor: Any, outputs: dict[str, Any], images: Tensor) -> dict[str, Layout]:
+    """The extractor's own layouts, or (for any other callable) layouts read from the output shapes."""
+    layouts = getattr(extractor, "output_layouts", None)
+    if isinstance(layouts, dict):
+        return layouts
+    shape = tuple(images.shape)
+    return {
+        name: classify(tuple(value.shape) if isinstance(value, Tensor) else None, shape, None)
+        for name, value in outputs.items()
+    }
 
 
 def device_of(extractor: torch.nn.Module) -> torch.device:
@@ -31,7 +49,7 @@ def device_of(extractor: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def features_as_arrays(extractor: Any, images: Tensor, pool: str | None, dtype: str) -> dict[str, np.ndarray]:
+def features_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype: str) -> dict[str, np.ndarray]:
     """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU.
 
     The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works.
@@ -39,10 +57,12 @@ def features_as_arrays(extractor: Any, images: Tensor, pool: str | None, dtype: 
     with torch.no_grad():
         outputs = extractor(images)
     arrays = {}
+    layouts = _layouts(extractor, outputs, images) if pool is not None else {}
     for name, value in outputs.items():
         if not isinstance(value, Tensor):
             raise InvalidTypeError(
                 f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped"
             )
-        arrays[name] = pool_features(value.detach(), pool).to(getattr(torch, dtype)).cpu().numpy()
+        pooled = pool_features(value.detach(), layouts.get(name, Layout("other")), pool, name)
+        arrays[name] = pooled.to(getattr(torch, dtype)).cpu().numpy()
     return arrays

@@ -25,7 +25,7 @@ from .store import DumpStore
 __all__ = ["DumpResult", "dump_features"]
 
 _DTYPES = ("float16", "float32")
-_POOLS = (None, "avg", "max")
+_POOLS = (None, "avg", "max", "cls")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _check_options(batch_size: int, num_workers: int | None, pool: str | None, d
     if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
         raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     if pool not in _POOLS:
-        raise InvalidValueError(f"pool must be None, 'avg' or 'max', not {pool!r}")
+        raise InvalidValueError(f"pool must be None, 'avg', 'max' or 'cls', not {pool!r}")
     if isinstance(dtype, torch.dtype):
         name = str(dtype).replace("torch.", "")
     else:
@@ -188,7 +188,8 @@ def dump_features(
         batch_size: images per forward, and the unit of commit and resume.
         num_workers: DataLoader processes that decode while the model runs (default: up to 4; at most 4
             per CPU core and one per batch).
-        pool: ``"avg"`` or ``"max"`` over the spatial (or token) axes, or ``None`` to keep maps.
+        pool: ``"avg"`` or ``"max"`` over each layer's positions (spatial axes, or patch tokens: never
+            class/register tokens), ``"cls"`` for the class token of token layers, or ``None`` to keep maps.
         dtype: ``"float32"`` or ``"float16"`` on disk.
         resume: finish an unfinished dump in ``out_dir`` (with the same settings and inputs).
         overwrite: replace whatever dump ``out_dir`` holds.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._layout import channels_first
 from ..backbones import BackboneSpec, WeightsSpec
 from ..errors import InvalidTypeError, InvalidValueError
 from ..extractor import FeatureExtractor
@@ -169,7 +170,11 @@ class FeatureLoss(nn.Module):
             return self.features(target)
 
     def statistic(self, features: Tensor) -> Tensor:
-        """The per-layer quantity that is compared (the features themselves here)."""
+        """The per-layer quantity that is compared (the features themselves here).
+
+        ``features`` come channels first, ``(B, C, *positions)``, whatever the layer's layout: Swin's
+        ``(B, H, W, C)`` maps and ``(B, L, C)`` tokens are viewed with their channels on axis 1.
+        """
         return features
 
     def _statistics(self, features: Mapping[str, Tensor], side: str) -> list[Tensor]:
@@ -180,7 +185,8 @@ class FeatureLoss(nn.Module):
         missing = [name for name in self.layers if name not in features]
         if missing:
             raise InvalidValueError(f"{side} features lack layers {missing}; got {list(features)}")
-        return [self.statistic(features[name]) for name in self.layers]
+        layouts = self.extractor.output_layouts
+        return [self.statistic(channels_first(features[name], layouts[name].kind)) for name in self.layers]
 
     # -- fixed target ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from .._layout import channels_first
 from ..errors import InvalidTypeError, InvalidValueError
 from ..functional import (
     Distance,
@@ -22,6 +23,7 @@ from ._base import LayerWeights, resolve_layer_weights
 
 __all__ = ["FeatureMatchingLoss"]
 
+_LAYOUTS = ("NCHW", "NHWC", "NLC")
 Features = Union[Mapping[str, Tensor], Sequence[Tensor]]
 MultiScaleFeatures = Union[Features, Sequence[Features]]
 
@@ -85,6 +87,10 @@ class FeatureMatchingLoss(nn.Module):
             with each discriminator's list of features; default 1 each.
         distance: ``"l1"`` (default), ``"mse"``, ... or a callable; see ``functional.DISTANCES``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        layout: where the channels of the features sit: ``"NCHW"`` (default, also any ``(B, C, ...)``),
+            ``"NHWC"`` (channels last, e.g. Swin) or ``"NLC"`` (transformer tokens), or a dict of
+            those by layer name. Elementwise distances average the same over any layout; the
+            channel-wise ones (``"cosine"``, your callables) see ``(B, C, ...)`` features.
 
     Shape:
         fake, real: ``{name: (B, ...)}``, ``[(B, ...), ...]`` or ``[[(B, ...), ...], ...]`` with
@@ -105,9 +111,18 @@ class FeatureMatchingLoss(nn.Module):
     """
 
     def __init__(
-        self, layer_weights: LayerWeights = None, *, distance: Distance = "l1", reduction: Reduction = "mean"
+        self,
+        layer_weights: LayerWeights = None,
+        *,
+        distance: Distance = "l1",
+        reduction: Reduction = "mean",
+        layout: str | Mapping[str, str] = "NCHW",
     ) -> None:
         super().__init__()
+        for kind in layout.values() if isinstance(layout, Mapping) else [layout]:
+            if kind not in _LAYOUTS:
+                raise InvalidValueError(f"layout must be one of {_LAYOUTS} (or a dict of them by layer), not {kind!r}")
+        self.layout = layout
         self.layer_weights = layer_weights
         self.distance = distance
         self._distance = resolve_distance(distance)
@@ -141,8 +156,9 @@ class FeatureMatchingLoss(nn.Module):
                         f"{where}layer {name!r}: fake {tuple(fake_value.shape)} and real {tuple(real_value.shape)} "
                         "do not match"
                     )
-                a = fake_value.to(torch.promote_types(fake_value.dtype, torch.float32))
-                b = real_value.to(a.dtype)
+                kind = self.layout.get(name, "NCHW") if isinstance(self.layout, Mapping) else self.layout
+                a = channels_first(fake_value.to(torch.promote_types(fake_value.dtype, torch.float32)), kind)
+                b = channels_first(real_value.to(a.dtype), kind)
                 terms.append(weight * feature_distance(a, b, self._distance))
             per_scale.append(sum(terms[1:], terms[0]))
         total = sum(per_scale[1:], per_scale[0]) / len(per_scale)
@@ -150,4 +166,5 @@ class FeatureMatchingLoss(nn.Module):
 
     def extra_repr(self) -> str:
         weights = f"layer_weights={self.layer_weights!r}, " if self.layer_weights is not None else ""
-        return f"{weights}distance={self.distance!r}, reduction={self.reduction!r}"
+        layout = f", layout={self.layout!r}" if self.layout != "NCHW" else ""
+        return f"{weights}distance={self.distance!r}, reduction={self.reduction!r}{layout}"

@@ -16,6 +16,8 @@ from .perceptual import PerceptualLoss
 from .style import StyleLoss
 
 __all__ = [
+    "DINO_VITS16",
+    "DINO_VITS16_LAYERS",
     "GATYS2016_CONTENT_LAYERS",
     "GATYS2016_STYLE_LAYERS",
     "JOHNSON2016_CONTENT_LAYERS",
@@ -24,6 +26,7 @@ __all__ = [
     "LPIPS_VGG_LAYERS",
     "PIX2PIXHD_LAYERS",
     "PIX2PIXHD_WEIGHTS",
+    "dino_vits16",
     "gatys2016",
     "johnson2016",
     "lpips_vgg",
@@ -38,6 +41,8 @@ PIX2PIXHD_LAYERS = ("relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1")
 PIX2PIXHD_WEIGHTS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1.0)
 LPIPS_VGG_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3")
 LPIPS_VGG_CHANNELS = (64, 128, 256, 512, 512)
+DINO_VITS16 = "timm/vit_small_patch16_224.dino"
+DINO_VITS16_LAYERS = ("blocks.2", "blocks.5", "blocks.8", "blocks.11")
 
 
 def johnson2016(
@@ -156,4 +161,38 @@ def lpips_vgg(
         weights=weights,
         input_range=input_range,
         reduction=reduction,
+    )
+
+
+def dino_vits16(
+    layers: tuple[str, ...] = DINO_VITS16_LAYERS,
+    *,
+    weights: WeightsSpec = "DEFAULT",
+    input_range: tuple[float, float] = (0.0, 1.0),
+    reduction: Reduction = "mean",
+    resize: int | tuple[int, int] | None = 224,
+) -> PerceptualLoss:
+    """A perceptual loss on self-supervised DINO ViT-S/16 features (timm ``vit_small_patch16_224.dino``).
+
+    The patch tokens of every third block (``blocks.2`` ... ``blocks.11``) are laid out as maps
+    (``output_format="nchw"``, the class token left out), unit-normalized over channels and compared
+    by squared distance summed over channels: per layer, the mean over patches of ``2 - 2 cos``, summed
+    over layers. The model takes 224x224 images, so inputs are resized to 224 unless ``resize=None``.
+    ``weights="DEFAULT"`` reads timm's pretrained tag from the Hugging Face cache (or downloads it);
+    a local ``.safetensors``/``.pth`` file works too.
+
+    References:
+        Caron, Touvron, Misra, Jégou, Mairal, Bojanowski, Joulin (2021). Emerging Properties in
+        Self-Supervised Vision Transformers. ICCV. https://arxiv.org/abs/2104.14294
+    """
+    extractor = FeatureExtractor(
+        DINO_VITS16, list(layers), weights=weights, mode="grad", input_range=input_range, output_format="nchw"
+    )
+    return PerceptualLoss(
+        extractor,
+        list(layers),
+        layer_weights=[extractor.output_layouts[name].channels or 1 for name in layers],
+        normalize_features=True,
+        reduction=reduction,
+        resize=resize,
     )
