@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from torch import nn
-from torchvision.models import VGG
+from torchvision.models import VGG, AlexNet, SqueezeNet
 
 from ._layout import classify, prefix_tokens_of
 from ._taps import Site, Tap, Taps, call_name
@@ -16,7 +16,16 @@ from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, WeightsSpec, build_architecture
 from .errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, TraceError, did_you_mean
 
-__all__ = ["FeatureInfo", "LayerIndex", "LayerSpec", "describe", "list_layers", "vgg_aliases"]
+__all__ = [
+    "FeatureInfo",
+    "LayerIndex",
+    "LayerSpec",
+    "alexnet_aliases",
+    "describe",
+    "list_layers",
+    "squeezenet_aliases",
+    "vgg_aliases",
+]
 
 LayerSpec = Union[str, Sequence[str], Mapping[str, str]]
 _CALL_SUFFIX = re.compile(r"(.+)_([1-9][0-9]*)")
@@ -70,9 +79,50 @@ def vgg_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def alexnet_aliases(model: nn.Module) -> dict[str, str]:
+    """``convK``/``reluK``/``poolK`` aliases of torchvision's AlexNet (K: the convolution before it), as in LPIPS."""
+    aliases: dict[str, str] = {}
+    block = 0
+    for position, module in enumerate(model.get_submodule("features").children()):
+        if isinstance(module, nn.Conv2d):
+            block += 1
+            aliases[f"conv{block}"] = f"features.{position}"
+        elif isinstance(module, nn.ReLU):
+            aliases[f"relu{block}"] = f"features.{position}"
+        elif isinstance(module, nn.MaxPool2d):
+            aliases[f"pool{block}"] = f"features.{position}"
+    return aliases
+
+
+def squeezenet_aliases(model: nn.Module) -> dict[str, str]:
+    """``conv1``/``relu1``, ``poolK`` (in order) and ``fire2`` ... ``fire9`` aliases of torchvision's SqueezeNets,
+    numbered as in the SqueezeNet paper."""
+    aliases: dict[str, str] = {}
+    fires, pools = 1, 0
+    for position, module in enumerate(model.get_submodule("features").children()):
+        path = f"features.{position}"
+        if isinstance(module, nn.Conv2d):
+            aliases["conv1"] = path
+        elif isinstance(module, nn.ReLU):
+            aliases["relu1"] = path
+        elif isinstance(module, nn.MaxPool2d):
+            pools += 1
+            aliases[f"pool{pools}"] = path
+        elif type(module).__name__ == "Fire":
+            fires += 1
+            aliases[f"fire{fires}"] = path
+    return aliases
+
+
 def aliases_of(model: nn.Module) -> dict[str, str]:
     """Readable aliases known for this architecture (alias -> module path); empty when none."""
-    return vgg_aliases(model) if isinstance(model, VGG) else {}
+    if isinstance(model, VGG):
+        return vgg_aliases(model)
+    if isinstance(model, AlexNet):
+        return alexnet_aliases(model)
+    if isinstance(model, SqueezeNet):
+        return squeezenet_aliases(model)
+    return {}
 
 
 class LayerIndex:
