@@ -65,23 +65,55 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     extraction = _load("extraction")
     payload = extraction.main(
-        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext", "--shapes", "1x32"]
+        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "1x32"]
     )
     _check_files(tmp_path, "extraction", payload)
     groups = payload["groups"]
-    cases = {"VGG16 relu3_3", "timm convnext_tiny stages.1+stages.2"}
+    vit = "timm ViT-S/16 (vit_small_patch16_224) blocks.5+blocks.8"
+    cases = {"VGG16 relu3_3", "timm convnext_tiny stages.1+stages.2", vit}
     assert {g["case"] for g in groups} == cases
     assert {g["params"]["mode"] for g in groups} == {"no-grad", "grad"}
+    assert len(groups) == 2 * len(cases)
     for group in groups:
         names = [row["name"] for row in group["rows"]]
-        assert names[:4] == [extraction.FULL, extraction.FLOOR, extraction.FE, extraction.NO_EE]
-        assert extraction.FX in names
+        is_vit = group["case"] == vit
+        nchw = [extraction.FE_NCHW] if is_vit else []
+        assert names[:4 + len(nchw)] == [extraction.FULL, extraction.FLOOR, extraction.FE, *nchw, extraction.NO_EE]
+        assert (extraction.FE_NCHW in names) == is_vit
+        assert extraction.FX in names  # the ViT traces with timm's tracer settings
         assert (extraction.TIMM in names) == group["case"].startswith("timm")
         for row in group["rows"]:
-            if row["name"] != extraction.FULL:  # every contender returns the floor's tensors
-                assert row["max_abs_diff"] <= 1e-4, row
+            if row["name"] == extraction.FULL:  # logits: nothing to compare
+                assert row["max_abs_diff"] is None and row["compared_with"] is None
+                continue
+            # every contender returns the floor's tensors: ViT maps (FE nchw, timm) the floor's tokens as maps
+            maps = is_vit and row["name"] in (extraction.FE_NCHW, extraction.TIMM)
+            assert row["compared_with"] == ("floor as maps" if maps else "floor"), row
+            assert row["max_abs_diff"] <= 1e-4, row
     claims = {t["claim"] for t in payload["targets"]}
     assert "FeatureExtractor / bare truncated" in claims and "FeatureExtractor / timm forward_intermediates" in claims
+    nchw_targets = [t for t in payload["targets"] if t["claim"] == "FeatureExtractor nchw / timm forward_intermediates"]
+    assert len(nchw_targets) == 2 and all(t["group"].startswith(vit) and t["limit"] == 1.03 for t in nchw_targets)
+
+
+def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> None:
+    """The ViT maps check compares positions, not just shapes: a transposed grid is caught."""
+    extraction = _load("extraction")
+    models = extraction.build_vit(extraction.VIT_LAYERS)
+    try:
+        x = torch.rand(2, 3, 48, 32)  # a 3 x 2 patch grid: rows and columns differ
+        cpu = torch.device("cpu")
+        refs = extraction.references(models, x, "no-grad", "fp32", cpu)
+        fns = extraction.contenders(models, x, "no-grad", "fp32", cpu)
+        maps = fns[extraction.FE_NCHW]()
+        assert [tuple(m.shape) for m in maps] == [(2, 384, 3, 2)] * 2
+        assert extraction.H.max_abs_diff(maps, refs["floor as maps"]) <= 1e-5
+        assert extraction.H.max_abs_diff(fns[extraction.TIMM](), refs["floor as maps"]) <= 1e-5
+        assert extraction.H.max_abs_diff(fns[extraction.FE](), refs["floor"]) <= 1e-5
+        wrong = [m.flatten(2).unflatten(2, (2, 3)).transpose(2, 3) for m in maps]  # same shape, shuffled positions
+        assert extraction.H.max_abs_diff(wrong, refs["floor as maps"]) > 1e-3
+    finally:
+        extraction._release(models)
 
 
 def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
