@@ -24,6 +24,7 @@ __all__ = [
     "check_nchw",
     "classify",
     "pool_positions",
+    "patch_size_of",
     "prefix_tokens_of",
     "split_prefix",
     "to_nchw",
@@ -67,6 +68,18 @@ def prefix_tokens_of(model: nn.Module) -> int | None:
     return None
 
 
+def patch_size_of(model: nn.Module) -> int | None:
+    """The square patch size of the first patch embedding in ``model`` (timm's ``patch_embed``,
+    torchvision's ViT), or None."""
+    for module in model.modules():
+        size = getattr(module, "patch_size", None)
+        if isinstance(size, (tuple, list)) and len(size) == 2 and size[0] == size[1]:
+            size = size[0]
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
+
+
 def _spatial_stride(height: int, width: int, input_hw: tuple[int, int]) -> int | None:
     """The stride at which a ``height x width`` map covers the input, or None if it cannot be one."""
     in_height, in_width = input_hw
@@ -76,12 +89,22 @@ def _spatial_stride(height: int, width: int, input_hw: tuple[int, int]) -> int |
     return stride if in_width // width == stride else None
 
 
-def _token_stride(tokens: int, input_hw: tuple[int, int]) -> int | None:
-    """The patch size at which ``tokens`` patch tokens tile the input (rounding down or up), or None."""
+def _token_stride(tokens: int, input_hw: tuple[int, int], patch_size: int | None) -> int | None:
+    """The patch size at which ``tokens`` patch tokens tile the input (rounding down or up), or None.
+
+    The model's own ``patch_size`` is tried first: a grid may fit several strides (a 150x220 image
+    padded at 16 or cropped at 15 both give 10x14). Otherwise the stride nearest to the one the
+    token count implies wins, within a quarter of it.
+    """
     if tokens < 1:
         return None
-    stride = max(1, round((input_hw[0] * input_hw[1] / tokens) ** 0.5))
-    return stride if any(rows * columns == tokens for rows, columns in _grids(input_hw, stride)) else None
+    estimate = (input_hw[0] * input_hw[1] / tokens) ** 0.5
+    reach = max(1, int(estimate / 4))
+    nearest = sorted(range(max(1, int(estimate) - reach), int(estimate) + reach + 2), key=lambda s: abs(s - estimate))
+    for stride in ([patch_size] if patch_size else []) + nearest:
+        if any(rows * columns == tokens for rows, columns in _grids(input_hw, stride)):
+            return stride
+    return None
 
 
 def _grids(image_hw: tuple[int, int], stride: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -90,12 +113,18 @@ def _grids(image_hw: tuple[int, int], stride: int) -> tuple[tuple[int, int], tup
     return (height // stride, width // stride), (-(-height // stride), -(-width // stride))
 
 
-def classify(shape: tuple[int, ...] | None, input_shape: tuple[int, ...], prefix_tokens: int | None) -> Layout:
+def classify(
+    shape: tuple[int, ...] | None,
+    input_shape: tuple[int, ...],
+    prefix_tokens: int | None,
+    patch_size: int | None = None,
+) -> Layout:
     """The layout of an output of ``shape`` for an input of ``input_shape`` ``(B, C, H, W)``.
 
     Outputs whose first axis is not the input's batch (windows of Swin or MaxViT attention, heads
-    folded into the batch) are ``"other"``. Tokens are ``"NLC"`` with ``prefix_tokens`` leading
-    tokens when the rest tile the input, else with none when all of them do.
+    folded into the batch) are ``"other"``: traces use a batch of 2, so a leading 1 is no batch.
+    Tokens are ``"NLC"`` with ``prefix_tokens`` leading tokens when the rest tile the input, else
+    with none when all of them do; ``patch_size`` (the model's, if it says) settles ambiguous grids.
     """
     if shape is None or len(shape) not in (2, 3, 4) or len(input_shape) != 4 or shape[0] != input_shape[0]:
         return OTHER
@@ -104,7 +133,7 @@ def classify(shape: tuple[int, ...] | None, input_shape: tuple[int, ...], prefix
         return Layout("NC", shape[1])
     if len(shape) == 3:
         for prefix in dict.fromkeys((prefix_tokens or 0, 0)):
-            stride = _token_stride(shape[1] - prefix, input_hw)
+            stride = _token_stride(shape[1] - prefix, input_hw, patch_size)
             if stride is not None:
                 return Layout("NLC", shape[2], stride, prefix if prefix_tokens is not None else None)
         return Layout("NLC", shape[2], None, prefix_tokens)

@@ -180,8 +180,8 @@ def fixed_input_size(model: nn.Module) -> tuple[int, int] | None:
 def trace_images(
     model: nn.Module, size: int | tuple[int, int], channels: int | None = None, *, watch: Collection[Site] = ()
 ) -> tuple[Trace, int | None]:
-    """Trace ``model`` on one ``(1, C, height, width)`` image (``size`` or a square of it), in eval mode;
-    returns the trace and ``C``.
+    """Trace ``model`` on a batch of two ``(C, height, width)`` images (``size`` or a square of it), in eval
+    mode; returns the trace and ``C``. Two, so that an output's leading axis of 1 is never taken for the batch.
 
     ``channels`` comes from the model's metadata when it has some; otherwise the first count that
     traces is taken, and ``None`` is returned for a model that accepts any count.
@@ -191,7 +191,7 @@ def trace_images(
     height, width = size if isinstance(size, tuple) else (size, size)
 
     def image(count: int) -> torch.Tensor:
-        return torch.empty(1, count, height, width, dtype=dtype)  # the model's own dtype: a .double() module traces
+        return torch.empty(2, count, height, width, dtype=dtype)  # the model's own dtype: a .double() module traces
 
     if channels is not None:
         return trace(model, (image(channels),), watch=watch, eval_mode=True), channels

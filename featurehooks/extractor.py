@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ._hooks import HookSession
-from ._layout import Layout, check_nchw, classify, prefix_tokens_of, to_nchw
+from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
@@ -192,7 +192,8 @@ class FeatureExtractor(nn.Module):
     def _set_layouts(self, shapes: Mapping[str, tuple[int, ...] | None], input_shape: tuple[int, ...]) -> None:
         """The layout of each tap from its output shape; with ``"nchw"``, refuse token outputs that cannot
         become maps (their prefix count unknown, or tokens that do not tile the input)."""
-        layouts = {name: classify(shape, input_shape, self._prefix_tokens) for name, shape in shapes.items()}
+        patch = patch_size_of(self._model)
+        layouts = {name: classify(shape, input_shape, self._prefix_tokens, patch) for name, shape in shapes.items()}
         if self.output_format == "nchw":
             for name, layout in layouts.items():
                 check_nchw(layout, shapes[name] or (), (input_shape[-2], input_shape[-1]), name)

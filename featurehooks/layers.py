@@ -10,7 +10,7 @@ from typing import Union
 from torch import nn
 from torchvision.models import VGG, AlexNet, SqueezeNet
 
-from ._layout import classify, prefix_tokens_of
+from ._layout import classify, patch_size_of, prefix_tokens_of
 from ._taps import Site, Tap, Taps, call_name
 from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, WeightsSpec, build_architecture
@@ -193,7 +193,7 @@ class LayerIndex:
 def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
     """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace."""
     index = LayerIndex(model, label)
-    prefix = prefix_tokens_of(model)
+    prefix, patch = prefix_tokens_of(model), patch_size_of(model)
     rows = []
     for path, module in model.named_modules():
         if not path:
@@ -201,7 +201,7 @@ def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
         calls = found.calls.get(path, 0)
         for call in range(max(calls, 1)):
             output = found.outputs.get((path, call))
-            layout = classify(output.shape, found.input_shape, prefix) if output is not None else None
+            layout = classify(output.shape, found.input_shape, prefix, patch) if output is not None else None
             alias = index.alias_of.get(path) if call == 0 else None
             name = alias or call_name(path, call)
             kind = type(module).__name__
