@@ -1,4 +1,5 @@
-"""The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid).
+"""The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid),
+and the metrics ``fd`` and ``stats`` (see ``_cli_metrics``).
 
 Exit status: 0 success, 1 the run failed (I/O error, another rank), 2 bad input (unknown backbone
 or layer, missing images, unusable weights, an existing output without ``--resume``/``--overwrite``),
@@ -12,20 +13,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .errors import FeatureHooksError, RunFailedError, first_line
+from ._cli_common import (
+    UserError,
+    add_model_options,
+    at_least,
+    build_extractor,
+    non_negative,
+    positive,
+    sizes,
+    weights_from,
+)
+from ._cli_metrics import add_metric_commands
+from .errors import FeatureHooksError, RunFailedError
 from .layers import list_layers
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
-
-
-class UserError(Exception):
-    """A mistake in the command line, reported in one line."""
 
 
 def _layers(args: argparse.Namespace) -> int:
@@ -50,103 +58,11 @@ def _layers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weights(text: str) -> str | None:
-    return None if text.lower() in ("none", "random") else text
-
-
-def _integer(minimum: int, allow_none: bool = False) -> Callable[[str], int | None]:
-    """An argparse type for integers >= ``minimum`` (and ``none`` when ``allow_none``)."""
-    expected = f"an integer >= {minimum}" + (" or 'none'" if allow_none else "")
-
-    def parse(text: str) -> int | None:
-        if allow_none and text.lower() == "none":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_size = _integer(1, allow_none=True)
-_positive = _integer(1)
-_non_negative = _integer(0)
-
-
-def _device(name: str) -> Any:
-    """The torch device for ``--device``: one this machine can compute on, else a UserError."""
-    import torch
-
-    if name == "auto":
-        return _local_cuda() if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:1, ... or auto") from None
-    if device.type == "meta":
-        raise UserError("--device meta: meta tensors have shapes but no values, so there is nothing to extract")
-    if device.type != "cuda":
-        _check_usable(device, name)
-        return device
-    if not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device if device.index is not None else _local_cuda()
-
-
-def _local_cuda() -> Any:
-    """This process's GPU: under torchrun each rank takes its own (LOCAL_RANK), not all of them GPU 0."""
-    import torch
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def _check_usable(device: Any, name: str) -> None:
-    """Allocate an empty tensor on ``device``: a backend this torch lacks (mps, xla, xpu, ...) fails here."""
-    import torch
-
-    try:
-        torch.empty(0, device=device)
-    except Exception as exc:  # noqa: BLE001 - backends fail in their own ways: RuntimeError, AssertionError, ...
-        raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
-
-
-def _extractor(args: argparse.Namespace, output_format: str) -> Any:
-    import torch
-
-    from .extractor import FeatureExtractor
-
-    device = _device(args.device)  # a bad --device fails before the model is built
-    weights = _weights(args.weights)
-    if weights is None:
-        torch.manual_seed(args.seed)  # random init, identical on every rank and every run
-    extractor = FeatureExtractor(
-        args.backbone, args.layers, weights=weights, mode="detach", output_format=output_format
-    )
-    return extractor.to(device)
-
-
-def _sizes(args: argparse.Namespace) -> dict[str, Any]:
-    sizes: dict[str, Any] = {}
-    if args.resize is not ...:
-        sizes["resize_size"] = args.resize
-    if args.crop is not ...:
-        sizes["crop_size"] = args.crop
-    return sizes
-
-
 def _extract(args: argparse.Namespace) -> int:
     from .dump import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
-    result = _dump(_extractor(args, args.output_format), sources, args)
+    result = _dump(build_extractor(args, args.output_format), sources, args)
     if int(os.environ.get("RANK", "0")) == 0:
         manifest = result.manifest
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
@@ -173,7 +89,7 @@ def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
             resume=args.resume,
             overwrite=args.overwrite,
             progress=not args.quiet,
-            **_sizes(args),
+            **sizes(args),
         )
     except FileExistsError as exc:
         raise UserError(str(exc)) from None
@@ -191,8 +107,8 @@ def _show(args: argparse.Namespace) -> int:
         raise UserError(f"no such image: {args.image}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary
         raise UserError(f"cannot read image {args.image}: {exc}") from None
-    extractor = _extractor(args, "nchw")  # token and channels-last layers drawn as maps
-    image = prepare_image(picture, extractor, **_sizes(args))
+    extractor = build_extractor(args, "nchw")  # token and channels-last layers drawn as maps
+    image = prepare_image(picture, extractor, **sizes(args))
     with torch.no_grad():
         features = extractor(image)
     _check_drawable(features, args.backbone)
@@ -212,37 +128,6 @@ def _check_drawable(features: dict[str, Any], backbone: str) -> None:
                 f"layer {name!r} has shape {shape}, not a feature map (B, C, H, W); pick a convolutional layer "
                 f"(see `featurehooks layers {backbone}`)"
             )
-
-
-def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
-    )
-    parser.add_argument(
-        "--layers",
-        required=True,
-        nargs="+",
-        metavar="LAYER",
-        help="layer names or module paths (see `featurehooks layers`)",
-    )
-    parser.add_argument(
-        "--weights",
-        default="DEFAULT",
-        help="DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
-        "or 'none' for seeded random init (default: DEFAULT)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
-    parser.add_argument(
-        "--resize",
-        type=_size,
-        default=...,
-        metavar="N",
-        help="shorter-side resize, or 'none' (default: from the weights)",
-    )
-    parser.add_argument(
-        "--crop", type=_size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 
 
 _EXTRACT_EPILOG = """\
@@ -275,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
     extract.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    _model_options(extract)
-    extract.add_argument("--batch-size", type=_positive, default=64, metavar="N", help="images per batch (default: 64)")
+    add_model_options(extract)
+    extract.add_argument("--batch-size", type=positive, default=64, metavar="N", help="images per batch (default: 64)")
     extract.add_argument(
-        "--workers", type=_non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
+        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
     )
     extract.add_argument(
         "--pool",
@@ -306,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
     layers.add_argument(
-        "--weights", type=_weights, default="DEFAULT", help="weights whose architecture to list (SWAG ViTs differ)"
+        "--weights", type=weights_from, default="DEFAULT", help="weights whose architecture to list (SWAG ViTs differ)"
     )
     layers.add_argument(
-        "--input-size", type=_positive, default=None, metavar="N", help="spatial size used to derive strides"
+        "--input-size", type=positive, default=None, metavar="N", help="spatial size used to derive strides"
     )
     layers.set_defaults(run=_layers)
 
@@ -322,12 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("image", metavar="IMAGE", help="an image file")
     show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")
-    _model_options(show)
-    show.add_argument("--channels", type=_positive, default=8, metavar="K", help="maps per layer (default: 8)")
+    add_model_options(show)
+    show.add_argument("--channels", type=positive, default=8, metavar="K", help="maps per layer (default: 8)")
     show.add_argument(
-        "--tile-size", type=_integer(8), default=96, metavar="PX", help="tile side in pixels (default: 96)"
+        "--tile-size", type=at_least(8), default=96, metavar="PX", help="tile side in pixels (default: 96)"
     )
     show.set_defaults(run=_show)
+    add_metric_commands(commands)
     return parser
 
 

@@ -256,12 +256,12 @@ def test_model_errors_found_at_build_exit_2_with_one_line(
 
 @pytest.mark.parametrize("name", ["auto", "cuda"])
 def test_each_torchrun_rank_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    from featurehooks import cli
+    from featurehooks import _cli_common
 
     chosen: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert cli._device(name) == torch.device("cuda", 1) and chosen == [1]
-    assert cli._device("cuda:0") == torch.device("cuda", 0)  # an explicit index is kept
+    assert _cli_common.device_from(name) == torch.device("cuda", 1) and chosen == [1]
+    assert _cli_common.device_from("cuda:0") == torch.device("cuda", 0)  # an explicit index is kept

@@ -64,7 +64,7 @@ class DumpResult:
         return np.load(self.out_dir / self.manifest["labels"])
 
 
-def _check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
+def check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
@@ -90,7 +90,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _workers(requested: int | None, batches: int) -> int:
+def loader_workers(requested: int | None, batches: int) -> int:
     """DataLoader workers: up to 4 by default; never more than 4 per core, nor more than there are batches.
 
     Decoding is partly I/O-bound, so a few workers per core can pay; past that, each worker is a process
@@ -100,7 +100,7 @@ def _workers(requested: int | None, batches: int) -> int:
     return min(wanted, 4 * _cores(), batches)
 
 
-def _loader(
+def image_loader(
     inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool, input_range: tuple[float, float]
 ) -> DataLoader:
     if inputs.dataset is not None:
@@ -117,13 +117,13 @@ def _loader(
     )
 
 
-class _Progress:
+class Progress:
     """A tqdm bar on stderr that is best-effort: a closed or failing stderr turns it off, never the dump."""
 
-    def __init__(self, total: int, rank: int, world_size: int, enabled: bool) -> None:
+    def __init__(self, total: int, rank: int, world_size: int, enabled: bool, label: str = "extract") -> None:
         from tqdm.auto import tqdm
 
-        desc = "extract" if world_size == 1 else f"extract rank {rank}"
+        desc = label if world_size == 1 else f"{label} rank {rank}"
         self._bar: Any = None
         if enabled and sys.stderr is not None:
             try:
@@ -210,7 +210,7 @@ def dump_features(
         >>> dump_features(ext, "images/", "out/", pool="avg").load("layer4").shape  # doctest: +SKIP
         (8, 512)
     """
-    dtype = _check_options(batch_size, num_workers, pool, dtype)
+    dtype = check_options(batch_size, num_workers, pool, dtype)
     if resume and overwrite:
         raise InvalidValueError(
             "pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both"
@@ -226,7 +226,7 @@ def dump_features(
         if manifest.get("status") == "complete":
             return DumpResult(store.root, manifest)
         mine = split_contiguous(plan.pending, dist.world_size, dist.rank)
-        workers = _workers(num_workers, len(mine))
+        workers = loader_workers(num_workers, len(mine))
         failure: Exception | None = None
         try:
             _compute(extractor, inputs, store, mine, plan.chunk_size, manifest, dist, workers, device, progress)
@@ -302,7 +302,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _features(
+def batch_features(
     extractor: Any, images: Tensor | list[Tensor], device: torch.device, pool: str | None, dtype: str
 ) -> dict[str, np.ndarray]:
     """Features of one batch; a batch of images of several sizes (pooled, uncropped) runs one forward per size."""
@@ -342,12 +342,12 @@ def _compute(
         return
     low, high = getattr(extractor, "input_range", (0.0, 1.0))
     batches = [list(range(a, b)) for a, b in ranges]
-    loader = _loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
-    bar = _Progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress)
+    loader = image_loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
+    bar = Progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress)
     try:
         for chunk, (start, stop), batch in zip(chunks, ranges, loader):
             images, reasons = batch.images, batch.reasons
-            arrays = _features(extractor, images, device, manifest["pool"], manifest["dtype"])
+            arrays = batch_features(extractor, images, device, manifest["pool"], manifest["dtype"])
             skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
             for row, _ in skipped:
                 for value in arrays.values():

@@ -1,0 +1,156 @@
+"""What the ``featurehooks`` subcommands share: the one-line UserError, argument types, model options, devices."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .errors import first_line
+
+__all__ = [
+    "UserError",
+    "add_model_options",
+    "at_least",
+    "build_extractor",
+    "device_from",
+    "non_negative",
+    "positive",
+    "size",
+    "sizes",
+    "weights_from",
+]
+
+
+class UserError(Exception):
+    """A mistake in the command line, reported in one line."""
+
+
+def weights_from(text: str) -> str | None:
+    """``--weights``: a member name or file, or None for ``none``/``random`` (seeded random init)."""
+    return None if text.lower() in ("none", "random") else text
+
+
+def at_least(minimum: int, allow_none: bool = False) -> Callable[[str], int | None]:
+    """An argparse type for integers >= ``minimum`` (and ``none`` when ``allow_none``)."""
+    expected = f"an integer >= {minimum}" + (" or 'none'" if allow_none else "")
+
+    def parse(text: str) -> int | None:
+        if allow_none and text.lower() == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+size = at_least(1, allow_none=True)
+positive = at_least(1)
+non_negative = at_least(0)
+
+
+def device_from(name: str) -> Any:
+    """The torch device for ``--device``: one this machine can compute on, else a UserError."""
+    import torch
+
+    if name == "auto":
+        return _local_cuda() if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:1, ... or auto") from None
+    if device.type == "meta":
+        raise UserError("--device meta: meta tensors have shapes but no values, so there is nothing to extract")
+    if device.type != "cuda":
+        _check_usable(device, name)
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device if device.index is not None else _local_cuda()
+
+
+def _local_cuda() -> Any:
+    """This process's GPU: under torchrun each rank takes its own (LOCAL_RANK), not all of them GPU 0."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _check_usable(device: Any, name: str) -> None:
+    """Allocate an empty tensor on ``device``: a backend this torch lacks (mps, xla, xpu, ...) fails here."""
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001 - backends fail in their own ways: RuntimeError, AssertionError, ...
+        raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
+
+
+def build_extractor(args: argparse.Namespace, output_format: str = "native") -> Any:
+    """The FeatureExtractor that ``add_model_options``' arguments describe, on ``--device``, without a graph."""
+    import torch
+
+    from .extractor import FeatureExtractor
+
+    device = device_from(args.device)  # a bad --device fails before the model is built
+    weights = weights_from(args.weights)
+    if weights is None:
+        torch.manual_seed(args.seed)  # random init, identical on every rank and every run
+    extractor = FeatureExtractor(
+        args.backbone, args.layers, weights=weights, mode="detach", output_format=output_format
+    )
+    return extractor.to(device)
+
+
+def sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """``resize_size``/``crop_size`` keyword arguments for the sizes given on the command line (none: the weights')."""
+    sizes: dict[str, Any] = {}
+    if args.resize is not ...:
+        sizes["resize_size"] = args.resize
+    if args.crop is not ...:
+        sizes["crop_size"] = args.crop
+    return sizes
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--backbone, --layers, --weights, --seed, --resize, --crop and --device."""
+    parser.add_argument(
+        "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
+    )
+    parser.add_argument(
+        "--layers",
+        required=True,
+        nargs="+",
+        metavar="LAYER",
+        help="layer names or module paths (see `featurehooks layers`)",
+    )
+    parser.add_argument(
+        "--weights",
+        default="DEFAULT",
+        help="DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
+        "or 'none' for seeded random init (default: DEFAULT)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
+    parser.add_argument(
+        "--resize",
+        type=size,
+        default=...,
+        metavar="N",
+        help="shorter-side resize, or 'none' (default: from the weights)",
+    )
+    parser.add_argument(
+        "--crop", type=size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+

@@ -1,0 +1,145 @@
+"""The metric subcommands: ``fd`` (Fréchet distance and KID between two image sets) and ``stats``
+(save a reference set's feature statistics)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._cli_common import UserError, add_model_options, build_extractor, non_negative, positive, sizes
+
+__all__ = ["add_metric_commands"]
+
+_FD_EPILOG = """\
+examples:
+  featurehooks fd real/ fake/ --backbone inception_v3 --layers avgpool
+  featurehooks fd real/ fake/ --backbone timm/vit_small_patch16_224.dino --layers blocks.11 --pool cls --kid
+  featurehooks stats real/ --backbone inception_v3 --layers avgpool --out real.npz
+  featurehooks fd real.npz fake/ --backbone inception_v3 --layers avgpool
+
+Either set may be a statistics file written by `featurehooks stats`; it must come from the same
+backbone, weights, layer and pool. FD on torchvision's inception_v3 is not the FID of pytorch-fid or
+clean-fid, which use a port of the TensorFlow Inception network.
+"""
+
+
+def _statistics_options(parser: argparse.ArgumentParser) -> None:
+    add_model_options(parser)
+    parser.add_argument(
+        "--pool",
+        choices=("avg", "max", "cls", "none"),
+        default="avg",
+        help="how each image's output becomes one vector: avg/max over positions, the class token (cls), "
+        "or none for layers that return vectors (default: avg)",
+    )
+    parser.add_argument("--batch-size", type=positive, default=64, metavar="N", help="images per batch (default: 64)")
+    parser.add_argument(
+        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def add_metric_commands(commands: Any) -> None:
+    """Add ``fd`` and ``stats`` to the ``featurehooks`` command's subparsers."""
+    fd = commands.add_parser(
+        "fd",
+        help="Fréchet distance (and KID) between the features of two image sets",
+        description="Fréchet distance between the pooled features of two image sets (folders, globs or "
+        "statistics files), per layer, from streaming statistics: no feature file is written.",
+        epilog=_FD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fd.add_argument("set_a", metavar="A", help="image folder, glob or file; or a statistics .npz")
+    fd.add_argument("set_b", metavar="B", help="image folder, glob or file; or a statistics .npz")
+    _statistics_options(fd)
+    fd.add_argument("--kid", action="store_true", help="also the kernel inception distance (mean ± std)")
+    fd.add_argument(
+        "--kid-keep", type=positive, default=10_000, metavar="N", help="vectors kept per set for KID (default: 10000)"
+    )
+    fd.set_defaults(run=_fd)
+
+    stats = commands.add_parser(
+        "stats",
+        help="save the feature statistics of an image set (a reference for fd)",
+        description="Stream an image set through a backbone and save the mean and covariance of one layer's "
+        "pooled features (and a sample of them for KID) to a .npz file that `featurehooks fd` reads.",
+        epilog=_FD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stats.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
+    stats.add_argument("--out", required=True, metavar="NPZ", help="where to write the statistics")
+    _statistics_options(stats)
+    stats.add_argument(
+        "--keep", type=non_negative, default=10_000, metavar="N", help="vectors kept for KID (default: 10000)"
+    )
+    stats.set_defaults(run=_stats)
+
+
+def _pool(args: argparse.Namespace) -> str | None:
+    return None if args.pool == "none" else args.pool
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .dump import list_images
+    from .metrics import feature_statistics
+
+    if len(args.layers) != 1:
+        raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
+    sources = list_images(args.sources)
+    stats = feature_statistics(
+        build_extractor(args),
+        sources,
+        pool=_pool(args),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        keep=args.keep,
+        progress=not args.quiet,
+        **sizes(args),
+    )
+    path = stats.save(args.out)
+    print(f"wrote {path}: {args.layers[0]}, {stats.count} images, {stats.dim} features")
+    return 0
+
+
+def _fd(args: argparse.Namespace) -> int:
+    from .metrics import frechet_distance, kernel_inception_distance
+
+    model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
+    keep = args.kid_keep if args.kid else 0
+    sides = [_side(args, source, model, keep) for source in (args.set_a, args.set_b)]
+    for layer in args.layers:
+        a, b = sides[0][layer], sides[1][layer]
+        line = f"{layer}: FD {frechet_distance(a, b):.6g}"
+        if args.kid:
+            mean, std = kernel_inception_distance(a, b)
+            line += f", KID {mean:.6g} ± {std:.3g}"
+        print(f"{line} (A: {a.count} images, B: {b.count} images)")
+    return 0
+
+
+def _side(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:
+    """Statistics of one set by layer: read from a ``.npz``, or computed from its images."""
+    from .dump import list_images
+    from .metrics import FeatureStatistics, feature_statistics_by_layer
+
+    if source.endswith(".npz") and Path(source).is_file():
+        if len(args.layers) != 1:
+            raise UserError(f"{source} holds the statistics of one layer; pass that one to --layers")
+        stats = FeatureStatistics.load(source)
+        if stats.origin is not None and stats.origin.layer != args.layers[0]:
+            raise UserError(f"{source} holds statistics of layer {stats.origin.layer!r}, not {args.layers[0]!r}")
+        return {args.layers[0]: stats}
+    return feature_statistics_by_layer(
+        model(),
+        list_images([source]),
+        layers=args.layers,
+        pool=_pool(args),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        keep=keep,
+        progress=not args.quiet,
+        **sizes(args),
+    )
