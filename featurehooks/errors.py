@@ -61,6 +61,21 @@ class RunFailedError(FeatureHooksError, RuntimeError):
     """The work itself failed (another rank, uncommitted chunks), not the input: finish it with resume."""
 
 
+class NonFiniteError(FeatureHooksError, FloatingPointError):
+    """A NaN or infinity appeared: raised by ``detect_nonfinite`` naming the module call where it started.
+
+    ``path``, ``call`` (index of the module's call in the forward), ``phase`` (``"forward"`` or
+    ``"backward"``) and ``tensor`` (which tensor: ``"output"``, ``"input"``, ``"grad_input"``, ...) say where.
+    """
+
+    def __init__(self, message: str, *, path: str, call: int, phase: str, tensor: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.call = call
+        self.phase = phase
+        self.tensor = tensor
+
+
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
     """Return the ``n`` candidates closest to ``name``, best first, for did-you-mean messages."""
     candidates = list(dict.fromkeys(candidates))
