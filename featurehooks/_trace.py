@@ -65,7 +65,7 @@ class Trace:
         """Sites whose output is changed before the forward ends (or, with early exit, before the
         last of ``sites`` fires): these must be cloned when captured."""
         stop = max((self.outputs[site].order for site in sites), default=-1) if stop_early else math.inf
-        return frozenset(site for site in sites if self.changed_at.get(site, math.inf) <= stop)
+        return frozenset(site for site in sites if site in self.changed_at and self.changed_at[site] <= stop)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -153,8 +153,18 @@ def trace(
         recorder.note_changes(len(recorder.outputs))
     finally:
         STATE.active = was_tracing
+        _drop_hooks(copied)
     shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
     return Trace(shape, recorder.calls, recorder.outputs, recorder.changed_at)
+
+
+def _drop_hooks(copied: nn.Module) -> None:
+    """Empty the hook dicts of a traced copy: copies of hook objects (a session's own taps) point back at
+    the copied model, and that cycle would keep the copy, and what its hooks hold, alive until a gc run."""
+    for module in copied.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                value.clear()
 
 
 def _channel_candidates(model: nn.Module) -> list[int]:

@@ -6,16 +6,19 @@ import functools
 import itertools
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
-from ._trace import Trace, fixed_input_size, trace_images
+from ._taps import Taps
+from ._trace import Trace, fixed_input_size, trace_images, tracing
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
@@ -332,34 +335,194 @@ class FeatureExtractor(nn.Module):
 
 
 @contextmanager
-def capture(module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad") -> Iterator[dict[str, Any]]:
+def capture(
+    module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad", grads: bool = False
+) -> Iterator[CapturedFeatures]:
     """Collect named intermediate outputs of your own module for the duration of a ``with`` block.
 
     Unlike FeatureExtractor, the module is neither copied, frozen nor switched to eval: use it on a
     model you are training, such as a GAN discriminator. Each forward of ``module`` inside the block
-    refills the yielded dict (request order); the hooks are removed when the block ends, also on error.
+    refills the yielded mapping (request order); the hooks are removed when the block ends, also on error.
+
+    With ``grads=True``, ``feats.grads`` holds, after a backward, the gradient of what was
+    differentiated with respect to each captured output, under the same names (Grad-CAM, saliency,
+    gradient norms per layer). It is the gradient with respect to the output as the module returned
+    it: when the model later changes that tensor in place (an in-place ReLU after a convolution,
+    ``out += identity``), the captured value is a copy taken before the change, and its gradient is
+    the one with respect to that earlier value, i.e. what flows back into the module. See
+    ``CapturedFeatures.grads`` for the details.
 
     Args:
         module: the model to tap.
         layers: module paths (or a dict ``{"module.path": "output_name"}``).
         mode: ``"grad"`` keeps the graph; ``"detach"`` stores detached outputs.
+        grads: also collect the gradients of the captured outputs (needs ``mode="grad"``).
+
+    Raises:
+        InvalidValueError: ``grads=True`` with ``mode="detach"`` (a detached output has no gradient).
 
     Example:
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 1, 3))
-        >>> with capture(net, ["0", "2"]) as feats:
-        ...     _ = net(torch.rand(1, 3, 16, 16))
-        >>> list(feats)
-        ['0', '2']
+        >>> with capture(net, ["0", "2"], grads=True) as feats:
+        ...     net(torch.rand(1, 3, 16, 16)).sum().backward()
+        >>> list(feats), tuple(feats.grads["0"].shape)
+        (['0', '2'], (1, 8, 14, 14))
     """
     _check_mode(mode)
+    if not isinstance(grads, bool):
+        raise InvalidTypeError(f"grads must be True or False, not {grads!r}")
+    if grads and mode == "detach":
+        raise InvalidValueError(
+            "grads=True needs mode='grad': detached outputs are not part of the graph, so no gradient reaches them"
+        )
     taps = LayerIndex(module, type(module).__name__).taps(layers)
     session = HookSession(module, taps, detach=mode == "detach", stop_early=False)
-    features = CapturedFeatures(taps.names)
+    features = CapturedFeatures(taps.names, grads=grads)
+    recorder: _GradRecorder | None = None
     try:
-        session.follow(features.publish)
+        # The session's end-of-forward hook publishes, so it must run before the recorder's (registered
+        # later), which pops the forward's gradients: both are published together, never half of a forward.
+        session.follow(lambda store: features.publish(store, recorder.current() if recorder is not None else None))
+        if grads:
+            recorder = _GradRecorder(module, taps)
         yield features
     finally:
+        if recorder is not None:
+            recorder.remove()
         session.remove()
+        features._release_hooks()
+
+
+class _GradSlots:
+    """The gradients of one captured output: a slot per tensor leaf, filled by a tensor hook in backward.
+
+    The hooks hold only the slots (no tensor of the forward). On a tensor computed in the forward
+    they live as long as its graph does. On a leaf tensor (an input or a parameter that a module
+    passes through) a hook would live as long as the tensor, so those are removed by ``release``:
+    when a newer forward of the thread is published, when the forward fails, or when the block ends.
+    """
+
+    __slots__ = ("leaf_handles", "spec", "values")
+
+    def __init__(self, output: Any) -> None:
+        leaves, self.spec = tree_flatten(output)
+        self.values: list[Any] = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        self.leaf_handles: list[RemovableHandle] = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                handle = leaf.register_hook(self._setter(index))
+                if leaf.grad_fn is None:
+                    self.leaf_handles.append(handle)
+
+    def _setter(self, index: int) -> Callable[[Tensor], None]:
+        values = self.values
+
+        def keep(grad: Tensor) -> None:
+            values[index] = grad  # the latest backward through this tensor wins
+
+        return keep
+
+    def value(self) -> Any:
+        return tree_unflatten(self.values, self.spec)
+
+    def release(self) -> None:
+        """Remove the hooks on leaf tensors (the others go with their graph)."""
+        for handle in self.leaf_handles:
+            handle.remove()
+        self.leaf_handles.clear()
+
+
+def _release(slots: Iterable[_GradSlots]) -> None:
+    for one in slots:
+        one.release()
+
+
+class _GradForward:
+    """What one forward registered: calls per tapped module, and the gradient slots by output name."""
+
+    __slots__ = ("calls", "grads", "published")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.grads: dict[str, _GradSlots] = {}
+        self.published = False
+
+
+class _ThreadGradForwards(threading.local):
+    stack: list[_GradForward] | None = None
+
+
+class _GradRecorder:
+    """Forward hooks that put a tensor hook on each captured output the moment its module returns.
+
+    Registering at that moment, rather than on what the session stored, is what makes the gradient
+    the one with respect to the captured value: a hook registered before an in-place change receives
+    the gradient with respect to the value before it, and the session's copy of a tap changed in
+    place later is not used downstream, so a hook on the copy would never fire. Calls are counted
+    per forward and per thread as the session counts them (the root's pre-hook starts a forward),
+    so ``path_k`` names the same call in both. The hooks are closures, not bound methods, so a deep
+    copy of the model (the session's meta trace) shares them instead of copying this recorder.
+    """
+
+    def __init__(self, root: nn.Module, taps: Taps) -> None:
+        self._names = taps.names_by_site()
+        self._local = _ThreadGradForwards()
+        self._handles: list[RemovableHandle] = []
+        local = self._local
+        names = self._names
+
+        def stack() -> list[_GradForward]:
+            if local.stack is None:
+                local.stack = []
+            return local.stack
+
+        def start(_module: nn.Module, _args: Any) -> None:
+            if not tracing():
+                stack().append(_GradForward())
+
+        def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
+            if not tracing() and local.stack:
+                forward = local.stack.pop()
+                if not forward.published:  # the forward failed: nobody will read its gradients
+                    _release(forward.grads.values())
+
+        def tapped(path: str) -> Callable[[nn.Module, Any, Any], None]:
+            def collect(_module: nn.Module, _args: Any, output: Any) -> None:
+                forwards = local.stack
+                if not forwards or tracing():  # outside a forward of the root, or in the meta trace
+                    return
+                forward = forwards[-1]
+                call = forward.calls.get(path, 0)
+                forward.calls[path] = call + 1
+                site_names = names.get((path, call))
+                if site_names:
+                    slots = _GradSlots(output)
+                    for name in site_names:
+                        forward.grads[name] = slots
+
+            return collect
+
+        try:
+            for path in taps.paths:
+                self._handles.append(root.get_submodule(path).register_forward_hook(tapped(path)))
+            self._handles.append(root.register_forward_pre_hook(start))
+            self._handles.append(root.register_forward_hook(pop, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+
+    def current(self) -> dict[str, _GradSlots]:
+        """The gradient slots of this thread's forward in progress (innermost), handed over for publishing."""
+        forwards = self._local.stack
+        if not forwards:
+            return {}
+        forwards[-1].published = True
+        return dict(forwards[-1].grads)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 class CapturedFeatures(Mapping[str, Any]):
@@ -368,17 +531,32 @@ class CapturedFeatures(Mapping[str, Any]):
     Forwards in several threads each publish their own outputs: a thread reads those of its own
     latest forward. A thread that ran none reads those of the one thread that did; when several
     did (``nn.DataParallel`` replicas), reading is an error rather than an arbitrary pick.
+    The mapping stays readable after the block.
     """
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], *, grads: bool = False) -> None:
         self._names = names
-        self._by_thread: dict[int, dict[str, Any]] = {}
+        self._by_thread: dict[int, tuple[dict[str, Any], dict[str, _GradSlots]]] = {}
+        self._with_grads = grads
 
-    def publish(self, store: Mapping[str, Any]) -> None:
-        """Make ``store`` (one completed forward) what this thread reads from now on."""
-        self._by_thread[threading.get_ident()] = {name: store[name] for name in self._names if name in store}
+    def publish(self, store: Mapping[str, Any], grads: Mapping[str, _GradSlots] | None = None) -> None:
+        """Make ``store`` (one completed forward) and its gradient slots what this thread reads from now on."""
+        outputs = {name: store[name] for name in self._names if name in store}
+        slots = {name: grads[name] for name in outputs if name in grads} if grads is not None else {}
+        thread = threading.get_ident()
+        previous = self._by_thread.get(thread)
+        self._by_thread[thread] = (outputs, slots)
+        if previous is not None:
+            _release(one for one in previous[1].values() if one not in slots.values())
+        if grads is not None:
+            _release(one for one in grads.values() if one not in slots.values())
 
-    def _current(self) -> dict[str, Any]:
+    def _release_hooks(self) -> None:
+        """Remove the gradient hooks left on leaf tensors (the end of the block)."""
+        for _, slots in list(self._by_thread.values()):
+            _release(slots.values())
+
+    def _published(self) -> tuple[dict[str, Any], dict[str, _GradSlots]]:
         mine = self._by_thread.get(threading.get_ident())
         if mine is not None:
             return mine
@@ -388,7 +566,50 @@ class CapturedFeatures(Mapping[str, Any]):
                 f"forwards in {len(published)} other threads were captured (e.g. nn.DataParallel replicas); "
                 "read the features in the thread that ran the forward"
             )
-        return published[0] if published else {}
+        return published[0] if published else ({}, {})
+
+    def _current(self) -> dict[str, Any]:
+        return self._published()[0]
+
+    @property
+    def grads(self) -> CapturedGrads:
+        """Gradients of the captured outputs of the same forward, by the same names (``capture(..., grads=True)``).
+
+        Each value has the structure of the captured output, its tensor leaves replaced by their
+        gradients: for a tensor output, the gradient tensor of the same shape. A leaf is ``None``
+        until a backward reaches it, and stays ``None`` when none does (the loss does not depend on
+        it, it does not require grad, the forward ran under ``torch.no_grad()``). Non-tensor leaves
+        are kept as they are.
+
+        - It is the gradient with respect to the output as the module returned it. When the model
+          changes that tensor in place later (an in-place ReLU, ``out += identity``), the feature
+          you read is a copy taken before the change, and its gradient is the one with respect to
+          that value: the gradient that flows back into the module, e.g. ``grad_after * (x > 0)``
+          through an in-place ReLU. (A tensor hook registered when the module returns gives
+          exactly this; the gradient with respect to the changed tensor would be the one of
+          another value.)
+        - Limitation: if the output is a *view* of another tensor and is changed in place later,
+          PyTorch routes the gradient around it, and its gradient stays ``None``.
+        - A backward fills the gradients of the forward it goes through: after a second forward,
+          the mapping shows the second forward's outputs and gradients, even if you backpropagate
+          a loss of the first. The latest backward through a tensor replaces an earlier one (no
+          accumulation as in ``.grad``). A backward after the block still fills them, except for
+          outputs that are leaf tensors (an input or a parameter a module passes through): hooks
+          on those would outlive the graph, so they are removed when the block ends.
+        - Forward hooks run in the order they were put on a module, each on the output the previous
+          one returned, and gradient modifiers (``featurehooks.probes.scale_grad`` ...) stack like
+          layers after it: a block opened before a modifier was put on reads the gradient after the
+          modifier changed it (what enters the module), a block opened after reads it as it arrives
+          from downstream.
+
+        Raises:
+            InvalidValueError: the block was opened without ``grads=True``.
+        """
+        if not self._with_grads:
+            raise InvalidValueError(
+                "this capture block collects no gradients: open it with capture(module, layers, grads=True)"
+            )
+        return CapturedGrads(self)  # a view made per access: a stored one would be a reference cycle
 
     def __getitem__(self, name: str) -> Any:
         return self._current()[name]
@@ -401,3 +622,25 @@ class CapturedFeatures(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"CapturedFeatures({list(self._current())})"
+
+
+class CapturedGrads(Mapping[str, Any]):
+    """``CapturedFeatures.grads``: the gradients of the captured outputs, by name, per thread as the features."""
+
+    def __init__(self, features: CapturedFeatures) -> None:
+        self._features = features
+
+    def _slots(self) -> dict[str, _GradSlots]:
+        return self._features._published()[1]
+
+    def __getitem__(self, name: str) -> Any:
+        return self._slots()[name].value()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slots())
+
+    def __len__(self) -> int:
+        return len(self._slots())
+
+    def __repr__(self) -> str:
+        return f"CapturedGrads({list(self._slots())})"

@@ -1,0 +1,312 @@
+"""Gradient modifiers: scale, clip or reverse gradients in backward, leaving the forward values untouched.
+
+Each modifier acts on one of two targets:
+
+- a **module**: the gradient that flows back through its output into the module (and so into its
+  parameters and everything before it). It is exactly as if an identity layer whose backward makes
+  the change were written into the forward right after the module: a forward hook passes the
+  output's tensor leaves through one autograd function, which returns them unchanged (aliases of
+  the same memory, no copy; the module returns new tensor objects) and changes their gradients in
+  backward. So:
+
+  - for outputs with several tensors (a tuple, a list of multi-scale maps, a dict) each gradient is
+    changed once where it enters the module, also when one output is computed from another inside
+    the module (a tensor hook on each output would change the gradient of the earlier output twice);
+  - in-place ops after the module (an in-place ReLU after a convolution) work as before;
+  - an output that is a view, a leaf, or one of the module's inputs (an in-place activation or
+    ``nn.Identity`` returns its input) is copied instead of aliased, so that a later in-place change
+    cannot reach a tensor that autograd would not know was changed. (Caveat: a caller that ignores
+    the return value of an in-place module bypasses the modifier.)
+  - Tensors inside containers that ``torch.utils._pytree`` does not know (your own classes) are not
+    modified; tuples, lists, dicts and namedtuples are.
+
+- **parameters** (an iterable such as ``module.parameters()``, or one tensor): the gradient of each
+  backward before it is accumulated into ``.grad`` (``Tensor.register_hook``), so ``.grad`` grows
+  by exactly ``factor * grad`` per backward. A hook run after accumulation
+  (``register_post_accumulate_grad_hook``) would scale what earlier backwards left in ``.grad`` too.
+
+Lifetime: a modifier acts while it is in place, in the forward (for modules) and in the backward.
+After ``remove()`` or the end of its ``with`` block it changes nothing, also for graphs recorded
+while it was in place: put the backward inside the block too.
+
+Composition (module targets): forward hooks run in the order they were put on the module, each on
+the output the previous one returned, so modifiers stack like layers after the module: the one put on
+last is the outermost and acts first in backward. ``scale_grad(m, 2)`` and ``scale_grad(m, 3)`` make
+a factor of 6; ``clip_grad(m, v)`` put on before ``scale_grad(m, 10)`` clips the already scaled
+gradient (clip(10 g)). A probe reading gradients of the module's output (``capture(..., grads=True)``,
+``watch``) sees the output as the hooks before it left it: put on *before* a modifier, it reads the
+gradient after the modifier changed it (what enters the module); put on *after*, the gradient as it
+arrives from the layers downstream. The module's own backward hooks (``register_full_backward_hook``)
+see ``grad_output`` before any modifier of that module, and ``grad_input`` after. Parameter
+modifiers on one tensor act in the order they were put on.
+
+Example:
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    >>> with reverse_grad(net[0]):             # a gradient reversal layer after net[0]
+    ...     net(torch.ones(2, 4)).sum().backward()
+    >>> with scale_grad(net.parameters(), 0.5) as handle:
+    ...     pass
+    >>> handle.active
+    False
+
+References:
+    Ganin & Lempitsky, "Unsupervised Domain Adaptation by Backpropagation", ICML 2015 (gradient reversal).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import InvalidTypeError, InvalidValueError
+
+__all__ = ["GradModifier", "GradTarget", "clip_grad", "reverse_grad", "scale_grad"]
+
+GradTarget = Union[nn.Module, Tensor, Iterable[Tensor]]
+"""A module (its output's gradient), one parameter, or an iterable of parameters."""
+
+
+class GradModifier:
+    """A gradient modifier in place: ``remove()`` it, or use it as a context manager.
+
+    Returned by ``scale_grad``, ``clip_grad`` and ``reverse_grad``; not built directly.
+    """
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self._handles: list[RemovableHandle] = []
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the modifier still changes gradients."""
+        return self._active
+
+    def remove(self) -> None:
+        """Take the modifier away (its hooks too); it changes no gradient from now on. Safe to call twice."""
+        self._active = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _keep(self, handle: RemovableHandle) -> None:
+        self._handles.append(handle)
+
+    def __enter__(self) -> GradModifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "removed"
+        return f"GradModifier({self.description}, {state})"
+
+
+class _ChangeGrad(torch.autograd.Function):
+    """Identity in forward (aliases, or copies where ``copy`` says so); ``change`` on each gradient in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, change: Callable[[Tensor], Tensor], copy: tuple[bool, ...], *tensors: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.change = change
+        ctx.set_materialize_grads(False)  # outputs nobody uses get None, not a tensor of zeros to change
+        return tuple(t.clone() if copied else t.detach() for t, copied in zip(tensors, copy))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, None, *(None if grad is None else ctx.change(grad) for grad in grads))
+
+
+def _check_factor(factor: object, what: str) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise InvalidTypeError(f"{what} must be a real number, not {type(factor).__name__} ({factor!r})")
+    value = float(factor)
+    if not math.isfinite(value):
+        raise InvalidValueError(f"{what} must be finite, not {value}")
+    return value
+
+
+def _parameters(target: Tensor | Iterable[Any]) -> list[Tensor]:
+    """The distinct tensors of ``target`` that get a gradient; refuse anything that is not a leaf tensor."""
+    items = [target] if isinstance(target, Tensor) else list(target)
+    if not items:
+        raise InvalidValueError("no parameters given (an empty iterable): pass a module or module.parameters()")
+    found: dict[int, Tensor] = {}
+    for index, item in enumerate(items):
+        if not isinstance(item, Tensor):
+            hint = " (named_parameters() yields (name, parameter) pairs: pass parameters())" if isinstance(
+                item, tuple
+            ) else ""
+            raise InvalidTypeError(
+                f"expected an nn.Module or an iterable of parameters; item {index} is a "
+                f"{type(item).__name__}{hint}"
+            )
+        if not item.is_leaf:
+            raise InvalidValueError(
+                f"item {index} is a tensor computed from others, not a parameter; to modify the gradient of a "
+                "module's output, pass the module"
+            )
+        if item.requires_grad:
+            found.setdefault(id(item), item)
+    if not found:
+        raise InvalidValueError(f"none of the {len(items)} given tensors requires grad: nothing would be modified")
+    return list(found.values())
+
+
+def _install(target: GradTarget, transform: Callable[[Tensor], Tensor], description: str) -> GradModifier:
+    """Put ``transform`` on the gradients of ``target`` and return its handle."""
+    if not isinstance(target, (nn.Module, Tensor, Iterable)) or isinstance(target, (str, bytes)):
+        raise InvalidTypeError(
+            f"expected an nn.Module, a parameter or an iterable of parameters, not {type(target).__name__}"
+        )
+    if isinstance(target, nn.Module) and type(target).forward is nn.Module.forward:
+        raise InvalidValueError(
+            f"{type(target).__name__} has no forward of its own, so it has no output to modify; pass the modules "
+            "it holds, or its .parameters()"
+        )
+    modifier = GradModifier(description)
+
+    # Closures rather than bound methods: a deep copy of the model (such as a meta trace) shares them.
+    # After remove() they pass gradients through untouched (graphs recorded earlier may still run).
+    def change(grad: Tensor) -> Tensor:
+        return transform(grad) if modifier.active else grad
+
+    def on_output(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not modifier.active:
+            return None
+        leaves, spec = tree_flatten(output)
+        picked = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not picked:  # no graph (torch.no_grad, a meta trace) or no floating tensor
+            return None
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        tensors = [leaves[i] for i in picked]
+        copy = tuple(t.is_leaf or t._is_view() or id(t) in inputs for t in tensors)
+        for i, passed in zip(picked, _ChangeGrad.apply(change, copy, *tensors)):
+            leaves[i] = passed
+        return tree_unflatten(leaves, spec)
+
+    try:
+        if isinstance(target, nn.Module):
+            modifier._keep(target.register_forward_hook(on_output, with_kwargs=True))
+        else:
+            for parameter in _parameters(target):
+                modifier._keep(parameter.register_hook(change))
+    except BaseException:
+        modifier.remove()
+        raise
+    return modifier
+
+
+def _describe(target: GradTarget) -> str:
+    return type(target).__name__ if isinstance(target, nn.Module) else "parameters"
+
+
+def scale_grad(target: GradTarget, factor: float) -> GradModifier:
+    """Multiply gradients by ``factor``: those flowing back through a module's output, or those of parameters.
+
+    With parameters, ``.grad`` grows by exactly ``factor * grad`` per backward (per-layer learning
+    rates without optimizer groups); with a module, everything before its output gets gradients
+    as if the loss were scaled for that branch alone. See the module docstring for lifetime and order.
+
+    Args:
+        target: an ``nn.Module``, one parameter, or an iterable of parameters (``module.parameters()``;
+            those with ``requires_grad=False`` are skipped).
+        factor: finite real number (0 stops the gradient, negative values flip it).
+
+    Returns:
+        A ``GradModifier``: ``remove()`` it, or use it in a ``with`` block.
+
+    Raises:
+        InvalidTypeError: ``factor`` not a real number, or ``target`` not a module or parameters.
+        InvalidValueError: ``factor`` not finite, no parameter given, or none requires grad.
+
+    Example:
+        >>> lin = nn.Linear(3, 1)
+        >>> with scale_grad(lin.parameters(), 0.5):
+        ...     lin(torch.ones(1, 3)).sum().backward()
+        >>> lin.bias.grad
+        tensor([0.5000])
+    """
+    value = _check_factor(factor, "factor")
+    return _install(target, lambda grad: grad * value, f"scale_grad({_describe(target)}, factor={value})")
+
+
+def clip_grad(target: GradTarget, value: float) -> GradModifier:
+    """Clamp gradients elementwise to ``[-value, value]``: those through a module's output, or those of parameters.
+
+    Unlike ``torch.nn.utils.clip_grad_value_``, which clips the accumulated ``.grad`` once after
+    backward, this clips each backward's gradient where it flows: at a module's output before it
+    enters the module, or a parameter's before it is accumulated. NaN stays NaN (as with ``clamp``).
+
+    Args:
+        target: an ``nn.Module``, one parameter, or an iterable of parameters.
+        value: the largest absolute value a gradient element keeps; finite and > 0.
+
+    Returns:
+        A ``GradModifier``: ``remove()`` it, or use it in a ``with`` block.
+
+    Raises:
+        InvalidTypeError: ``value`` not a real number, or ``target`` not a module or parameters.
+        InvalidValueError: ``value`` not finite or not > 0, no parameter given, or none requires grad.
+
+    Example:
+        >>> lin = nn.Linear(3, 1)
+        >>> with clip_grad(lin.bias, 0.25):
+        ...     lin(torch.ones(1, 3)).sum().backward()
+        >>> lin.bias.grad
+        tensor([0.2500])
+    """
+    bound = _check_factor(value, "value")
+    if bound <= 0:
+        raise InvalidValueError(f"value must be > 0 (gradients are clamped to [-value, value]), not {bound}")
+    return _install(
+        target, lambda grad: grad.clamp(-bound, bound), f"clip_grad({_describe(target)}, value={bound})"
+    )
+
+
+def reverse_grad(target: GradTarget, factor: float = 1.0) -> GradModifier:
+    """Gradient reversal: multiply gradients by ``-factor`` (Ganin & Lempitsky 2015).
+
+    On the feature extractor of a domain-adversarial network, the domain classifier after it
+    learns to tell domains apart while the features before it learn to make them indistinguishable.
+    ``factor`` is the paper's lambda, often ramped from 0 to 1 during training (remove the modifier
+    and put a new one on to change it).
+
+    Args:
+        target: an ``nn.Module`` (usually the feature extractor whose output feeds the domain
+            classifier), one parameter, or an iterable of parameters.
+        factor: finite and >= 0; other signs are what ``scale_grad`` is for.
+
+    Returns:
+        A ``GradModifier``: ``remove()`` it, or use it in a ``with`` block.
+
+    Raises:
+        InvalidTypeError: ``factor`` not a real number, or ``target`` not a module or parameters.
+        InvalidValueError: ``factor`` negative or not finite, no parameter given, or none requires grad.
+
+    Example:
+        >>> features, domain = nn.Linear(4, 4), nn.Linear(4, 1)
+        >>> with reverse_grad(features, factor=0.3):
+        ...     domain(features(torch.ones(1, 4))).sum().backward()
+
+    References:
+        Ganin & Lempitsky, "Unsupervised Domain Adaptation by Backpropagation", ICML 2015.
+    """
+    scale = _check_factor(factor, "factor")
+    if scale < 0:
+        raise InvalidValueError(
+            f"factor must be >= 0 (gradients are multiplied by -factor), not {scale}; use scale_grad for a "
+            "factor of any sign"
+        )
+    negated = -scale
+    return _install(target, lambda grad: grad * negated, f"reverse_grad({_describe(target)}, factor={scale})")
+
