@@ -8,7 +8,7 @@ up to each library's scale convention). Peak memory is measured for one step apa
 
 Content groups: PerceptualLoss(relu3_3) vs piq ``ContentLoss(relu3_3)`` vs ``lpips.LPIPS(net="vgg")``
 (which always runs its five layers), plus the like-for-like LPIPS baseline: featurehooks'
-``lpips_vgg()`` preset vs ``lpips.LPIPS(net="vgg", lpips=False)``.
+``featurehooks.LPIPS(net="vgg", calibrated=False)`` vs ``lpips.LPIPS(net="vgg", lpips=False)``.
 Style group: StyleLoss vs piq ``StyleLoss`` on relu1_2, relu2_2, relu3_3, relu4_3 with raw Grams
 (piq's convention), with a per-call target and with a fixed target (``set_target``).
 The floor of each group is a hand-written truncated VGG16 forward with the same distance.
@@ -34,7 +34,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
-from featurehooks.losses import PerceptualLoss, StyleLoss, lpips_vgg  # noqa: E402
+from featurehooks import LPIPS as FeatureHooksLPIPS  # noqa: E402
+from featurehooks.losses import PerceptualLoss, StyleLoss  # noqa: E402
 
 STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 VGG16_INDEX = {"relu1_2": 3, "relu2_2": 8, "relu3_3": 15, "relu4_3": 22, "relu5_3": 29}
@@ -44,7 +45,7 @@ FLOOR = "bare truncated VGG16 + MSE"
 PL = "featurehooks PerceptualLoss"
 PIQ = "piq ContentLoss"
 LPIPS = "lpips.LPIPS (lin)"
-FH_LPIPS = "featurehooks lpips_vgg()"
+FH_LPIPS = "featurehooks LPIPS(vgg, calibrated=False)"
 LPIPS_BASE = "lpips.LPIPS(lpips=False)"
 LPIPS_FLOOR = "bare VGG16 relu1_2…relu5_3 + normalized MSE"
 STYLE_FLOOR = "bare truncated VGG16 + Gram MSE"
@@ -117,7 +118,7 @@ def build(cfg: H.Settings) -> dict[str, nn.Module]:
         PL: pl,
         PIQ: piq.ContentLoss(feature_extractor="vgg16", layers=("relu3_3",)),
         LPIPS: lp,
-        FH_LPIPS: lpips_vgg(),
+        FH_LPIPS: FeatureHooksLPIPS(net="vgg", calibrated=False),
         LPIPS_BASE: lp_base,
         STYLE_FLOOR: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
         FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),

@@ -1,6 +1,6 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
-from . import functional, losses
+from . import functional, losses, metrics
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
 from .errors import (
@@ -22,6 +22,7 @@ from .extractor import CapturedFeatures, FeatureExtractor, capture
 from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
 from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, TotalVariationLoss
+from .metrics import LPIPS, FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
 from .viz import feature_grid, save_feature_grid
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "InvalidTypeError",
     "InvalidValueError",
     "FeatureMatchingLoss",
+    "FeatureStatistics",
+    "LPIPS",
     "LayerNotFoundError",
     "LayerNotRunError",
     "LossGroup",
@@ -57,10 +60,14 @@ __all__ = [
     "capture",
     "dump_features",
     "feature_grid",
+    "feature_statistics",
+    "frechet_distance",
     "functional",
+    "kernel_inception_distance",
     "list_layers",
     "load_backbone",
     "losses",
+    "metrics",
     "prepare_image",
     "read_image",
     "read_manifest",

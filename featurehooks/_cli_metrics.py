@@ -1,15 +1,26 @@
-"""The metric subcommands: ``fd`` (Fréchet distance and KID between two image sets) and ``stats``
-(save a reference set's feature statistics)."""
+"""The metric subcommands: ``lpips`` (per-pair scores of two folders), ``fd`` (Fréchet distance and KID
+between two image sets) and ``stats`` (save a reference set's feature statistics)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._cli_common import UserError, add_model_options, build_extractor, non_negative, positive, sizes
+from ._cli_common import (
+    UserError,
+    add_model_options,
+    build_extractor,
+    device_from,
+    non_negative,
+    positive,
+    size,
+    sizes,
+    weights_from,
+)
 
 __all__ = ["add_metric_commands"]
 
@@ -42,8 +53,50 @@ def _statistics_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+_LPIPS_EPILOG = """\
+examples:
+  featurehooks lpips outputs/ references/                      # AlexNet, v0.1, calibrated: what papers report
+  featurehooks lpips outputs/ references/ --net vgg --out scores.csv
+  featurehooks lpips outputs/ references/ --resize 256 --crop 256 --ignore-suffix
+
+Files are paired by their path relative to each folder; files found in one folder only are listed on
+stderr and left out. The calibrated linear heads come from an installed lpips (or torchmetrics)
+package, or from --heads FILE.
+"""
+
+
 def add_metric_commands(commands: Any) -> None:
-    """Add ``fd`` and ``stats`` to the ``featurehooks`` command's subparsers."""
+    """Add ``lpips``, ``fd`` and ``stats`` to the ``featurehooks`` command's subparsers."""
+    lpips = commands.add_parser(
+        "lpips",
+        help="LPIPS between the images of two folders, paired by relative path",
+        description="Score every pair of images with the same relative path in two folders with calibrated "
+        "LPIPS; print the mean ± std and the count, and write the per-pair scores with --out.",
+        epilog=_LPIPS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    lpips.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
+    lpips.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
+    lpips.add_argument("--net", choices=("alex", "vgg", "squeeze"), default="alex", help="backbone (default: alex)")
+    lpips.add_argument("--version", choices=("0.0", "0.1"), default="0.1", help="LPIPS version (default: 0.1)")
+    lpips.add_argument("--uncalibrated", action="store_true", help="the baseline without the learned heads")
+    lpips.add_argument("--heads", metavar="FILE", default=None, help="a file with the calibrated linear heads")
+    lpips.add_argument(
+        "--weights", default="DEFAULT", help="backbone weights: DEFAULT, a member name, a local file, or none"
+    )
+    lpips.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none")
+    lpips.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
+    lpips.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
+    lpips.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
+    lpips.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
+    lpips.add_argument("--batch-size", type=positive, default=16, metavar="N", help="pairs per batch (default: 16)")
+    lpips.add_argument(
+        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
+    )
+    lpips.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    lpips.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    lpips.set_defaults(run=_lpips)
+
     fd = commands.add_parser(
         "fd",
         help="Fréchet distance (and KID) between the features of two image sets",
@@ -76,6 +129,64 @@ def add_metric_commands(commands: Any) -> None:
         "--keep", type=non_negative, default=10_000, metavar="N", help="vectors kept for KID (default: 10000)"
     )
     stats.set_defaults(run=_stats)
+
+
+def _lpips(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    from .metrics import LPIPS, pair_files, score_pairs
+
+    device = device_from(args.device)
+    pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
+    for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            print(f"featurehooks: {len(names)} file(s) only in {folder}, left out: {shown}", file=sys.stderr)
+    if not pairs:
+        raise UserError(f"no image in {args.dir_a} has a counterpart with the same relative path in {args.dir_b}")
+    weights = weights_from(args.weights)
+    if weights is None:
+        torch.manual_seed(args.seed)
+    metric = LPIPS(
+        args.net,
+        args.version,
+        calibrated=not args.uncalibrated,
+        reduction="none",
+        weights=weights,
+        heads=args.heads,
+    ).to(device)
+    scores = score_pairs(
+        metric,
+        pairs,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        resize_size=args.resize,
+        crop_size=args.crop,
+        progress=not args.quiet,
+    )
+    if args.out is not None:
+        _write_scores(args.out, [pair.name for pair in pairs], scores)
+    spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
+    kind = "uncalibrated" if args.uncalibrated else "calibrated"
+    print(f"LPIPS ({args.net}, v{args.version}, {kind}): {statistics.fmean(scores):.6g} ± {spread:.3g} "
+          f"over {len(scores)} pairs")
+    return 0
+
+
+def _write_scores(path: str, names: list[str], scores: list[float]) -> None:
+    """``name,score`` rows, written atomically (a failed run leaves no half-written file)."""
+    import csv
+    import io
+
+    from .dump.store import write_atomic
+
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["name", "score"])
+    writer.writerows([name, repr(score)] for name, score in zip(names, scores))
+    write_atomic(Path(path), text.getvalue())
 
 
 def _pool(args: argparse.Namespace) -> str | None:

@@ -83,3 +83,49 @@ def test_fd_errors_are_one_line(sets: tuple[Path, Path], tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert main(["fd", str(tmp_path / "nowhere"), str(b), *MODEL, *RUN]) == 2
+
+
+# -- lpips ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pairs_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("lpips_dirs")
+    a, b = _folder(root, "a", 0), _folder(root, "b", 30)
+    (a / "only_here.png").write_bytes((a / "0.png").read_bytes())
+    (b / "sub").mkdir()
+    (b / "sub" / "extra.png").write_bytes((b / "0.png").read_bytes())
+    return a, b
+
+
+def test_lpips_command_scores_pairs_like_the_library(
+    pairs_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = pairs_dirs
+    out = tmp_path / "scores.csv"
+    argv = ["lpips", str(a), str(b), "--weights", "none", "--out", str(out), "--workers", "0", "-q"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "1 file(s) only in" in captured.err and "only_here.png" in captured.err and "sub/extra.png" in captured.err
+    rows = out.read_text().splitlines()
+    assert rows[0] == "name,score" and len(rows) == 7
+    names = [row.split(",")[0] for row in rows[1:]]
+    scores = [float(row.split(",")[1]) for row in rows[1:]]
+    torch.manual_seed(0)
+    metric = fh.LPIPS("alex", reduction="none", weights=None)
+    pairs, _, _ = fh.metrics.pair_files(a, b)
+    expected = fh.metrics.score_pairs(metric, pairs, num_workers=0)
+    assert names == [pair.name for pair in pairs]
+    assert scores == pytest.approx(expected, rel=1e-6)
+    assert f"LPIPS (alex, v0.1, calibrated): {np.mean(expected):.6g} ± {np.std(expected, ddof=1):.3g} over 6 pairs" in (
+        captured.out
+    )
+
+
+def test_lpips_command_refuses_folders_without_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = _folder(tmp_path, "a", 0), tmp_path / "b"
+    b.mkdir()
+    Image.new("RGB", (8, 8)).save(b / "other.png")
+    assert main(["lpips", str(a), str(b), "--weights", "none", "-q"]) == 2
+    assert "no image in" in capsys.readouterr().err
+    assert main(["lpips", str(a), str(tmp_path / "missing"), "--weights", "none", "-q"]) == 2

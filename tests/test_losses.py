@@ -410,4 +410,3 @@ def test_pix2pixhd_and_lpips_presets_configuration() -> None:
     assert vgg.layers == ["relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1"]
     assert vgg.layer_weights == [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1.0]
     assert [row.channels for row in vgg.extractor.feature_info] == [64, 128, 256, 512, 512]
-    assert fl.presets.LPIPS_VGG_CHANNELS == (64, 128, 256, 512, 512)  # lpips_vgg is checked against lpips itself

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import featurehooks as fh
 import featurehooks.losses as fl
 from featurehooks import FeatureExtractor
 
@@ -70,6 +71,6 @@ def test_normalized_features_with_channel_weights_equal_lpips_baseline(vgg16_cac
     with torch.no_grad():
         expected = reference(x, y).flatten()
         torch.testing.assert_close(ours(x, y), expected, rtol=RTOL, atol=0)
-        # the preset is the same configuration; with (0, 1) input the same images give the same value
-        preset = fl.lpips_vgg(reduction="none")
-        torch.testing.assert_close(preset((x + 1) / 2, (y + 1) / 2), expected, rtol=RTOL, atol=0)
+        # featurehooks.LPIPS uncalibrated is the same number; with (0, 1) input the same images give the same value
+        uncalibrated = fh.LPIPS(net="vgg", calibrated=False, reduction="none")
+        torch.testing.assert_close(uncalibrated((x + 1) / 2, (y + 1) / 2), expected, rtol=RTOL, atol=0)

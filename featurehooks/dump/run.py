@@ -120,7 +120,9 @@ def image_loader(
 class Progress:
     """A tqdm bar on stderr that is best-effort: a closed or failing stderr turns it off, never the dump."""
 
-    def __init__(self, total: int, rank: int, world_size: int, enabled: bool, label: str = "extract") -> None:
+    def __init__(
+        self, total: int, rank: int, world_size: int, enabled: bool, label: str = "extract", unit: str = "img"
+    ) -> None:
         from tqdm.auto import tqdm
 
         desc = label if world_size == 1 else f"{label} rank {rank}"
@@ -128,7 +130,7 @@ class Progress:
         if enabled and sys.stderr is not None:
             try:
                 self._bar = tqdm(
-                    total=total, unit="img", desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True
+                    total=total, unit=unit, desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True
                 )
             except Exception:  # noqa: BLE001 - ValueError (closed file), OSError (EPIPE, EBADF), ...
                 self._bar = None

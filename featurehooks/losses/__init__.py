@@ -9,7 +9,7 @@ from ._base import FeatureLoss
 from .group import LossGroup
 from .matching import FeatureMatchingLoss
 from .perceptual import PerceptualLoss
-from .presets import dino_vits16, gatys2016, johnson2016, lpips_vgg, pix2pixhd
+from .presets import dino_vits16, gatys2016, johnson2016, pix2pixhd
 from .style import StyleLoss
 from .variation import TotalVariationLoss
 
@@ -23,6 +23,5 @@ __all__ = [
     "dino_vits16",
     "gatys2016",
     "johnson2016",
-    "lpips_vgg",
     "pix2pixhd",
 ]

@@ -26,7 +26,8 @@ class PerceptualLoss(FeatureLoss):
     Relations to reference implementations (tested): with ``reduction="none"`` on ``relu3_3``,
     ``256 *`` this loss equals piq's ``ContentLoss``; with ``normalize_features=True``, layers
     ``relu1_2 ... relu5_3`` and ``layer_weights`` equal to their channel counts it equals
-    ``lpips.LPIPS(net="vgg", lpips=False)`` (see the ``lpips_vgg`` preset).
+    ``lpips.LPIPS(net="vgg", lpips=False)``. For LPIPS itself, calibrated or not, use
+    ``featurehooks.LPIPS``.
 
     Args:
         backbone: backbone name (``"vgg16"``), ``nn.Module``, or a shared ``FeatureExtractor``

@@ -22,14 +22,11 @@ __all__ = [
     "GATYS2016_STYLE_LAYERS",
     "JOHNSON2016_CONTENT_LAYERS",
     "JOHNSON2016_STYLE_LAYERS",
-    "LPIPS_VGG_CHANNELS",
-    "LPIPS_VGG_LAYERS",
     "PIX2PIXHD_LAYERS",
     "PIX2PIXHD_WEIGHTS",
     "dino_vits16",
     "gatys2016",
     "johnson2016",
-    "lpips_vgg",
     "pix2pixhd",
 ]
 
@@ -39,8 +36,6 @@ GATYS2016_CONTENT_LAYERS = ("relu4_2",)
 GATYS2016_STYLE_LAYERS = ("relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1")
 PIX2PIXHD_LAYERS = ("relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1")
 PIX2PIXHD_WEIGHTS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1.0)
-LPIPS_VGG_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3")
-LPIPS_VGG_CHANNELS = (64, 128, 256, 512, 512)
 DINO_VITS16 = "timm/vit_small_patch16_224.dino"
 DINO_VITS16_LAYERS = ("blocks.2", "blocks.5", "blocks.8", "blocks.11")
 
@@ -130,34 +125,6 @@ def pix2pixhd(
         PIX2PIXHD_LAYERS,
         layer_weights=PIX2PIXHD_WEIGHTS,
         distance="l1",
-        weights=weights,
-        input_range=input_range,
-        reduction=reduction,
-    )
-
-
-def lpips_vgg(
-    *,
-    weights: WeightsSpec = "DEFAULT",
-    input_range: tuple[float, float] = (0.0, 1.0),
-    reduction: Reduction = "mean",
-) -> PerceptualLoss:
-    """The LPIPS baseline ("lin" layers off) on VGG16: unit-normalized relu1_2 ... relu5_3 features.
-
-    Squared differences of channel-normalized features, summed over channels and averaged over
-    positions per layer (layer weights equal to the channel counts), summed over layers; equal to
-    ``lpips.LPIPS(net="vgg", lpips=False)`` (tested). LPIPS expects images in [-1, 1]; here
-    ``input_range`` says what you pass, and the value for the same image is the same either way.
-
-    References:
-        Zhang, Isola, Efros, Shechtman, Wang (2018). The Unreasonable Effectiveness of Deep
-        Features as a Perceptual Metric. CVPR. https://arxiv.org/abs/1801.03924
-    """
-    return PerceptualLoss(
-        "vgg16",
-        LPIPS_VGG_LAYERS,
-        layer_weights=LPIPS_VGG_CHANNELS,
-        normalize_features=True,
         weights=weights,
         input_range=input_range,
         reduction=reduction,

@@ -1,0 +1,399 @@
+"""LPIPS, the learned perceptual image patch similarity, on a frozen featurehooks extractor.
+
+Per tapped layer: unit-normalize the features of both images over channels, square their
+difference, weigh the channels with the layer's calibrated linear head (a non-negative 1x1
+convolution without bias), average over positions; sum over layers. The heads are the ones the
+authors fitted to human judgements; this module reads them from a file, never trains them.
+
+The heads travel as files: the ``lpips`` package bundles them (``lpips/weights/v<version>/<net>.pth``)
+and so does ``torchmetrics`` (``torchmetrics/functional/image/lpips_models/<net>.pth``, version 0.1).
+Both are found from the installed package's location without importing it; ``heads=`` takes a file
+of your own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..backbones import WeightsSpec
+from ..backbones._files import check_state_dict, read_state_dict
+from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
+from ..extractor import FeatureExtractor
+from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
+from ..losses._base import check_images
+
+__all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
+
+HeadsSpec = Union[str, "os.PathLike[str]", Mapping[str, Tensor], None]
+
+
+@dataclass(frozen=True)
+class LpipsNet:
+    """One LPIPS trunk: the torchvision backbone, the layers LPIPS taps (as featurehooks aliases) and their channels.
+
+    The taps are where the slices of the reference implementation end (``lpips/pretrained_networks.py``):
+    AlexNet ``features[:2] [2:5] [5:8] [8:10] [10:12]``, VGG16 ``features[:4] [4:9] [9:16] [16:23] [23:30]``,
+    SqueezeNet 1.1 ``features[:2] [2:5] [5:8] [8:10] [10] [11] [12]``.
+    """
+
+    backbone: str
+    layers: tuple[str, ...]
+    channels: tuple[int, ...]
+
+
+LPIPS_NETS: dict[str, LpipsNet] = {
+    "alex": LpipsNet("alexnet", ("relu1", "relu2", "relu3", "relu4", "relu5"), (64, 192, 384, 256, 256)),
+    "vgg": LpipsNet(
+        "vgg16", ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3"), (64, 128, 256, 512, 512)
+    ),
+    "squeeze": LpipsNet(
+        "squeezenet1_1",
+        ("relu1", "fire3", "fire5", "fire6", "fire7", "fire8", "fire9"),
+        (64, 128, 256, 384, 384, 512, 512),
+    ),
+}
+"""The three trunks of LPIPS by their LPIPS names; ``net=`` also takes the torchvision names."""
+
+LPIPS_VERSIONS = ("0.0", "0.1")
+"""``"0.1"`` (the default, and the paper's final version) scales the input as below; ``"0.0"``, the first
+release, fed the [-1, 1] image to the trunk unscaled and has heads of its own."""
+
+# Version 0.1 maps an image x in [-1, 1] to (x - shift) / scale before the trunk. For an image u in [0, 1]
+# (x = 2u - 1) that is (u - (1 + shift) / 2) / (scale / 2): ImageNet's mean and std, to three decimals.
+_SHIFT = (-0.030, -0.088, -0.188)
+_SCALE = (0.458, 0.448, 0.450)
+_NET_ALIASES = {"alexnet": "alex", "vgg16": "vgg", "squeezenet1_1": "squeeze"}
+# Keys of a head: lpips' "lin3.model.1.weight" (after a Dropout), "lin3.model.0.weight" (without one),
+# "lins.3.model.1.weight" (its ModuleList), "lin3.weight", any of them under a prefix such as "module.".
+_HEAD_KEY = re.compile(r"(?:^|\.)lin(?:s\.)?(\d+)(?:\.model\.\d+)?\.weight$")
+# On the CPU, one concatenated forward of a metric's pair pays only while its largest activation stays under
+# glibc's 32 MiB cap on the mmap threshold: above it every call maps fresh pages, and doubling the batch
+# pushed more layers over it (measured in benchmarks/metrics.py: 1-4% faster below, 5% slower above).
+_CPU_CONCAT_BYTES = 32 * 2**20
+
+
+def input_scaling(version: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The ``(mean, std)`` for images in [0, 1] that reproduce LPIPS' own input scaling of ``version``."""
+    if version == "0.0":
+        return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # [0, 1] -> [-1, 1], nothing more
+    return tuple((1 + s) / 2 for s in _SHIFT), tuple(s / 2 for s in _SCALE)
+
+
+def _resolve_net(net: object) -> str:
+    if not isinstance(net, str):
+        raise InvalidTypeError(f"net must be one of {list(LPIPS_NETS)}, not {net!r}")
+    name = _NET_ALIASES.get(net, net)
+    if name not in LPIPS_NETS:
+        hint = did_you_mean(net, [*LPIPS_NETS, *_NET_ALIASES])
+        raise InvalidValueError(f"unknown LPIPS net {net!r}; {hint} LPIPS has heads for {list(LPIPS_NETS)}")
+    return name
+
+
+def _resolve_version(version: object) -> str:
+    if not isinstance(version, str):
+        raise InvalidTypeError(f"version must be a string such as '0.1', not {version!r}")
+    if version not in LPIPS_VERSIONS:
+        hint = did_you_mean(version, LPIPS_VERSIONS)
+        raise InvalidValueError(f"unknown LPIPS version {version!r}; {hint} Versions: {list(LPIPS_VERSIONS)}")
+    return version
+
+
+def _package_dir(name: str) -> Path | None:
+    """The folder of an installed top-level package, found without importing it; None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def find_heads(net: str, version: str = "0.1") -> Path | None:
+    """The bundled head file of an installed ``lpips`` (or, for version 0.1, ``torchmetrics``), or None.
+
+    Example:
+        >>> find_heads("alex")  # doctest: +SKIP
+        PosixPath('.../site-packages/lpips/weights/v0.1/alex.pth')
+    """
+    net, version = _resolve_net(net), _resolve_version(version)
+    candidates = []
+    lpips_dir = _package_dir("lpips")
+    if lpips_dir is not None:
+        candidates.append(lpips_dir / "weights" / f"v{version}" / f"{net}.pth")
+    torchmetrics_dir = _package_dir("torchmetrics")
+    if torchmetrics_dir is not None and version == "0.1":  # torchmetrics ships the 0.1 heads only
+        candidates.append(torchmetrics_dir / "functional" / "image" / "lpips_models" / f"{net}.pth")
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _expected_keys(spec: LpipsNet) -> str:
+    return ", ".join(f"lin{k}.model.1.weight {(1, c, 1, 1)}" for k, c in enumerate(spec.channels))
+
+
+def load_heads(source: str | os.PathLike[str] | Mapping[str, Tensor], net: str) -> list[Tensor]:
+    """The per-layer head weights of ``net`` from a file (or a state dict), each a float32 ``(C,)`` tensor.
+
+    Accepts lpips' layout (``lin0.model.1.weight`` ... of shape ``(1, C, 1, 1)``) and its variants
+    (``lins.0...``, no Dropout, a ``module.`` prefix). Files are read with ``weights_only=True``.
+
+    Raises:
+        WeightsUnavailableError: the file cannot be read, or does not hold one head per layer of
+            ``net`` with the right channel counts and non-negative finite values.
+    """
+    spec = LPIPS_NETS[_resolve_net(net)]
+    label = "the heads dict" if isinstance(source, Mapping) else str(source)
+    state = check_state_dict(source, label) if isinstance(source, Mapping) else read_state_dict(source)
+    found: dict[int, Tensor] = {}
+    for key, value in state.items():
+        match = _HEAD_KEY.search(key)
+        if match is not None:
+            found[int(match[1])] = value
+    expected = f"expected {len(spec.channels)} heads for net={net!r}: {_expected_keys(spec)}"
+    if sorted(found) != list(range(len(spec.channels))):
+        keys = list(state)
+        shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} keys)" if len(keys) > 8 else "")
+        raise WeightsUnavailableError(f"{label} does not hold LPIPS heads: {expected}; it has {shown}")
+    heads = []
+    for index, channels in enumerate(spec.channels):
+        value = found[index]
+        if value.numel() != channels or not value.is_floating_point():
+            raise WeightsUnavailableError(
+                f"{label}: head {index} has shape {tuple(value.shape)} ({value.dtype}); {expected}. "
+                "Is it the head file of another net?"
+            )
+        weight = value.detach().reshape(channels).to(torch.float32)
+        if not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+            raise WeightsUnavailableError(
+                f"{label}: head {index} holds negative or non-finite weights; LPIPS heads are non-negative"
+            )
+        heads.append(weight)
+    return heads
+
+
+def _bundled_heads(net: str, version: str) -> list[Tensor]:
+    path = find_heads(net, version)
+    if path is None:
+        torchmetrics = " (or torchmetrics, which bundles the 0.1 heads)" if version == "0.1" else ""
+        raise WeightsUnavailableError(
+            f"no LPIPS v{version} heads for net={net!r} found: install the lpips package{torchmetrics} "
+            f"(pip install lpips), which bundles them as lpips/weights/v{version}/{net}.pth, or pass "
+            f"heads='path/to/{net}.pth'; calibrated=False needs no heads"
+        )
+    return load_heads(path, net)
+
+
+class LPIPS(nn.Module):
+    r"""Learned Perceptual Image Patch Similarity (LPIPS) of Zhang et al. (2018): a metric and a loss.
+
+    The backbone is a frozen ``FeatureExtractor`` (``mode="grad"``) that stops after the deepest
+    tapped layer; like every backbone here it stays in eval mode, outside ``parameters()`` and out
+    of ``state_dict()``. The calibrated heads are non-persistent buffers: they come from a file, as
+    the backbone's weights do, so ``state_dict()`` is empty and checkpoints of a model that holds
+    this loss do not change. Nothing in the module is trainable.
+
+    Computation, per layer :math:`l` with features :math:`\hat y^l` unit-normalized over channels
+    (in float32, autocast off) and head :math:`w_l \ge 0`:
+    :math:`d(x, x_0) = \sum_l \operatorname{mean}_{h,w} \sum_c w_{l,c} (\hat y^l_{hwc} - \hat y^l_{0,hwc})^2`.
+    With ``calibrated=False`` every :math:`w_{l,c} = 1` (the paper's uncalibrated baseline,
+    ``lpips.LPIPS(lpips=False)``). Equal to ``lpips.LPIPS(net=net, version=version)`` on the same
+    trunk weights (tested to 1e-5), except that a zero feature vector gets a finite gradient here.
+
+    Speed: when no image of the pair needs a graph (metric use), both go through the backbone in
+    one concatenated batch (on the CPU only while its largest feature map stays under 32 MiB, about
+    one 224x224 pair for VGG16: past that, fresh memory pages cost more than the batch saves); when
+    only one needs a graph (loss use), the other is computed without one, in a separate forward
+    (20-35% faster than one forward with a graph through both). ``benchmarks/metrics.py`` measures
+    each choice against the alternative.
+
+    Args:
+        net: ``"alex"`` (the paper's recommended metric), ``"vgg"`` (closer to a perceptual loss),
+            or ``"squeeze"``; torchvision's names ``"alexnet"``, ``"vgg16"``, ``"squeezenet1_1"`` work too.
+        version: ``"0.1"`` (default) or ``"0.0"`` (the first release, without input scaling).
+        calibrated: use the learned heads; ``False`` gives the uncalibrated baseline (no heads needed).
+        spatial: return a distance map at the input's size instead of one value per image: each
+            layer's map is upsampled bilinearly (``align_corners=False``) and the maps are summed.
+            Its spatial mean is close to, not equal to, the non-spatial value (as in lpips).
+        reduction: over the batch: ``"mean"`` (default, a training loss), ``"sum"``, or ``"none"``
+            (one value per image, a metric). With ``spatial=True`` it acts over the batch only.
+        input_range: the value range of the images you pass: ``(0, 1)`` (default) or lpips' own
+            ``(-1, 1)``; the same image gives the same distance either way.
+        weights: the backbone's weights, as for ``FeatureExtractor``: ``"DEFAULT"`` (the ImageNet
+            weights LPIPS was calibrated on), a member name, ``None`` (random) or a local file.
+        heads: the calibrated heads: ``None`` finds those bundled with an installed ``lpips`` (or
+            ``torchmetrics``) package; or a ``.pth`` file (or state dict) in lpips' layout.
+
+    Shape:
+        input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast).
+        output: ``spatial=False``: ``(B,)`` for ``"none"``, else a scalar; ``spatial=True``:
+        ``(B, 1, H, W)`` for ``"none"``, else ``(1, H, W)`` (the batch's mean or sum map).
+
+    Raises:
+        WeightsUnavailableError: no heads found (install ``lpips`` or pass ``heads=``), a head file
+            that is not one, or backbone weights that are neither cached nor downloadable.
+
+    Example:
+        >>> import torch
+        >>> metric = LPIPS("alex", weights=None, calibrated=False, reduction="none")
+        >>> metric(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
+        torch.Size([2])
+
+    References:
+        Zhang, Isola, Efros, Shechtman, Wang (2018). The Unreasonable Effectiveness of Deep
+        Features as a Perceptual Metric. CVPR. https://arxiv.org/abs/1801.03924
+    """
+
+    def __init__(
+        self,
+        net: str = "alex",
+        version: str = "0.1",
+        *,
+        calibrated: bool = True,
+        spatial: bool = False,
+        reduction: Reduction = "mean",
+        input_range: tuple[float, float] = (0.0, 1.0),
+        weights: WeightsSpec = "DEFAULT",
+        heads: HeadsSpec = None,
+    ) -> None:
+        super().__init__()
+        self.net = _resolve_net(net)
+        self.version = _resolve_version(version)
+        check_reduction(reduction)
+        self.reduction: Reduction = reduction
+        self.calibrated = bool(calibrated)
+        self.spatial = bool(spatial)
+        spec = LPIPS_NETS[self.net]
+        if not self.calibrated and heads is not None:
+            raise InvalidValueError("heads= was given with calibrated=False; the uncalibrated baseline uses no heads")
+        if not self.calibrated:
+            weights_per_layer = [torch.ones(c) for c in spec.channels]
+            self.heads_source = "uncalibrated (all ones)"
+        elif heads is None:
+            weights_per_layer = _bundled_heads(self.net, self.version)
+            self.heads_source = str(find_heads(self.net, self.version))
+        elif isinstance(heads, (str, os.PathLike, Mapping)):
+            weights_per_layer = load_heads(heads, self.net)
+            self.heads_source = "a state dict" if isinstance(heads, Mapping) else str(heads)
+        else:
+            raise InvalidTypeError(f"heads must be a path, a state dict or None, not {type(heads).__name__}")
+        mean, std = input_scaling(self.version)
+        self.extractor = FeatureExtractor(
+            spec.backbone, list(spec.layers), weights=weights, mode="grad", input_range=input_range, mean=mean, std=std
+        )
+        self.layers: list[str] = list(spec.layers)
+        # the largest feature map per input pixel (float32): from the taps' metadata, before any forward
+        per_pixel = [(row.channels or 0) / (row.stride or 1) ** 2 for row in self.extractor.feature_info]
+        self._bytes_per_pixel = 4 * max(per_pixel)
+        for name, weight in zip(self.layers, weights_per_layer):
+            self.register_buffer(f"head_{name}", weight.to(self.extractor.mean), persistent=False)
+
+    @property
+    def input_range(self) -> tuple[float, float]:
+        """The value range of the images this metric takes."""
+        return self.extractor.input_range
+
+    def head(self, layer: str) -> Tensor:
+        """The ``(C,)`` channel weights of ``layer``'s head (ones when uncalibrated)."""
+        return getattr(self, f"head_{layer}")
+
+    def train(self, mode: bool = True) -> LPIPS:
+        """Stay in eval mode: LPIPS is frozen (its heads are fixed and it has no dropout)."""
+        return super().train(False)
+
+    # -- features ----------------------------------------------------------------------------------
+
+    def _check_pair(self, input: Tensor, target: Tensor) -> None:
+        check_images(input, "input")
+        check_images(target, "target")
+        for name, images in (("input", input), ("target", target)):
+            if images.shape[1] != 3:
+                hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
+                raise InvalidValueError(f"{name} must have 3 channels (RGB), got shape {tuple(images.shape)}{hint}")
+        if input.shape[1:] != target.shape[1:] or target.shape[0] not in (1, input.shape[0]):
+            raise InvalidValueError(
+                f"input {tuple(input.shape)} and target {tuple(target.shape)} do not match: LPIPS compares images "
+                "of one size, and the target's batch must be 1 or the input's"
+            )
+        if input.device != target.device:
+            raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
+
+    def _one_forward(self, input: Tensor) -> bool:
+        """Whether a pair that needs no graph (or two) runs as one concatenated batch (see ``_CPU_CONCAT_BYTES``)."""
+        if input.device.type != "cpu":
+            return True  # no page faults from a caching allocator, and half the kernel launches
+        pixels = 2 * input.shape[0] * input.shape[-2] * input.shape[-1]
+        return pixels * self._bytes_per_pixel <= _CPU_CONCAT_BYTES
+
+    def _features(self, input: Tensor, target: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Features of both images: one concatenated forward when both or neither need a graph (and the pair
+        is small enough on the CPU), else two, the one without a graph computed without one."""
+        grad = torch.is_grad_enabled()
+        input_graph, target_graph = grad and input.requires_grad, grad and target.requires_grad
+        same_batch = input.shape[0] == target.shape[0]
+        if input_graph == target_graph and same_batch and self._one_forward(input):
+            both = self.extractor(torch.cat([input, target.to(input.dtype)]))
+            split = {name: value.chunk(2) for name, value in both.items()}
+            return {k: v[0] for k, v in split.items()}, {k: v[1] for k, v in split.items()}
+        with torch.set_grad_enabled(input_graph):
+            first = self.extractor(input)
+        with torch.set_grad_enabled(target_graph):
+            second = self.extractor(target)
+        return first, second
+
+    # -- distances ---------------------------------------------------------------------------------
+
+    def layer_distances(self, input: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """Each layer's unreduced contribution, by layer name (the terms that ``forward`` sums).
+
+        Shape:
+            output: ``{layer: (B,)}``, or ``{layer: (B, 1, H, W)}`` with ``spatial=True``.
+        """
+        self._check_pair(input, target)
+        first, second = self._features(input, target)
+        size = (input.shape[-2], input.shape[-1])
+        with torch.autocast(device_type=input.device.type, enabled=False):
+            return {name: self._layer_map(name, first[name], second[name], size) for name in self.layers}
+
+    def _layer_map(self, name: str, a: Tensor, b: Tensor, size: tuple[int, int]) -> Tensor:
+        """Head-weighted squared difference of normalized features: ``(B,)``, or ``(B, 1, H, W)`` if spatial."""
+        diff = channel_normalize(a) - channel_normalize(b)
+        # the head weighs the squares in place: one feature-sized temporary fewer than (diff * diff * w), and
+        # nothing more saved for backward (the squares' own backward needs diff, not them)
+        squares = diff * diff
+        weight = self.head(name).to(diff.dtype).view(1, -1, 1, 1)
+        per_position = squares.mul_(weight).sum(dim=1, keepdim=True)
+        if self.spatial:
+            return F.interpolate(per_position, size=size, mode="bilinear", align_corners=False)
+        return per_position.mean(dim=(1, 2, 3))
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        """The LPIPS distance of ``input`` to ``target`` (0 for identical images), reduced over the batch.
+
+        Shape:
+            see the class docstring.
+        """
+        terms = list(self.layer_distances(input, target).values())
+        total = sum(terms[1:], terms[0])
+        if not self.spatial:
+            return reduce_loss(total, self.reduction)
+        if self.reduction == "mean":
+            return total.mean(dim=0)
+        if self.reduction == "sum":
+            return total.sum(dim=0)
+        return total
+
+    def extra_repr(self) -> str:
+        return (
+            f"net={self.net!r}, version={self.version!r}, calibrated={self.calibrated}, spatial={self.spatial}, "
+            f"reduction={self.reduction!r}, input_range={self.extractor.input_range}"
+        )
