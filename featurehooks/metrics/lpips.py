@@ -76,10 +76,6 @@ _NET_ALIASES = {"alexnet": "alex", "vgg16": "vgg", "squeezenet1_1": "squeeze"}
 # Keys of a head: lpips' "lin3.model.1.weight" (after a Dropout), "lin3.model.0.weight" (without one),
 # "lins.3.model.1.weight" (its ModuleList), "lin3.weight", any of them under a prefix such as "module.".
 _HEAD_KEY = re.compile(r"(?:^|\.)lin(?:s\.)?(\d+)(?:\.model\.\d+)?\.weight$")
-# On the CPU, one concatenated forward of a metric's pair pays only while its largest activation stays under
-# glibc's 32 MiB cap on the mmap threshold: above it every call maps fresh pages, and doubling the batch
-# pushed more layers over it (measured in benchmarks/metrics.py: 1-4% faster below, 5% slower above).
-_CPU_CONCAT_BYTES = 32 * 2**20
 
 
 def input_scaling(version: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -209,12 +205,13 @@ class LPIPS(nn.Module):
     ``lpips.LPIPS(lpips=False)``). Equal to ``lpips.LPIPS(net=net, version=version)`` on the same
     trunk weights (tested to 1e-5), except that a zero feature vector gets a finite gradient here.
 
-    Speed: when no image of the pair needs a graph (metric use), both go through the backbone in
-    one concatenated batch (on the CPU only while its largest feature map stays under 32 MiB, about
-    one 224x224 pair for VGG16: past that, fresh memory pages cost more than the batch saves); when
-    only one needs a graph (loss use), the other is computed without one, in a separate forward
-    (20-35% faster than one forward with a graph through both). ``benchmarks/metrics.py`` measures
-    each choice against the alternative.
+    Speed and memory: when no image of the pair needs a graph (metric use), both go through the
+    backbone in one concatenated batch on a GPU (half the kernel launches); on the CPU in two
+    forwards, which measured within 1-8% of one concatenated forward in time (faster above ~32 MiB
+    feature maps, where each call maps fresh pages) and use 0.66-0.8x its peak memory. When only one
+    needs a graph (loss use), the other is computed without one, in a separate forward (20-35%
+    faster than one forward with a graph through both). ``benchmarks/metrics.py`` measures each
+    choice against the alternative.
 
     Args:
         net: ``"alex"`` (the paper's recommended metric), ``"vgg"`` (closer to a perceptual loss),
@@ -291,9 +288,6 @@ class LPIPS(nn.Module):
             spec.backbone, list(spec.layers), weights=weights, mode="grad", input_range=input_range, mean=mean, std=std
         )
         self.layers: list[str] = list(spec.layers)
-        # the largest feature map per input pixel (float32): from the taps' metadata, before any forward
-        per_pixel = [(row.channels or 0) / (row.stride or 1) ** 2 for row in self.extractor.feature_info]
-        self._bytes_per_pixel = 4 * max(per_pixel)
         for name, weight in zip(self.layers, weights_per_layer):
             self.register_buffer(f"head_{name}", weight.to(self.extractor.mean), persistent=False)
 
@@ -328,11 +322,9 @@ class LPIPS(nn.Module):
             raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
 
     def _one_forward(self, input: Tensor) -> bool:
-        """Whether a pair that needs no graph (or two) runs as one concatenated batch (see ``_CPU_CONCAT_BYTES``)."""
-        if input.device.type != "cpu":
-            return True  # no page faults from a caching allocator, and half the kernel launches
-        pixels = 2 * input.shape[0] * input.shape[-2] * input.shape[-1]
-        return pixels * self._bytes_per_pixel <= _CPU_CONCAT_BYTES
+        """Whether a pair that needs no graph (or two) runs as one concatenated batch: on accelerators only
+        (see the class docstring)."""
+        return input.device.type != "cpu"
 
     def _features(self, input: Tensor, target: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Features of both images: one concatenated forward when both or neither need a graph (and the pair
