@@ -149,8 +149,9 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
             found.append(H.Target("metric: lpips time / LPIPS time (no slower)", label, H.ratio(g, REF, FH), 1.0, ">="))
             found.append(H.Target("metric: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
             chosen, other = (FH_ONE, FH_TWO) if g.row(FH).extra.get("forward") == "one" else (FH_TWO, FH_ONE)
+            # two forwards trade a little time for memory: allowed up to 10% over one concatenated forward
             found.append(H.Target(f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
-                                  label, H.ratio(g, chosen, other), 1.0, "<="))
+                                  label, H.ratio(g, chosen, other), 1.1, "<="))
         else:
             found.append(H.Target("loss: lpips time / LPIPS time (faster)", label, H.ratio(g, REF, FH), 1.0, ">="))
             found.append(H.Target("loss: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
