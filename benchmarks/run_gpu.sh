@@ -19,15 +19,15 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 
-# extraction: 4 cases x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16+channels_last}
+# extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16+channels_last}
 # (each script saves after every group: one cut short by its time limit keeps what it measured)
-timeout 220 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1.5 > /dev/null || echo "extraction: exit $?"
+timeout 250 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1.5 > /dev/null || echo "extraction: exit $?"
 echo "extraction done after $(( $(date +%s) - start )) s"
 # loss step: 3 groups x {8x224, 32x224} x {fp32, bf16+channels_last}, time and peak memory
 timeout 100 "$PYTHON" benchmarks/losses.py "${COMMON[@]}" --budget 2 > /dev/null || echo "losses: exit $?"
 echo "losses done after $(( $(date +%s) - start )) s"
 # torch.compile (inductor), bf16 + channels_last, 32x224
-timeout 150 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/null || echo "compile: exit $?"
+timeout 120 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/null || echo "compile: exit $?"
 echo "compile done after $(( $(date +%s) - start )) s"
 
 # per-call hook overhead on a tiny model (launch-bound on a GPU)
