@@ -1,6 +1,6 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
-from . import functional, losses, metrics
+from . import functional, losses, metrics, probes
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
 from .errors import (
@@ -23,6 +23,7 @@ from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
 from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, TotalVariationLoss
 from .metrics import LPIPS, FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
+from .probes import clip_grad, detect_nonfinite, reverse_grad, scale_grad, watch
 from .viz import feature_grid, save_feature_grid
 
 __version__ = "0.1.0"
@@ -58,6 +59,8 @@ __all__ = [
     "WeightsUnavailableError",
     "available_backbones",
     "capture",
+    "clip_grad",
+    "detect_nonfinite",
     "dump_features",
     "feature_grid",
     "feature_statistics",
@@ -69,7 +72,11 @@ __all__ = [
     "losses",
     "metrics",
     "prepare_image",
+    "probes",
     "read_image",
     "read_manifest",
+    "reverse_grad",
     "save_feature_grid",
+    "scale_grad",
+    "watch",
 ]

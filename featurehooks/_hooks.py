@@ -5,6 +5,11 @@ own, kept on a per-thread stack, so threads, ``nn.DataParallel`` replicas and ne
 see each other's outputs. A tap is one call of one module (``layer1.0.relu`` and ``layer1.0.relu_1``
 are two taps on one module). With ``stop_early`` the hook of the last tap to fire raises
 ``StopForward``, caught in ``run``, so nothing after the deepest tap runs.
+
+Probes (``featurehooks.probes``) use the same session with an :class:`Observer` instead of a store:
+every call of every hooked module is reported to the observer with its call index, forwards are
+bracketed by hooks on the model itself (``start``/``end``), and the tensor hooks a probe registers
+on outputs for the backward pass are held by the session, so ``remove`` takes them away too.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ._taps import Site, Taps, call_name
 from ._trace import Trace, trace, tracing
 from .errors import LayerNotRunError
 
-__all__ = ["HookSession", "StopForward"]
+__all__ = ["HookSession", "Observer", "StopForward"]
 
 
 class StopForward(BaseException):
@@ -72,9 +77,14 @@ class _Forward:
 
 
 class _ThreadForwards(threading.local):
-    """Per thread: the stack of this session's forwards in progress (innermost last)."""
+    """Per thread: the stack of this session's forwards in progress (innermost last).
 
-    stack: list[_Forward] | None = None
+    Set in ``__init__`` (which runs once per thread), not as a class default: torch.compile guards on
+    the instance dict, and a stack first created inside a compiled frame would fail that guard.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []  # _Forward objects, or _Observed ones in a session with an observer
 
 
 class _Tap:
@@ -92,17 +102,142 @@ class _Tap:
         self.session._collect(self.path, output)
 
 
+class Observer:
+    """What a probe implements to see every call of the hooked modules, instead of a store of outputs.
+
+    A session built with ``observer=`` calls these in the thread that runs the forward:
+
+    - ``start(args, kwargs)`` when a forward of the model itself begins; its return value is that
+      forward's ``state``, handed to the other calls (forwards nest and run in threads: keep
+      per-forward data there, not on the observer);
+    - ``before(state, path, call, module, args, kwargs)`` before each call of a hooked module, only
+      when ``wants_inputs`` is true (it costs a second hook per module);
+    - ``after(state, path, call, module, args, output)`` after each call;
+    - ``end(state, output)`` when the forward returns; an exception raised here leaves the forward
+      (the session still closes the forward). Not called when the forward itself raised.
+
+    ``call`` counts the runs of ``path`` in this forward from 0, as taps name them (``path``,
+    ``path_1``, ...). Calls of hooked modules outside a forward of the model (a submodule called on
+    its own) and in meta traces are not reported.
+    """
+
+    wants_inputs = False
+
+    def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return None
+
+    def before(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
+        pass
+
+    def after(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    def end(self, state: Any, output: Any) -> None:
+        pass
+
+
+class _Observed:
+    """One forward seen by an observer: calls per module, call indices of the calls in progress, the state."""
+
+    __slots__ = ("calls", "running", "state")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.calls: dict[str, int] = {}
+        self.running: dict[str, list[int]] = {}  # path -> indices of its calls begun and not yet ended
+
+
+class _Inert:
+    """What a probe's hook becomes in a copy of the model (``copy.deepcopy``, pickling): nothing.
+
+    A probe watches the model it was given; a copy made while it runs (an EMA model, a checkpoint)
+    must neither feed it nor copy it (with its locks and device sums).
+    """
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class _ProbeHook:
+    """Base of the hooks an observer session registers: copies of the model get :class:`_Inert` ones."""
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
+class _ObserveBefore(_ProbeHook):
+    """Forward pre-hook of one observed module."""
+
+    def __init__(self, session: HookSession, path: str) -> None:
+        self.session = session
+        self.path = path
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.session._observe_before(self.path, module, args, kwargs)
+
+
+class _ObserveAfter(_ProbeHook):
+    """Forward hook of one observed module."""
+
+    def __init__(self, session: HookSession, path: str) -> None:
+        self.session = session
+        self.path = path
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.session._observe_after(self.path, module, args, output)
+
+
+class _ObserveStart(_ProbeHook):
+    """Forward pre-hook of the model itself: opens a forward for the observer."""
+
+    def __init__(self, session: HookSession) -> None:
+        self.session = session
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not tracing():
+            self.session._prune_tensor_hooks()
+            self.session._stack().append(_Observed(self.session._observer.start(args, kwargs)))
+
+
+class _ObserveEnd(_ProbeHook):
+    """Forward hook of the model itself: hands the finished forward to the observer."""
+
+    def __init__(self, session: HookSession) -> None:
+        self.session = session
+
+    def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if not tracing():
+            self.session._observer.end(self.session._stack()[-1].state, output)
+
+
+class _ObservePop(_ProbeHook):
+    """Forward hook of the model itself, also called after an exception: closes the forward."""
+
+    def __init__(self, session: HookSession) -> None:
+        self.session = session
+
+    def __call__(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not tracing():
+            self.session._stack().pop()
+
+
 class HookSession:
     """Forward hooks on the modules of ``taps``; ``prepare``, then ``run`` (or ``follow``), then ``remove``.
+
+    With ``observer``, nothing is stored: every call of every module in ``taps.paths`` goes to the
+    observer, forwards are bracketed by hooks on ``model`` itself, and ``run``/``follow`` are unused.
 
     Args:
         model: the model whose submodules are hooked.
         taps: the validated request.
         detach: store detached outputs (no graph).
         stop_early: end the forward once every tap has fired.
+        observer: report calls to this probe instead of storing outputs.
     """
 
-    def __init__(self, model: nn.Module, taps: Taps, *, detach: bool, stop_early: bool) -> None:
+    def __init__(self, model: nn.Module, taps: Taps, *, detach: bool = True, stop_early: bool = False,
+                 observer: Observer | None = None) -> None:
         self.taps = taps
         self.detach = detach
         self.stop_early = stop_early
@@ -114,10 +249,16 @@ class HookSession:
         self._prepared = False
         self._local = _ThreadForwards()
         self._handles: list[RemovableHandle] = []
+        self._observer: Any = observer
+        self._tensor_handles: list[RemovableHandle] = []
+        self._tensor_lock = threading.Lock()
         self._active = True
         try:
-            for path in taps.paths:
-                self._handles.append(model.get_submodule(path).register_forward_hook(_Tap(self, path)))
+            if observer is None:
+                for path in taps.paths:
+                    self._handles.append(model.get_submodule(path).register_forward_hook(_Tap(self, path)))
+            else:
+                self._observe(observer)
         except BaseException:
             self.remove()
             raise
@@ -143,11 +284,8 @@ class HookSession:
             self._check_versions = True
         self._prepared = True
 
-    def _stack(self) -> list[_Forward]:
-        stack = self._local.stack
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+    def _stack(self) -> list[Any]:
+        return self._local.stack
 
     def _collect(self, path: str, output: Any) -> None:
         """Store the output of one call of a tapped module into this thread's current forward."""
@@ -245,21 +383,80 @@ class HookSession:
         ]
         self._handles.extend(handles)
 
+    def _observe(self, observer: Observer) -> None:
+        """Hook every module of ``taps.paths`` for ``observer``, and bracket each forward of the model."""
+        for path in self.taps.paths:
+            module = self._model.get_submodule(path)
+            if observer.wants_inputs:
+                before = _ObserveBefore(self, path)
+                self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_ObserveAfter(self, path)))
+        root = self._model
+        self._handles += [
+            root.register_forward_pre_hook(_ObserveStart(self), with_kwargs=True, prepend=True),  # before its taps
+            root.register_forward_hook(_ObserveEnd(self)),
+            root.register_forward_hook(_ObservePop(self), always_call=True),  # also after an exception
+        ]
+
+    def _observe_before(self, path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        stack = self._local.stack
+        if not stack or _trace.STATE.active:
+            return
+        forward: _Observed = stack[-1]
+        call = forward.calls.get(path, 0)
+        forward.calls[path] = call + 1
+        forward.running.setdefault(path, []).append(call)
+        self._observer.before(forward.state, path, call, module, args, kwargs)
+
+    def _observe_after(self, path: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        stack = self._local.stack
+        if not stack or _trace.STATE.active:
+            return
+        forward: _Observed = stack[-1]
+        running = forward.running.get(path)
+        if running:  # numbered when it began (a module that calls itself ends its calls in reverse order)
+            call = running.pop()
+        else:
+            call = forward.calls.get(path, 0)
+            forward.calls[path] = call + 1
+        self._observer.after(forward.state, path, call, module, args, output)
+
+    def hold(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
+        """Register a backward hook on ``tensor`` that ``remove`` takes away again (for probes).
+
+        Handles of tensors whose graph is gone are dropped when the next forward starts, so a long
+        training loop does not pile them up.
+        """
+        handle = tensor.register_hook(hook)
+        with self._tensor_lock:
+            self._tensor_handles.append(handle)
+
+    def _prune_tensor_hooks(self) -> None:
+        with self._tensor_lock:
+            self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
+
     def remove(self) -> None:
-        """Remove every hook; safe to call twice."""
+        """Remove every hook, tensor hooks of probes included; safe to call twice."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        with self._tensor_lock:
+            for handle in self._tensor_handles:
+                handle.remove()
+            self._tensor_handles.clear()
         self._active = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_local"]  # per-thread forwards in progress belong to this process only
+        del state["_tensor_lock"]
+        state["_tensor_handles"] = []  # hooks on this process's tensors
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = _ThreadForwards()
+        self._tensor_lock = threading.Lock()
 
 
 def _try_trace(root: nn.Module, args: Iterable[Any], kwargs: dict[str, Any], sites: list[Site]) -> Trace | None:

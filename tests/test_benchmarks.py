@@ -159,3 +159,38 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
     )
     claims = {t["claim"] for t in payload["targets"]}
     assert claims == {f"{overhead.ALL}: µs per tap", f"{overhead.CAPTURE}: µs per tap"}
+
+
+def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
+    probes = _load("probes")
+    payload = probes.main(_common(tmp_path, torch_home))
+    _check_files(tmp_path, "probes", payload)
+    (group,) = payload["groups"]
+    rows = {row["name"]: row for row in group["rows"]}
+    assert list(rows) == [probes.BASE, probes.WATCH, probes.NONFINITE, probes.HAND, probes.ANOMALY]
+    for row in rows.values():  # identical copies and batches: no probe changes the training step
+        assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
+    assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
+    claims = {t["claim"] for t in payload["targets"]}
+    assert claims == {f"{probes.WATCH} / {probes.BASE}", f"{probes.NONFINITE} / {probes.BASE}"}
+
+
+def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
+    metrics = _load("metrics")
+    payload = metrics.main([*_common(tmp_path, torch_home), "--nets", "alex,squeeze"])
+    _check_files(tmp_path, "metrics", payload)
+    groups = payload["groups"]
+    assert {(g["case"], g["params"]["net"]) for g in groups} == {
+        (case, net) for case in (metrics.METRIC, metrics.LOSS) for net in ("alex", "squeeze")
+    }
+    for group in groups:
+        rows = {row["name"]: row for row in group["rows"]}
+        expected = [metrics.FH, metrics.FH_ONE, metrics.FH_TWO, metrics.REF] if group["case"] == metrics.METRIC \
+            else [metrics.FH, metrics.FH_ONE, metrics.REF]
+        assert list(rows) == expected and group["baseline"] == metrics.REF
+        for row in rows.values():  # every contender computes lpips' distances (metric) or input gradients (loss)
+            assert row["max_abs_diff"] <= 1e-4, row
+            assert row["peak_mib"] >= 0
+        assert rows[metrics.FH]["forward"] in ("one", "two")
+    claims = {t["claim"].split(" (")[0] for t in payload["targets"]}
+    assert {"metric: LPIPS peak / lpips peak", "loss: LPIPS peak / lpips peak"} <= claims

@@ -42,10 +42,10 @@ def dump(source: object, out: Path, **kwargs: object):
 
 
 def test_workers_are_bounded_by_cores_and_batches() -> None:
-    assert dump_run._workers(100_000, 3) == 3
-    assert dump_run._workers(100_000, 10_000) == 4 * dump_run._cores()
-    assert dump_run._workers(0, 5) == 0
-    assert dump_run._workers(None, 0) == 0
+    assert dump_run.loader_workers(100_000, 3) == 3
+    assert dump_run.loader_workers(100_000, 10_000) == 4 * dump_run._cores()
+    assert dump_run.loader_workers(0, 5) == 0
+    assert dump_run.loader_workers(None, 0) == 0
 
 
 def test_an_absurd_worker_count_still_dumps(tmp_path: Path) -> None:

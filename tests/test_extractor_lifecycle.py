@@ -220,6 +220,18 @@ def test_compiles_to_one_graph_with_early_exit(vgg16_cached: Path, images: torch
         assert x.grad is not None
 
 
+def test_compiled_first_call_then_a_recompile(vgg16_cached: Path, images: torch.Tensor) -> None:
+    """The per-thread forward stack first created inside a compiled frame must not fail the recompile's guard."""
+    torch._dynamo.reset()
+    extractor = fh.FeatureExtractor("vgg16", ["relu1_2"], mode="grad")
+    compiled = torch.compile(extractor, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        first = compiled(images)["relu1_2"]
+    second = compiled(images.clone().requires_grad_(True))["relu1_2"]  # grad mode: a recompile
+    torch.testing.assert_close(first, second.detach())
+    assert second.requires_grad
+
+
 def test_deepcopy_and_pickle_give_independent_working_extractors(vgg16_cached: Path, images: torch.Tensor) -> None:
     import copy
     import io

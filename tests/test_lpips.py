@@ -236,12 +236,12 @@ def test_identical_and_black_images_give_zero_with_finite_gradients(trunks: None
 def test_compiles_to_one_graph(trunks: None, pair) -> None:
     x, y = pair
     metric = LPIPS("alex", reduction="none")
-    expected = metric(x, y)  # eager first, as benchmarks/compile.py does: the hook session's per-thread state
-    torch._dynamo.reset()  # is created lazily, and creating it inside a compiled frame fails a recompile's guard
+    torch._dynamo.reset()
     start = time.perf_counter()
     compiled = torch.compile(metric, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
-    with torch.no_grad():
+    with torch.no_grad():  # compiled first: the per-thread state is born inside a compiled frame, then recompiled
         out = compiled(x, y)
+    expected = metric(x, y)
     leaf = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(compiled(leaf, y).sum(), leaf)
     if time.perf_counter() - start > 90:

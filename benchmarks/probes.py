@@ -1,0 +1,192 @@
+"""Question 5: are the probes cheap enough to leave on during training?
+
+One *step* is a training step of ResNet50 (random init, train mode): forward of a batch of seeded
+images, cross-entropy, backward, SGD step. Contenders run the same step on identical copies of the
+model (same initial weights, same batch, so their losses stay equal step after step when a probe
+changes nothing), side by side in one run:
+
+- no probes (the baseline);
+- ``fh.probes.watch`` on the 16 bottleneck blocks (``layer[1-4].[0-9]``) with gradients, every statistic;
+- ``fh.probes.detect_nonfinite`` on every module (forward and backward checks);
+- hand-written hooks, the usual way: a forward hook per block that reads min, max, mean and std
+  with ``.item()``, and a tensor hook on its output doing the same for the gradient;
+- ``torch.autograd.detect_anomaly()`` around the step.
+
+Targets: watch <= 1.05x and detect_nonfinite <= 1.10x of the step without probes.
+
+    python benchmarks/probes.py --threads 1 --clock cpu     # minutes on a shared CPU machine
+    python benchmarks/probes.py --device cuda
+    python benchmarks/probes.py --quick                     # seconds: checks the script, not speed
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+
+from featurehooks.probes.nonfinite import detect_nonfinite  # noqa: E402
+from featurehooks.probes.watch import watch  # noqa: E402
+
+BASE = "no probes"
+WATCH = "watch, 16 blocks + grads"
+NONFINITE = "detect_nonfinite, every module"
+HAND = "hand-written hooks with .item()"
+ANOMALY = "torch.autograd.detect_anomaly"
+BLOCKS = "layer[1-4].[0-9]"  # the 16 bottleneck blocks of ResNet50 (fnmatch: * would cross dots)
+LR = 1e-3
+
+
+def resnet50() -> nn.Module:
+    import torchvision.models as tvm
+
+    torch.manual_seed(H.SEED)
+    return tvm.resnet50(weights=None)
+
+
+class HandWritten:
+    """The usual per-layer statistics: forward hooks and tensor hooks that read each number with ``.item()``."""
+
+    def __init__(self, model: nn.Module, paths: list[str]) -> None:
+        self.stats: dict[str, dict[str, float]] = {}
+        self.handles = [model.get_submodule(path).register_forward_hook(self._forward(path)) for path in paths]
+
+    @staticmethod
+    def _read(t: Tensor) -> dict[str, float]:
+        t = t.detach()
+        return {"min": t.min().item(), "max": t.max().item(), "mean": t.mean().item(), "std": t.std().item()}
+
+    def _forward(self, path: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Tensor) -> None:
+            self.stats[path] = self._read(output)
+            if output.requires_grad:
+                output.register_hook(lambda grad: self.stats.__setitem__(f"{path}.grad", self._read(grad)))
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class Step:
+    """One SGD training step on its own copy of the model, inside ``context`` (a probe or nothing)."""
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, wrap: Callable[[], Any] | None = None) -> None:
+        self.model = model
+        self.x, self.y = x, y
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        self.wrap = wrap
+        self.losses: list[float] = []
+
+    def __call__(self) -> Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.wrap is None:
+            loss = self._loss_and_backward()
+        else:
+            with self.wrap():
+                loss = self._loss_and_backward()
+        self.optimizer.step()
+        return loss
+
+    def _loss_and_backward(self) -> Tensor:
+        loss = nn.functional.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
+        self.losses.append(float(loss))  # after backward, like a training loop's logging
+        return loss
+
+
+def _anomaly() -> Any:
+    return torch.autograd.detect_anomaly(check_nan=True)
+
+
+def run(cfg: H.Settings, batch: int, size: int) -> tuple[H.Group, dict[str, Any]]:
+    base = resnet50().to(cfg.device).train()
+    x = H.images(batch, size, cfg, "fp32")
+    y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
+    models = {name: copy.deepcopy(base) for name in (WATCH, NONFINITE, HAND, ANOMALY)}
+    blocks = [path for path, _ in base.named_modules() if path.count(".") == 1 and path.startswith("layer")]
+    watcher = watch(models[WATCH], BLOCKS, grads=True)
+    sentinel = detect_nonfinite(models[NONFINITE])
+    hand = HandWritten(models[HAND], blocks)
+    steps = {
+        BASE: Step(base, x, y),
+        WATCH: Step(models[WATCH], x, y),
+        NONFINITE: Step(models[NONFINITE], x, y),
+        HAND: Step(models[HAND], x, y),
+        ANOMALY: Step(models[ANOMALY], x, y, _anomaly),
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly mode warns on every entry
+            timing = H.time_interleaved(dict(steps), cfg)
+        rows = watcher.summary()
+    finally:
+        watcher.close()
+        sentinel.close()
+        hand.close()
+    reference = steps[BASE].losses
+    extras = {
+        name: {
+            "steps": len(step.losses),
+            "max_abs_diff": max(abs(a - b) for a, b in zip(step.losses, reference)),
+            "last_loss": step.losses[-1],
+        }
+        for name, step in steps.items()
+    }
+    facts = {
+        "watched_layers": len({row.path for row in rows}),
+        "watch_rows": len(rows),
+        "watched_values_per_step": sum(row.count for row in rows) // max(len(reference), 1),
+        "hand_written_layers": len(blocks),
+    }
+    params = {"mode": "train step", "batch": batch, "size": size}
+    return H.make_group(f"ResNet50 training step, batch {batch}, {size}x{size}", params, timing, BASE, extras), facts
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = H.parser(__doc__.splitlines()[0])
+    p.add_argument("--shape", default=None, help="BATCHxSIZE; default 8x224 (2x32 with --quick)")
+    args = p.parse_args(argv)
+    cfg = H.settings(args, budget=120.0)
+    (batch, size), = H.parse_shapes(args.shape or ("2x32" if cfg.quick else "8x224"))
+    H.log(f"ResNet50 training step, batch {batch}, {size}x{size}")
+    group, facts = run(cfg, batch, size)
+    H.log(", ".join(f"{row.name}={row.median_ms:.0f}ms ({row.ratio:.3f}x)" for row in group.rows))
+    targets = [
+        H.Target(f"{WATCH} / {BASE}", group.case, group.row(WATCH).ratio, 1.05, "<="),
+        H.Target(f"{NONFINITE} / {BASE}", group.case, group.row(NONFINITE).ratio, 1.10, "<="),
+    ]
+    notes = [
+        f"watch: {facts['watched_layers']} layers ({BLOCKS}), {facts['watch_rows']} rows (outputs and gradients), "
+        f"{facts['watched_values_per_step']:,} values summarized per step; every statistic (count, mean, std, "
+        "min, max, absmax, zeros, nonfinite) on the device, read once after the run.",
+        f"hand-written: {facts['hand_written_layers']} forward hooks + one tensor hook per output, each reading "
+        "min, max, mean and std with .item() (8 host reads per layer and step). On the CPU a host read is a plain "
+        "memory read, so their cost here is their four reductions (fewer statistics than watch, and poisoned by "
+        "any NaN); on a GPU every .item() also waits for the device to finish.",
+        "detect_nonfinite: every module (forward: inputs and outputs; backward: gradients of inputs and outputs), "
+        "one host read per forward and one per backward.",
+        "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
+        "copies, same batch): 0 means the probe changed nothing in the computation.",
+    ]
+    config = {"batch": batch, "size": size, "lr": LR, "budget_s": cfg.budget, "min_reps": cfg.min_reps,
+              "max_reps": cfg.max_reps, "warmup": cfg.warmup, **facts}
+    payload = H.save("probes", "Probes during a ResNet50 training step: time / step without probes", cfg, [group],
+                     targets, config, notes,
+                     extra_columns=[("max_abs_diff", "max |Δ loss|", ".2g"), ("steps", "steps", "d")])
+    print((cfg.out / f"probes{cfg.tag}.md").read_text())
+    return payload
+
+
+if __name__ == "__main__":
+    main()

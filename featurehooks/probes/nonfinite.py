@@ -1,0 +1,348 @@
+"""``detect_nonfinite``: name the module call where a NaN or an infinity starts, in forward or in backward.
+
+Forward: every checked module call records, on the device, whether its inputs (before it runs)
+and its outputs are finite. When the model's forward returns, the flags are read in one transfer
+and the origin is the first call, in the order calls finish, whose output is non-finite while its
+inputs were finite: the module that made the value, not the ones it then flowed through (a child
+finishes before its parent, so the innermost module is named). A NaN or inf already in the model's
+input is reported as the input: path ``"<input>"``. One made by code of the model's own
+``forward`` outside any checked module is reported at the model itself, path ``""``.
+
+Backward: tensor hooks on the checked modules' outputs and inputs record whether the gradient with
+respect to each is finite. When the backward pass ends (a callback queued on the autograd engine by
+the first of those hooks), the flags are read in one transfer; the origin is the first module call,
+in backward order, whose gradient with respect to an input is non-finite while the gradient with
+respect to its output was finite. A gradient already non-finite when it reaches the model's output
+(from the loss) is reported with path ``"<output>"``.
+
+Limits: a tensor feeding several modules has one gradient, the sum over them, so when it turns
+non-finite every consumer qualifies; the one reported is a leaf module if any, else the first to run,
+and the message lists the others. A module whose inputs need no gradient (the first layer) can only be
+blamed through its output. Gradients of parameters are not checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from .._hooks import HookSession, Observer
+from .._taps import Tap, Taps, call_name
+from ..errors import InvalidTypeError, NonFiniteError
+from .watch import select_modules
+
+__all__ = ["INPUT", "OUTPUT", "NonFiniteDetector", "detect_nonfinite"]
+
+INPUT = "<input>"  # path reported for a non-finite value in the model's input (forward)
+OUTPUT = "<output>"  # path reported for a non-finite gradient arriving at the model's output (backward)
+
+Role = tuple[int, str, int, str, bool]  # (forward id, module path, call, tensor label, is an output)
+Entry = tuple[str, int]  # (tensor label, flag index) of one checked tensor of one call
+
+
+class _GradFlag:
+    """Tensor hook on one checked tensor: records whether its gradient is finite, for every role it plays."""
+
+    __slots__ = ("owner", "roles")
+
+    def __init__(self, owner: NonFiniteDetector) -> None:
+        self.owner = owner
+        self.roles: list[Role] = []
+
+    def __call__(self, grad: Tensor) -> None:
+        self.owner._note_grad(self, grad)
+
+
+class _Seen:
+    """A tensor already checked in this forward, as long as it is alive and unchanged."""
+
+    __slots__ = ("flag", "grad", "ref", "version")
+
+    def __init__(self, tensor: Tensor, version: int | None, flag: int, grad: _GradFlag | None) -> None:
+        self.ref = weakref.ref(tensor)
+        self.version = version
+        self.flag = flag
+        self.grad = grad
+
+
+class _Forward:
+    """One forward: the device flags (min and max of every checked tensor) and which call saw which."""
+
+    __slots__ = ("calls", "flags", "id", "inputs", "root_inputs", "seen")
+
+    def __init__(self, forward_id: int) -> None:
+        self.id = forward_id
+        self.flags: list[Tensor] = []
+        self.seen: dict[int, _Seen] = {}
+        self.calls: list[tuple[str, int, list[Entry], list[Entry]]] = []  # in the order calls finished
+        self.inputs: dict[tuple[str, int], list[Entry]] = {}
+        self.root_inputs: list[Entry] = []
+
+
+def _float_leaves(*values: Any) -> list[Tensor]:
+    return [
+        t for t in tree_leaves(values)
+        if isinstance(t, Tensor) and t.is_floating_point() and t.layout == torch.strided and t.numel()
+    ]
+
+
+def _labels(kind: str, count: int) -> list[str]:
+    return [kind] if count == 1 else [f"{kind}[{k}]" for k in range(count)]
+
+
+def _finite(flags: list[Tensor]) -> list[bool]:
+    """Whether each (min, max) pair in ``flags`` is finite: one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(k)
+    good = [True] * len(flags)
+    for indices in by_device.values():
+        with torch.no_grad():
+            finite = torch.isfinite(torch.stack([flags[k].float() for k in indices])).tolist()
+        for k, value in zip(indices, finite):
+            good[k] = value
+    return [good[2 * k] and good[2 * k + 1] for k in range(len(flags) // 2)]
+
+
+class NonFiniteDetector(Observer):
+    """The hooks of :func:`detect_nonfinite`: a context manager and a handle with :meth:`close`."""
+
+    wants_inputs = True
+
+    def __init__(self, model: nn.Module, layers: str | Sequence[str] | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidTypeError(f"detect_nonfinite needs an nn.Module, got {type(model).__name__}")
+        if layers is None:  # every submodule; none at all still checks the model's own input and output
+            self._calls: dict[str, frozenset[int] | None] = {path: None for path in _submodules(model)}
+        else:
+            self._calls = select_modules(model, layers, default=_submodules, what="check")
+        modules = dict(model.named_modules())
+        self._types = {path: type(module).__name__ for path, module in modules.items()}
+        self._leaf = {path: next(module.children(), None) is None for path, module in modules.items()}
+        self._label = type(model).__name__
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._backwards: dict[int, list[tuple[_GradFlag, Tensor, Tensor]]] = {}
+        taps = Taps(tuple(Tap(path, path, 0) for path in self._calls))
+        self._session = HookSession(model, taps, observer=self)
+
+    # forward -------------------------------------------------------------------------------------
+
+    def _wanted(self, path: str, call: int) -> bool:
+        calls = self._calls[path]
+        return calls is None or call in calls
+
+    def _check(self, forward: _Forward, path: str, call: int, kind: str, values: tuple[Any, ...],
+               is_output: bool) -> list[Entry]:
+        """Record device flags for the floating tensors in ``values``; hook their gradients."""
+        tensors = _float_leaves(*values)
+        entries = []
+        for label, tensor in zip(_labels(kind, len(tensors)), tensors):
+            seen = self._seen(forward, tensor)
+            entries.append((label, seen.flag))
+            if seen.grad is not None:
+                seen.grad.roles.append((forward.id, path, call, label, is_output))
+        return entries
+
+    def _seen(self, forward: _Forward, tensor: Tensor) -> _Seen:
+        """This tensor's flag, checked once per version (a module's input is mostly the last one's output)."""
+        version = None if tensor.is_inference() else tensor._version
+        seen = forward.seen.get(id(tensor))
+        if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
+            return seen
+        with torch.no_grad():
+            forward.flags.extend(torch.aminmax(tensor.detach()))
+        grad = None
+        if tensor.requires_grad and torch.is_grad_enabled():
+            grad = _GradFlag(self)
+            self._session.hold(tensor, grad)
+        seen = forward.seen[id(tensor)] = _Seen(tensor, version, len(forward.flags) // 2 - 1, grad)
+        return seen
+
+    def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
+        forward = _Forward(next(self._ids))
+        forward.root_inputs = self._check(forward, "", 0, "input", (args, kwargs), is_output=False)
+        return forward
+
+    def before(self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
+        if self._wanted(path, call):
+            state.inputs[(path, call)] = self._check(state, path, call, "input", (args, kwargs), is_output=False)
+
+    def after(self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
+              output: Any) -> None:
+        if self._wanted(path, call):
+            inputs = state.inputs.pop((path, call), [])
+            state.calls.append((path, call, inputs, self._check(state, path, call, "output", (output,), True)))
+
+    def end(self, state: _Forward, output: Any) -> None:
+        outputs = self._check(state, "", 0, "output", (output,), is_output=True)
+        if state.flags:
+            self._raise_forward(state, outputs, _finite(state.flags))
+
+    def _raise_forward(self, forward: _Forward, outputs: list[Entry], good: list[bool]) -> None:
+        def bad(entries: list[Entry]) -> list[str]:
+            return [label for label, flag in entries if not good[flag]]
+
+        if bad(forward.root_inputs):
+            label = bad(forward.root_inputs)[0]
+            raise NonFiniteError(
+                f"the {label} of {self._label} already holds NaN or inf before any module runs",
+                path=INPUT, call=0, phase="forward", tensor=label,
+            )
+        for path, call, inputs, outs in forward.calls:
+            if bad(outs) and not bad(inputs):
+                label = bad(outs)[0]
+                raise NonFiniteError(
+                    f"NaN or inf first appears in the forward pass in the {label} of {self._where(path, call)}: "
+                    "its inputs were finite",
+                    path=path, call=call, phase="forward", tensor=label,
+                )
+        if bad(outputs):
+            label = bad(outputs)[0]
+            raise NonFiniteError(
+                f"NaN or inf first appears in the forward pass in the {label} of {self._label} itself: code of "
+                "its own forward outside the checked modules made it from finite values",
+                path="", call=0, phase="forward", tensor=label,
+            )
+        for path, call, inputs, _outs in forward.calls:
+            if bad(inputs):
+                label = bad(inputs)[0]
+                raise NonFiniteError(
+                    f"NaN or inf first reaches the {label} of {self._where(path, call)} in the forward pass; it was "
+                    "made by code outside the checked modules",
+                    path=path, call=call, phase="forward", tensor=label,
+                )
+
+    # backward ------------------------------------------------------------------------------------
+
+    def _note_grad(self, hook: _GradFlag, grad: Tensor) -> None:
+        if not self._session.active or not hook.roles or grad.numel() == 0:
+            return
+        with torch.no_grad():
+            low, high = torch.aminmax(grad.detach())
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            events = self._backwards.get(task)
+            first = events is None
+            if first:
+                events = self._backwards[task] = []
+            events.append((hook, low, high))  # type: ignore[union-attr]
+        if first:  # check once, when this backward pass ends
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
+
+    def _end_backward(self, task: int) -> None:
+        with self._lock:
+            events = self._backwards.pop(task, None)
+        if not events or not self._session.active:
+            return
+        good = _finite([t for _hook, low, high in events for t in (low, high)])
+        self._raise_backward([(hook.roles, ok) for (hook, _low, _high), ok in zip(events, good)])
+
+    def _raise_backward(self, events: list[tuple[list[Role], bool]]) -> None:
+        seen_output: dict[tuple[int, str, int], bool] = {}  # module call -> whether its output gradient was finite
+        first_bad: list[Role] | None = None
+        for roles, ok in events:
+            for forward_id, path, call, _label, is_output in roles:
+                if is_output:
+                    key = (forward_id, path, call)
+                    seen_output[key] = seen_output.get(key, True) and ok
+            if ok:
+                continue
+            first_bad = first_bad or roles
+            blamed = [role for role in roles if not role[4] and seen_output.get(role[:3]) is True]
+            if blamed:
+                self._blame(blamed)
+        if first_bad is None:
+            return
+        if any(path == "" and is_output for _f, path, _c, _l, is_output in first_bad):
+            raise NonFiniteError(
+                f"the gradient reaching the output of {self._label} is already NaN or inf: it comes from the loss "
+                "or from code after the model",
+                path=OUTPUT, call=0, phase="backward", tensor="grad_output",
+            )
+        _forward_id, path, call, label, is_output = next((r for r in first_bad if r[4]), first_bad[0])
+        tensor = "grad_output" if is_output else f"grad_{label}"
+        raise NonFiniteError(
+            f"a NaN or inf gradient first reaches the {tensor} of {self._where(path, call)} in the backward pass; "
+            "it was made by code outside the checked modules",
+            path=path, call=call, phase="backward", tensor=tensor,
+        )
+
+    def _blame(self, blamed: list[Role]) -> None:
+        leaves = [role for role in blamed if self._leaf.get(role[1], False)]
+        _forward_id, path, call, label, _is_output = (leaves or blamed)[0]
+        others = sorted({self._where(p, c) for _f, p, c, _l, _o in blamed} - {self._where(path, call)})
+        shared = f"; the input is shared with {', '.join(others)}, which may have made it instead" if others else ""
+        raise NonFiniteError(
+            f"NaN or inf first appears in the backward pass in the gradient with respect to the {label} of "
+            f"{self._where(path, call)}: the gradient with respect to its output was finite{shared}",
+            path=path, call=call, phase="backward", tensor=f"grad_{label}",
+        )
+
+    def _where(self, path: str, call: int) -> str:
+        if path == "":
+            return f"{self._label} (the model's own forward)"
+        return f"{call_name(path, call)!r} ({self._types.get(path, '?')})"
+
+    # handle --------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still registered."""
+        return self._session.active
+
+    def close(self) -> None:
+        """Remove every hook, module and tensor hooks alike; safe to call twice."""
+        self._session.remove()
+        with self._lock:
+            self._backwards.clear()
+
+    def __enter__(self) -> NonFiniteDetector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NonFiniteDetector({len(self._calls)} modules, {'active' if self.active else 'closed'})"
+
+
+def _submodules(model: nn.Module) -> list[str]:
+    return [path for path, _ in model.named_modules() if path]
+
+
+def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None) -> NonFiniteDetector:
+    """Raise :class:`~featurehooks.errors.NonFiniteError` at the module call where a NaN or inf starts.
+
+    A context manager over a model you train (neither copied nor frozen): each forward of the
+    model inside the block is checked when it returns, and each backward pass when it ends, with
+    one host sync each (flags are gathered on the device meanwhile). The error's ``path``,
+    ``call``, ``phase`` (``"forward"``/``"backward"``) and ``tensor`` (``"output"``,
+    ``"grad_input"``, ...) name the origin, not the modules the value then flowed through; see
+    the module docstring for the rules and limits.
+
+    Args:
+        model: the model to check.
+        layers: module paths, aliases or glob patterns over module paths; default: every submodule.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> with torch.no_grad():
+        ...     net[1].weight[0, 0] = float("nan")
+        >>> try:
+        ...     with detect_nonfinite(net):
+        ...         net(torch.randn(2, 4))
+        ... except NonFiniteError as e:
+        ...     print(e.path, e.phase, e.tensor)
+        1 forward output
+    """
+    return NonFiniteDetector(model, layers)

@@ -1,0 +1,528 @@
+"""``watch``: activation and gradient statistics of a model you train, cheap enough to leave on.
+
+Every call of every watched module adds its output's statistics (and, in backward, those of the
+gradient flowing out of it) to running sums kept on the device, with no host sync: the numbers are
+read once, by :meth:`Watch.summary`.
+
+Definitions (per layer, call and kind; ``n`` counts the finite values):
+
+- ``count``: values seen, finite or not; ``nonfinite``: how many of them were NaN or ±inf;
+- ``mean``, ``std``, ``min``, ``max``, ``absmax``: over the finite values only, so one NaN does
+  not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n)**2, 0))``
+  from the sum ``S1`` and the sum of squares ``S2`` (each call summed in float32 with pairwise
+  summation, accumulated across calls in float64; the variance's relative error is about
+  ``1e-7 * mean**2 / std**2``, so it is poor only when ``|mean|`` dwarfs ``std``);
+- ``zeros``: the fraction of values that are exactly 0.
+
+Counts are exact up to 2**24 values per call. Tensors in bfloat16 or float16 (autocast) are
+summed in float32. The statistics of a call with non-finite values are those of its finite values
+(the non-finite ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
+
+Cost: on a ResNet50 training step (CPU, batch 8), every statistic of the 16 blocks' outputs and
+gradients adds about 4% (``benchmarks/probes.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import astuple, dataclass, fields
+from fnmatch import fnmatchcase
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from .._hooks import HookSession, Observer
+from .._taps import Tap, Taps, call_name
+from ..errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
+from ..layers import LayerIndex
+
+__all__ = ["STATS", "Watch", "WatchRow", "watch"]
+
+STATS = ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
+KINDS = ("output", "grad")
+_F32 = torch.float32
+# Slots of the per-call vector and of the running sums: additive ones first, then maxima.
+_NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX = range(6)
+_ADDITIVE = 4
+
+
+class ScalarWriter(Protocol):
+    """What :meth:`Watch.log` needs: ``torch.utils.tensorboard.SummaryWriter`` has it."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WatchRow:
+    """The statistics of one layer call over the current window (``None``: not requested).
+
+    ``name`` is the per-call name (``path``, ``path_1``, ...), ``kind`` is ``"output"`` or
+    ``"grad"`` (the gradient with respect to that output), ``calls`` how many calls were summed and
+    ``count`` how many values. ``mean``, ``std`` (population), ``min``, ``max`` and ``absmax`` are
+    over the finite values (NaN when there were none), ``zeros`` is the fraction of values that are
+    exactly 0 and ``nonfinite`` the number of NaN and ±inf values.
+    """
+
+    name: str
+    path: str
+    call: int
+    kind: str
+    calls: int
+    count: int
+    mean: float | None
+    std: float | None
+    min: float | None
+    max: float | None
+    absmax: float | None
+    zeros: float | None
+    nonfinite: int | None
+
+
+@dataclass(frozen=True)
+class _Need:
+    """Which passes over a tensor the requested statistics need."""
+
+    flags: bool
+    moments: bool
+    squares: bool
+    extremes: bool
+    zeros: bool
+
+    @classmethod
+    def of(cls, stats: frozenset[str]) -> _Need:
+        extremes = bool(stats & {"min", "max", "absmax"})
+        return cls(
+            flags=bool(stats - {"count"}),
+            moments=extremes or bool(stats & {"mean", "std"}),
+            squares="std" in stats,
+            extremes=extremes,
+            zeros="zeros" in stats,
+        )
+
+
+def _call_stats(x: Tensor, need: _Need, scratch: _Scratch) -> Tensor:
+    """One call's statistics as a vector of the accumulators' dtype on ``x``'s device; no host sync.
+
+    Slots: number of non-finite values, sum and sum of squares of the finite values, number of
+    non-zero finite values, minus the minimum and the maximum of the finite values (NaN: none).
+    Computed in float32 (float64 for float64 tensors) over the elements in memory order. On the
+    CPU the tensor is taken in chunks of ``_CHUNK`` values through small scratch buffers, so the
+    passes after the first read it from the cache instead of memory (half the time of whole-tensor
+    passes on ResNet50's activations).
+    """
+    dtype = torch.float64 if x.dtype == torch.float64 else _F32
+    accumulate = _accumulator_dtype(x.device)
+    if not need.flags:
+        return torch.zeros(6, dtype=accumulate, device=x.device)
+    source = _flat(x)
+    n = source.numel()
+    chunk = _CHUNK if x.device.type == "cpu" else n
+    low_precision = source.dtype != dtype
+    first, second, third = [*scratch.take(min(chunk, n), dtype, x.device, 3 if low_precision else 2), None][:3]
+    zero = torch.zeros((), dtype=dtype, device=x.device)
+    parts: list[Tensor] = []
+    for start in range(0, n, chunk):
+        part = source[start:start + chunk]
+        size = part.numel()
+        if low_precision:  # bfloat16/float16: one conversion, then everything in float32
+            part = third[:size].copy_(part) if third is not None else part.to(dtype)
+        total = squares = nonzero = low = high = zero
+        if need.moments or need.zeros:
+            finite = torch.nan_to_num(part, nan=0.0, posinf=0.0, neginf=0.0, out=_head(first, size))
+            total = finite.sum()
+            if need.squares:
+                squares = _sum_of_squares(finite)
+            if need.zeros:
+                signs = torch.sign(finite, out=_head(second, size))
+                nonzero = torch.dot(signs, signs)  # exact: a sum of ones and zeros
+        flags = torch.sub(part, part, out=_head(second, size)).nan_to_num_(nan=1.0)  # x - x: 0, NaN if not finite
+        nonfinite = flags.sum()
+        if need.extremes:
+            # non-finite values become the finite mean, which lies within [min, max]; NaN if none is finite
+            finite.addcmul_(flags, total / (size - nonfinite))
+            low, high = torch.aminmax(finite)
+        parts += (nonfinite, total, squares, nonzero, low, high)
+    values = torch.stack(parts).view(-1, 6).to(accumulate)
+    low = values[:, 4].nan_to_num(nan=math.inf).amin()
+    high = values[:, 5].nan_to_num(nan=-math.inf).amax()
+    return torch.cat([values[:, :_ADDITIVE].sum(0), torch.stack([-low, high])])
+
+
+def _head(buffer: Tensor | None, size: int) -> Tensor | None:
+    return None if buffer is None else buffer[:size]
+
+
+# Values per pass on the CPU: chunk and scratch buffers (2 MiB each) stay in the cache between passes.
+_CHUNK = 1 << 19
+_ROW = 1024
+
+
+def _sum_of_squares(flat: Tensor) -> Tensor:
+    """Sum of squares of a 1-D tensor: norms of rows of about 1024 values, then a pairwise sum (accurate)."""
+    n = flat.numel()
+    body = n - n % _ROW
+    if body == 0:
+        return torch.dot(flat, flat)
+    squares = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).square_().sum()
+    if body < n:
+        tail = flat[body:]
+        squares = squares + torch.dot(tail, tail)
+    return squares
+
+
+def _flat(x: Tensor) -> Tensor:
+    """The elements of ``x`` as a 1-D view in memory order (a copy only when ``x`` is not dense)."""
+    if x.is_contiguous():
+        return x.view(-1)
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    permuted = x.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else x.reshape(-1)
+
+
+class _Scratch:
+    """Flat buffers per thread and dtype on the CPU (a chunk each at most); dropped by ``clear``."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device, count: int) -> list[Tensor | None]:
+        """``count`` buffers of ``n`` elements (``None`` each off the CPU: allocate as usual there)."""
+        if device.type != "cpu":  # device allocators cache blocks already, and streams must not share them
+            return [None] * count
+        key = (threading.get_ident(), dtype)
+        with self._lock:
+            buffers = self._buffers.get(key, [])
+            if len(buffers) < count or buffers[0].numel() < n:
+                size = max(n, buffers[0].numel() if buffers else 0)
+                with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
+                    buffers = [torch.empty(size, dtype=dtype) for _ in range(max(count, len(buffers)))]
+                self._buffers[key] = buffers
+        return [buffer[:n] for buffer in buffers[:count]]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _first_float(value: Any) -> Tensor | None:
+    """The first floating-point, strided, non-empty tensor of an output (tuples, dicts: pytree order)."""
+    if isinstance(value, Tensor):
+        leaves: Iterable[Any] = (value,)
+    else:
+        leaves = tree_leaves(value)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
+            return leaf
+    return None
+
+
+class _Sums:
+    """Running sums of one (layer, call, kind) on one device."""
+
+    __slots__ = ("additive", "calls", "count", "extremes", "values")
+
+    def __init__(self, device: torch.device) -> None:
+        with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
+            self.values = torch.zeros(6, dtype=_accumulator_dtype(device), device=device)
+            self.values[_ADDITIVE:] = -math.inf
+        self.additive = self.values[:_ADDITIVE]
+        self.extremes = self.values[_ADDITIVE:]
+        self.calls = 0
+        self.count = 0
+
+
+class _GradStats:
+    """Tensor hook on one output: adds the statistics of the gradient with respect to it."""
+
+    def __init__(self, owner: Watch, path: str, call: int) -> None:
+        self.owner = owner
+        self.path = path
+        self.call = call
+
+    def __call__(self, grad: Tensor) -> None:
+        self.owner._add(self.path, self.call, "grad", grad)
+
+
+class Watch(Observer):
+    """Statistics of the outputs (and gradients) of a model's layers; see :func:`watch`.
+
+    A context manager and a handle: hooks are registered on construction and removed by
+    :meth:`close` or at the end of a ``with`` block, also after an exception.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: str | Sequence[str] | None = None,
+        *,
+        grads: bool = True,
+        stats: Sequence[str] = STATS,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidTypeError(f"watch needs an nn.Module, got {type(model).__name__}")
+        self.stats = _check_stats(stats)
+        self.grads = bool(grads)
+        self._need = _Need.of(self.stats)
+        self._calls = select_modules(model, layers, default=_leaves_with_parameters, what="watch")
+        self._order = {path: k for k, path in enumerate(self._calls)}
+        self._types = {path: type(model.get_submodule(path)).__name__ for path in self._calls}
+        self._lock = threading.Lock()
+        self._sums: dict[tuple[str, int, str, torch.device], _Sums] = {}
+        self._scratch = _Scratch()
+        taps = Taps(tuple(Tap(path, path, 0) for path in self._calls))
+        self._session = HookSession(model, taps, observer=self)
+
+    # Observer ------------------------------------------------------------------------------------
+
+    def after(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        calls = self._calls[path]
+        if calls is not None and call not in calls:
+            return
+        tensor = _first_float(output)
+        if tensor is None:
+            return
+        self._add(path, call, "output", tensor)
+        if self.grads and tensor.requires_grad and torch.is_grad_enabled():
+            self._session.hold(tensor, _GradStats(self, path, call))
+
+    def _add(self, path: str, call: int, kind: str, tensor: Tensor) -> None:
+        if not self._session.active:
+            return
+        if not tensor.numel():
+            return
+        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+            values = _call_stats(tensor.detach(), self._need, self._scratch)
+        key = (path, call, kind, tensor.device)
+        with self._lock:
+            sums = self._sums.get(key)
+            if sums is None:
+                sums = self._sums[key] = _Sums(tensor.device)
+            sums.additive.add_(values[:_ADDITIVE])
+            torch.fmax(sums.extremes, values[_ADDITIVE:], out=sums.extremes)
+            sums.calls += 1
+            sums.count += tensor.numel()
+
+    # handle --------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still registered."""
+        return self._session.active
+
+    def close(self) -> None:
+        """Remove every hook (module and tensor hooks); the statistics stay readable. Safe to call twice."""
+        self._session.remove()
+        self._scratch.clear()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Start a new window: forget everything accumulated so far."""
+        with self._lock:
+            self._sums.clear()
+
+    def summary(self) -> list[WatchRow]:
+        """One row per layer, call and kind, in module order, outputs before gradients.
+
+        The only method that reads device memory: one transfer per device, whatever the number of rows.
+        """
+        with self._lock:
+            items = [(key, sums.values.clone(), sums.calls, sums.count) for key, sums in self._sums.items()]
+        by_device: dict[torch.device, list[int]] = {}
+        for k, (key, *_rest) in enumerate(items):
+            by_device.setdefault(key[3], []).append(k)
+        host: list[list[float]] = [[] for _ in items]
+        for indices in by_device.values():
+            stacked = torch.stack([items[k][1] for k in indices]).tolist()
+            for k, values in zip(indices, stacked):
+                host[k] = values
+        merged: dict[tuple[str, int, str], tuple[list[float], int, int]] = {}
+        for (key, _values, calls, count), values in zip(items, host):
+            row_key = key[:3]
+            if row_key in merged:  # the same layer call on several devices (nn.DataParallel replicas)
+                old, old_calls, old_count = merged[row_key]
+                values = [a + b for a, b in zip(old[:_ADDITIVE], values[:_ADDITIVE])] + [
+                    max(a, b) for a, b in zip(old[_ADDITIVE:], values[_ADDITIVE:])
+                ]
+                calls, count = calls + old_calls, count + old_count
+            merged[row_key] = (values, calls, count)
+        ordered = sorted(merged, key=lambda k: (self._order[k[0]], k[1], KINDS.index(k[2])))
+        return [self._row(key, *merged[key]) for key in ordered]
+
+    def _row(self, key: tuple[str, int, str], values: list[float], calls: int, count: int) -> WatchRow:
+        path, call, kind = key
+        nonfinite = round(values[_NONFINITE])
+        finite = count - nonfinite
+        mean = values[_SUM] / finite if finite else math.nan
+        variance = max(values[_SQUARES] / finite - mean * mean, 0.0) if finite else math.nan
+        low = -values[_NEG_MIN] if finite else math.nan
+        high = values[_MAX] if finite else math.nan
+        zeros = max(finite - round(values[_NONZERO]), 0) / count if count else math.nan
+        wanted = self.stats
+
+        def pick(name: str, value: float | int) -> Any:
+            return value if name in wanted else None
+
+        return WatchRow(
+            name=call_name(path, call),
+            path=path,
+            call=call,
+            kind=kind,
+            calls=calls,
+            count=count,
+            mean=pick("mean", mean),
+            std=pick("std", math.sqrt(variance)),
+            min=pick("min", low),
+            max=pick("max", high),
+            absmax=pick("absmax", max(abs(low), abs(high)) if finite else math.nan),
+            zeros=pick("zeros", zeros),
+            nonfinite=pick("nonfinite", nonfinite),
+        )
+
+    def log(self, writer: ScalarWriter, step: int, *, prefix: str = "watch") -> list[WatchRow]:
+        """Write every requested statistic as ``add_scalar(f"{prefix}/{name}/{kind}/{stat}", value, step)``.
+
+        ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` or anything with that method.
+        Returns the rows written (one :meth:`summary`).
+        """
+        rows = self.summary()
+        for row in rows:
+            for stat in STATS:
+                if stat in self.stats:
+                    writer.add_scalar(f"{prefix}/{row.name}/{row.kind}/{stat}", float(getattr(row, stat)), step)
+        return rows
+
+    def to_csv(self, path: str | os.PathLike[str], *, step: int | None = None, append: bool = False) -> list[WatchRow]:
+        """Write the rows of :meth:`summary` to a CSV file (a ``step`` column first, empty when None).
+
+        With ``append``, rows are added to an existing file (the header is written once). Returns the rows.
+        """
+        rows = self.summary()
+        new = not append or not os.path.exists(path) or os.path.getsize(path) == 0
+        with open(path, "a" if append else "w", newline="") as f:
+            out = csv.writer(f)
+            if new:
+                out.writerow(["step", "type", *(field.name for field in fields(WatchRow))])
+            for row in rows:
+                cells = ["" if v is None else v for v in astuple(row)]
+                out.writerow(["" if step is None else step, self._types[row.path], *cells])
+        return rows
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed"
+        return f"Watch({len(self._calls)} layers, grads={self.grads}, {state})"
+
+
+def watch(
+    model: nn.Module,
+    layers: str | Sequence[str] | None = None,
+    *,
+    grads: bool = True,
+    stats: Sequence[str] = STATS,
+) -> Watch:
+    """Accumulate statistics of layer outputs and of their gradients while you train ``model``.
+
+    The model is neither copied nor frozen nor switched to eval. For every call of every watched
+    layer the output's statistics are added to running sums on the device, with no host sync; the
+    model may run several times per step (the calls add up) and in several threads. With ``grads``
+    a tensor hook on each output adds the statistics of the gradient with respect to it during
+    backward. :meth:`Watch.summary` reads the sums (one sync) as :class:`WatchRow`\\ s;
+    :meth:`Watch.reset` starts a new window; :meth:`Watch.log` writes to a TensorBoard
+    ``SummaryWriter``; :meth:`Watch.to_csv` to a CSV file.
+
+    A module whose output is a tuple, list or dict is summarized by its first floating-point tensor.
+    See the module docstring for the exact definitions.
+
+    Args:
+        model: the model to watch.
+        layers: module paths, aliases or glob patterns over module paths (``"layer*.conv1"``); a
+            path watches every call of its module and ``path_k`` only call k. Default: every
+            leaf module with parameters of its own.
+        grads: also watch the gradients with respect to the outputs.
+        stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> with watch(net) as w:
+        ...     net(torch.randn(16, 4)).pow(2).mean().backward()
+        >>> [(row.name, row.kind, row.count) for row in w.summary()]
+        [('0', 'output', 128), ('0', 'grad', 128), ('2', 'output', 16), ('2', 'grad', 16)]
+    """
+    return Watch(model, layers, grads=grads, stats=stats)
+
+
+def _check_stats(stats: Sequence[str]) -> frozenset[str]:
+    if isinstance(stats, str):
+        stats = (stats,)
+    chosen = frozenset(stats)
+    unknown = sorted(chosen - set(STATS))
+    if unknown:
+        hint = did_you_mean(unknown[0], STATS)
+        raise InvalidValueError(f"unknown statistic {unknown[0]!r}; {hint} Choose from {STATS}")
+    if not chosen:
+        raise InvalidValueError(f"no statistics requested; choose from {STATS}")
+    return chosen
+
+
+def _leaves_with_parameters(model: nn.Module) -> list[str]:
+    return [
+        path for path, module in model.named_modules()
+        if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None
+    ]
+
+
+def select_modules(
+    model: nn.Module, layers: str | Sequence[str] | None, *, default: Any, what: str
+) -> dict[str, frozenset[int] | None]:
+    """Module path -> the calls to probe (None: every call), in the model's module order.
+
+    ``layers``: module paths or aliases (a path means every call, ``path_k`` call k only), or glob
+    patterns over module paths; ``None`` takes ``default(model)``, a list of paths.
+    """
+    label = type(model).__name__
+    if layers is None:
+        paths = default(model)
+        if not paths:
+            raise InvalidValueError(f"{label} has no modules to {what}; name the layers")
+        return {path: None for path in paths}
+    if isinstance(layers, str):
+        layers = [layers]
+    index = LayerIndex(model, label)
+    all_paths = [path for path, _ in model.named_modules() if path]
+    chosen: dict[str, set[int] | None] = {}
+    for name in layers:
+        if not isinstance(name, str):
+            raise InvalidTypeError(f"layer names must be strings, got {name!r}")
+        if any(c in name for c in "*?["):
+            matched = [path for path in all_paths if fnmatchcase(path, name)]
+            if not matched:
+                hint = did_you_mean(name, all_paths)
+                raise LayerNotFoundError(f"no module path of {label} matches {name!r}; {hint}")
+            for path in matched:
+                chosen[path] = None
+            continue
+        path, call = index.resolve(name)
+        if call == 0:
+            chosen[path] = None
+        elif path not in chosen or chosen[path] is not None:
+            chosen.setdefault(path, set()).add(call)  # type: ignore[union-attr]
+    if not chosen:
+        raise InvalidValueError("no layers requested; pick some from featurehooks.list_layers(model)")
+    order = {path: k for k, path in enumerate(path for path, _ in model.named_modules())}
+    return {path: None if calls is None else frozenset(calls) for path, calls in sorted(
+        chosen.items(), key=lambda item: order[item[0]])}

@@ -1,0 +1,596 @@
+"""Probes on the hook engine: watch (statistics without host syncs) and detect_nonfinite (origin of a NaN/inf)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import featurehooks as fh
+from featurehooks.errors import InvalidValueError, LayerNotFoundError, NonFiniteError
+from featurehooks.probes.nonfinite import INPUT, OUTPUT, detect_nonfinite
+from featurehooks.probes.watch import STATS, Watch, WatchRow, watch
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+class Twice(nn.Module):
+    """A block whose activation module runs twice per forward (rows ``act`` and ``act_1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.conv1(x))
+        h = self.act(self.conv2(h) - 0.05)
+        return self.head(h.mean((2, 3)))
+
+
+class Scale(nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.value
+
+
+class _InfBackward(torch.autograd.Function):
+    clean_thread = ""  # the thread of this name gets a finite gradient
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad if threading.current_thread().name == _InfBackward.clean_thread else grad * math.inf
+
+
+class InfBackward(nn.Module):
+    """Identity forward, infinite gradient backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _InfBackward.apply(x)
+
+
+class Boom(nn.Module):
+    armed = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            raise RuntimeError("boom")
+        return x
+
+
+class Keep(nn.Module):
+    """Identity that keeps its output, to inspect the tensor hooks left on it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.kept = x * 1
+        return self.kept
+
+
+def mlp(*middle: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), *middle, nn.Linear(8, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def module_hooks(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+
+
+def tensor_hooks(t: Tensor) -> int:
+    return len(t._backward_hooks or {})
+
+
+def direct(t: Tensor) -> dict[str, float]:
+    """The watch statistics of one tensor, computed directly in float64."""
+    x = t.detach().double().flatten()
+    finite = x[torch.isfinite(x)]
+    return {
+        "count": x.numel(),
+        "mean": finite.mean().item(),
+        "std": finite.std(correction=0).item(),
+        "min": finite.min().item(),
+        "max": finite.max().item(),
+        "absmax": finite.abs().max().item(),
+        "zeros": (x == 0).double().mean().item(),
+        "nonfinite": int((~torch.isfinite(x)).sum()),
+    }
+
+
+def merged(*tensors: Tensor) -> Tensor:
+    return torch.cat([t.detach().flatten() for t in tensors])
+
+
+def assert_row(row: WatchRow, expected: dict[str, float], rel: float = 1e-5) -> None:
+    for stat, value in expected.items():
+        assert getattr(row, stat) == pytest.approx(value, rel=rel, abs=1e-6), (row.name, row.kind, stat)
+
+
+def rows_by(rows: list[WatchRow]) -> dict[tuple[str, str], WatchRow]:
+    return {(row.name, row.kind): row for row in rows}
+
+
+class CountSyncs:
+    """Counts host reads of tensor values (item, tolist, cpu, numpy, bool/float/int conversions)."""
+
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in self.names:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(original))
+
+    def _counted(self, original: Any) -> Any:
+        def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+# --------------------------------------------------------------------------------------------------
+# watch: statistics
+
+
+def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor) -> None:
+    model = Twice()
+    names = ["conv1", "conv2", "head"]
+    seen: dict[str, list[Tensor]] = {name: [] for name in names}
+    with watch(model, grads=False) as w, fh.capture(model, names, mode="detach") as feats:
+        for x in (images, images.flip(-1)):
+            model(x)
+            for name in names:
+                seen[name].append(feats[name])
+    rows = rows_by(w.summary())
+    assert set(rows) == {(name, "output") for name in names}  # default: the leaves with parameters
+    for name in names:
+        assert rows[(name, "output")].calls == 2
+        assert_row(rows[(name, "output")], direct(merged(*seen[name])))
+
+
+def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
+    model = Twice()
+    with watch(model, grads=False) as w, fh.capture(model, ["conv1", "conv2"], mode="detach") as feats, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(images)
+    assert feats["conv1"].dtype == torch.bfloat16
+    rows = rows_by(w.summary())
+    for name in ("conv1", "conv2"):
+        assert_row(rows[(name, "output")], direct(feats[name]))  # bf16 values summed in float32
+
+
+def test_watch_rows_per_call_of_a_module_called_twice(images: torch.Tensor) -> None:
+    model = Twice()
+    with watch(model, ["act", "conv*"], grads=False) as w, \
+            fh.capture(model, ["act", "act_1"], mode="detach") as feats:
+        model(images)
+    rows = w.summary()
+    assert [(row.name, row.path, row.call) for row in rows] == [
+        ("conv1", "conv1", 0), ("conv2", "conv2", 0), ("act", "act", 0), ("act_1", "act", 1)
+    ]
+    by = rows_by(rows)
+    assert_row(by[("act", "output")], direct(feats["act"]))
+    assert_row(by[("act_1", "output")], direct(feats["act_1"]))
+    assert by[("act", "output")].zeros > 0.2  # ReLU zeros are counted
+
+
+def test_watch_only_the_requested_call() -> None:
+    model = Twice()
+    with watch(model, "act_1", grads=False) as w:
+        model(torch.rand(1, 3, 8, 8))
+    assert [row.name for row in w.summary()] == ["act_1"]
+
+
+def test_watch_gradients_equal_autograd_grad(images: torch.Tensor) -> None:
+    model = Twice()
+    outputs: list[Tensor] = []  # conv1, act, act_1, head: the very tensors of the graph, not clones
+    handles = [getattr(model, name).register_forward_hook(lambda _m, _a, out: outputs.append(out))
+               for name in ("conv1", "act", "head")]
+    try:
+        with watch(model, ["conv1", "act", "head"]) as w:
+            loss = model(images).pow(2).sum()
+            grads = torch.autograd.grad(loss, outputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = rows_by(w.summary())
+    for name, output, grad in zip(["conv1", "act", "act_1", "head"], outputs, grads):
+        assert rows[(name, "grad")].calls == 1
+        assert_row(rows[(name, "grad")], direct(grad))
+        assert_row(rows[(name, "output")], direct(output))
+    assert [(row.name, row.kind) for row in w.summary()][:2] == [("conv1", "output"), ("conv1", "grad")]
+
+
+def test_watch_counts_accumulate_over_calls_per_step_and_reset(images: torch.Tensor) -> None:
+    model = mlp()
+    x = torch.randn(5, 6)
+    with watch(model, ["0"]) as w:
+        for _ in range(3):  # three forwards, one backward
+            out = sum(model(x * k).sum() for k in (1.0, 2.0))
+        out.backward()
+        rows = rows_by(w.summary())
+        assert rows[("0", "output")].calls == 6 and rows[("0", "output")].count == 6 * 5 * 8
+        assert rows[("0", "grad")].calls == 2
+        w.reset()
+        assert w.summary() == []
+        model(x)
+        assert rows_by(w.summary())[("0", "output")].calls == 1
+
+
+def test_watch_nonfinite_values_do_not_poison_the_moments() -> None:
+    model = mlp(Scale(1.0))
+    x = torch.randn(4, 6)
+    with watch(model, ["1"], grads=False) as w, fh.capture(model, ["1"], mode="detach") as feats:
+        model(torch.cat([x, torch.full((1, 6), math.nan)]))
+    row = w.summary()[0]
+    assert row.nonfinite == 8 and row.count == 40
+    assert_row(row, direct(feats["1"]))  # moments, min and max over the 32 finite values
+    assert math.isfinite(row.mean) and math.isfinite(row.std)
+
+
+def test_watch_min_max_are_over_finite_values_only() -> None:
+    class Exp(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.exp(x)  # positive, no zeros, inf where x is large
+
+    model = nn.Sequential(Exp())
+    x = torch.tensor([[1.0, 2.0, 100.0, 3.0]])
+    with watch(model, ["0"], grads=False) as w:
+        model(x)
+    row = w.summary()[0]
+    assert row.nonfinite == 1 and row.zeros == 0.0
+    assert row.min == pytest.approx(math.exp(1.0)) and row.max == pytest.approx(math.exp(3.0))
+
+
+def test_watch_stats_subset_and_tuple_outputs() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            y = self.lin(x)
+            return y, y * 100
+
+    model = nn.Sequential(Pair())
+    x = torch.randn(4, 3)
+    with watch(model, ["0"], grads=False, stats=("mean", "nonfinite")) as w:
+        y, _ = model(x)
+    (row,) = w.summary()
+    assert row.mean == pytest.approx(y.mean().item(), rel=1e-5)  # the first tensor of the tuple
+    assert row.nonfinite == 0 and row.count == 12
+    assert row.std is None and row.min is None and row.zeros is None
+
+
+def test_watch_bad_requests() -> None:
+    model = Twice()
+    with pytest.raises(LayerNotFoundError, match="'conv1'"):
+        watch(model, ["conv_1"])
+    with pytest.raises(LayerNotFoundError, match=r"matches 'block\*'; did you mean"):
+        watch(model, ["block*"])
+    with pytest.raises(InvalidValueError, match="'median'"):
+        watch(model, stats=("mean", "median"))
+    with pytest.raises(InvalidValueError, match="no modules"):
+        watch(nn.Sequential(nn.ReLU()))
+    assert module_hooks(model) == 0
+
+
+def test_watch_summary_is_the_only_sync(images: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Twice()
+    with watch(model) as w:
+        model(images).sum().backward()  # first calls allocate the running sums
+        syncs = CountSyncs(monkeypatch)
+        for _ in range(2):
+            loss = model(images).pow(2).mean()
+            loss.backward()
+        assert syncs.count == 0, "watch read a value on the host during forward or backward"
+        rows = w.summary()
+        assert syncs.count == 1  # one tolist of the stacked sums
+    assert len(rows) == 6 and all(row.calls == 3 for row in rows)
+
+
+def test_watch_log_and_csv(tmp_path: Path) -> None:
+    class Writer:
+        def __init__(self) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars.append((tag, value, step))
+
+    model = mlp()
+    writer = Writer()
+    path = tmp_path / "watch.csv"
+    with watch(model, ["0", "2"], stats=("mean", "std")) as w:
+        for step in range(2):
+            model(torch.randn(3, 6)).sum().backward()
+            rows = w.log(writer, step)
+            w.to_csv(path, step=step, append=True)
+            w.reset()
+        model(torch.randn(3, 6))
+        w.to_csv(tmp_path / "once.csv")  # a fresh file, no step
+    assert len(writer.scalars) == 2 * len(rows) * 2  # two steps, two statistics per row
+    assert writer.scalars[0][0] == "watch/0/output/mean" and writer.scalars[0][2] == 0
+    last = {tag: value for tag, value, step in writer.scalars if step == 1}
+    assert last["watch/2/grad/std"] == pytest.approx(rows[-1].std) and last["watch/0/output/mean"] == rows[0].mean
+    with open(path, newline="") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 2 * 4 and table[0]["step"] == "0" and table[-1]["step"] == "1"
+    assert table[0]["name"] == "0" and table[0]["kind"] == "output" and table[0]["type"] == "Linear"
+    assert table[0]["min"] == "" and float(table[-1]["std"]) == pytest.approx(rows[-1].std)
+    with open(tmp_path / "once.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [(row["step"], row["name"], row["kind"]) for row in table] == [("", "0", "output"), ("", "2", "output")]
+
+
+def test_watch_threads_do_not_mix() -> None:
+    model = mlp()
+    x = torch.randn(4, 6)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                model(x).sum().backward()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with watch(model, ["0", "2"]) as w:
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    rows = w.summary()
+    assert [row.name for row in rows] == ["0", "0", "2", "2"]  # every call is call 0 of its own forward
+    assert all(row.calls == 60 for row in rows)
+    expected = direct(model[0](x))
+    assert rows[0].mean == pytest.approx(expected["mean"], rel=1e-2)  # weights move a little while training
+
+
+# --------------------------------------------------------------------------------------------------
+# detect_nonfinite
+
+
+def test_nonfinite_forward_origin_is_the_module_that_made_it() -> None:
+    model = mlp(nn.ReLU(), Scale(math.nan), nn.Tanh())
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(2, 6))
+    assert (info.value.path, info.value.call, info.value.phase, info.value.tensor) == ("3", 0, "forward", "output")
+    assert "'3' (Scale)" in str(info.value)
+
+
+def test_nonfinite_forward_nan_weight_in_a_resnet_block() -> None:
+    import torchvision.models as tvm
+
+    torch.manual_seed(0)
+    model = tvm.resnet18(weights=None)
+    with torch.no_grad():
+        model.layer2[1].conv2.weight[0, 0, 0, 0] = math.nan
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.rand(2, 3, 32, 32))
+    assert (info.value.path, info.value.phase) == ("layer2.1.conv2", "forward")
+    assert module_hooks(model) == 0
+
+
+def test_nonfinite_forward_nan_in_the_input_is_the_input() -> None:
+    model = mlp()
+    x = torch.randn(2, 6)
+    x[1, 2] = math.nan
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(x)
+    assert (info.value.path, info.value.phase, info.value.tensor) == (INPUT, "forward", "input")
+
+
+def test_nonfinite_forward_from_the_models_own_code() -> None:
+    class Log(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x).log())  # log of negatives: NaN made outside any submodule
+
+    torch.manual_seed(0)
+    model = Log()
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(8, 4))
+    assert (info.value.path, info.value.tensor) == ("", "output")
+
+
+def test_nonfinite_backward_origin_is_the_module_that_made_it() -> None:
+    model = mlp(InfBackward(), nn.Tanh())
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 6)).sum().backward()
+    assert (info.value.path, info.value.call, info.value.phase) == ("2", 0, "backward")
+    assert info.value.tensor == "grad_input"
+    assert "'2' (InfBackward)" in str(info.value)
+
+
+def test_nonfinite_backward_from_the_loss_is_the_output() -> None:
+    model = mlp()
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        (model(torch.randn(3, 6)).sum() * math.nan).backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == (OUTPUT, "backward", "grad_output")
+
+
+def test_nonfinite_quiet_when_all_is_finite_and_one_sync_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp(nn.ReLU(), nn.Identity())
+    x = torch.randn(3, 6, requires_grad=True)
+    with detect_nonfinite(model):
+        model(x).sum().backward()  # warm
+        syncs = CountSyncs(monkeypatch)
+        out = model(x)
+        assert syncs.count == 1, "one host read when the forward ends"
+        out.sum().backward()
+        assert syncs.count == 2, "one host read when the backward ends"
+    assert torch.isfinite(x.grad).all()
+
+
+def test_nonfinite_in_threads_names_its_own_forward() -> None:
+    model = mlp(Scale(1.0))
+    results: dict[str, BaseException | None] = {}
+
+    def run(name: str, x: Tensor) -> None:
+        try:
+            for _ in range(10):
+                model(x)
+            results[name] = None
+        except NonFiniteError as exc:
+            results[name] = exc
+
+    clean, dirty = torch.randn(2, 6), torch.randn(2, 6)
+    dirty[0, 0] = math.inf
+    with detect_nonfinite(model):
+        threads = [threading.Thread(target=run, args=(name, x)) for name, x in (("clean", clean), ("dirty", dirty))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results["clean"] is None
+    assert isinstance(results["dirty"], NonFiniteError) and results["dirty"].path == INPUT
+
+
+def test_nonfinite_backward_in_threads_names_its_own_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp(InfBackward(), nn.Tanh())
+    monkeypatch.setattr(_InfBackward, "clean_thread", "clean")
+    results: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        name = threading.current_thread().name
+        try:
+            for _ in range(10):
+                model(torch.randn(2, 6)).sum().backward()
+            results[name] = None
+        except NonFiniteError as exc:
+            results[name] = exc
+
+    with detect_nonfinite(model):
+        threads = [threading.Thread(target=run, name=name) for name in ("clean", "dirty")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results["clean"] is None
+    assert isinstance(results["dirty"], NonFiniteError)
+    assert (results["dirty"].path, results["dirty"].phase) == ("2", "backward")
+
+
+# --------------------------------------------------------------------------------------------------
+# lifetime of the hooks
+
+
+@pytest.fixture(params=["watch", "detect_nonfinite"])
+def probe(request: pytest.FixtureRequest) -> Any:
+    return watch if request.param == "watch" else detect_nonfinite
+
+
+def test_probes_leave_no_hooks(probe: Any) -> None:
+    model = mlp(Keep())
+    x = torch.randn(2, 6)
+    with probe(model, ["0", "2", "3"]) as handle:
+        assert module_hooks(model) > 0
+        out = model(x)
+        kept = model[2].kept
+        assert tensor_hooks(kept) == 1 and tensor_hooks(out) == 1
+    assert not handle.active and module_hooks(model) == 0
+    assert tensor_hooks(kept) == 0 and tensor_hooks(out) == 0
+    out.sum().backward()  # the graph still works, with nothing left to fire
+
+
+def test_probes_leave_no_hooks_after_an_exception(probe: Any) -> None:
+    model = mlp(Keep(), Boom())
+    with pytest.raises(RuntimeError, match="boom"), probe(model):
+        model(torch.randn(2, 6))
+    kept = model[2].kept
+    assert module_hooks(model) == 0 and tensor_hooks(kept) == 0
+    model[3].armed = False
+    with probe(model):  # the failed forward was closed: the next one is checked from a clean start
+        model(torch.randn(2, 6)).sum().backward()
+    assert module_hooks(model) == 0
+
+
+def test_probes_close_is_idempotent_and_stack_with_capture(probe: Any, images: torch.Tensor) -> None:
+    model = Twice()
+    handle = probe(model)
+    with fh.capture(model, ["conv2"]) as feats, watch(model, ["head"]) as w:
+        model(images).sum().backward()
+    assert feats["conv2"].shape == (2, 8, 64, 64)
+    assert [row.kind for row in w.summary()] == ["output", "grad"]
+    handle.close()
+    handle.close()
+    assert module_hooks(model) == 0
+
+
+def test_capture_inside_probes_still_traces_and_keeps_the_graph(images: torch.Tensor) -> None:
+    model = Twice()
+    with watch(model), detect_nonfinite(model), fh.capture(model, ["conv1", "act_1"]) as feats:
+        out = model(images)
+    # capture's meta trace deep-copies the model: the probes' hooks copy as no-ops, so the trace
+    # succeeds and nothing needs a clone; the features are the graph's own tensors
+    grads = torch.autograd.grad(out.sum(), [feats["conv1"], feats["act_1"]])
+    assert [g.shape for g in grads] == [(2, 8, 64, 64)] * 2
+
+
+def test_nested_probes_and_stale_hooks_are_pruned() -> None:
+    model = mlp()
+    with detect_nonfinite(model) as sentinel, watch(model) as w:
+        for _ in range(5):
+            model(torch.randn(2, 6)).sum().backward()
+        assert len(sentinel._session._tensor_handles) < 20  # handles of finished graphs were dropped
+    assert rows_by(w.summary())[("0", "grad")].calls == 5
+
+
+def test_a_copy_of_a_probed_model_is_not_probed(probe: Any) -> None:
+    import copy
+    import pickle
+
+    model = mlp()
+    with probe(model, ["0", "2"]) as handle:
+        twin = copy.deepcopy(model)  # an EMA model, say: made while the probe runs
+        twin[0].weight.data.fill_(math.nan)
+        twin(torch.randn(2, 6)).sum().backward()  # neither checked nor counted
+        pickle.loads(pickle.dumps(model))(torch.randn(2, 6))
+        model(torch.randn(2, 6)).sum().backward()
+        if isinstance(handle, Watch):
+            assert all(row.calls == 1 for row in handle.summary())
+    assert module_hooks(model) == 0
+
+
+def test_probes_across_inference_mode_and_training(probe: Any) -> None:
+    model = mlp()
+    with probe(model) as handle:
+        for _ in range(2):
+            with torch.inference_mode():  # validation: inference tensors, no graph
+                model(torch.randn(3, 6))
+            model(torch.randn(3, 6)).sum().backward()
+    if isinstance(handle, Watch):
+        rows = rows_by(handle.summary())
+        assert rows[("0", "output")].calls == 4 and rows[("0", "grad")].calls == 2
+
+
+def test_stats_names() -> None:
+    assert STATS == ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
+
