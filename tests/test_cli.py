@@ -131,17 +131,22 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["extract"], ["layers"], ["show"]])
+@pytest.mark.parametrize("command", [[], ["extract"], ["layers"], ["show"], ["lpips"], ["fd"], ["stats"]])
 def test_help_describes_every_command(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     expected = {
-        (): ["extract", "layers", "show", "exit status"],
-        ("extract",): ["--layers", "--pool", "--dtype", "--resume", "--overwrite", "torchrun", "index.csv"],
+        (): ["extract", "layers", "show", "lpips", "fd", "stats", "exit status"],
+        ("extract",): [
+            "--layers", "--pool", "--dtype", "--resume", "--overwrite", "torchrun", "index.csv", "--output-format"
+        ],
         ("layers",): ["backbone", "--input-size"],
         ("show",): ["IMAGE", "--channels", "--out"],
+        ("lpips",): ["DIR_A", "--net", "--version", "--heads", "--out", "--ignore-suffix", "relative path"],
+        ("fd",): ["--backbone", "--layers", "--pool", "--kid", "statistics", "TensorFlow Inception"],
+        ("stats",): ["SRC", "--out", "--keep", "--pool"],
     }[tuple(command)]
     for word in expected:
         assert word in text
