@@ -63,12 +63,14 @@ class _Forward:
     """What one forward collected: outputs by name, calls per tapped module, and (when checking
     real forwards for in-place changes) the versions of what was stored."""
 
-    __slots__ = ("calls", "fired", "store", "versions")
+    __slots__ = ("calls", "fired", "kept", "published", "store", "versions")
 
     def __init__(self, check_versions: bool) -> None:
         self.store: dict[str, Any] = {}
+        self.kept: dict[str, Any] = {}
         self.calls: dict[str, int] = {}
         self.fired = 0
+        self.published = False
         self.versions: list[tuple[Site, list[tuple[torch.Tensor, int]]]] | None = [] if check_versions else None
 
     def changed(self) -> set[Site]:
@@ -237,8 +239,9 @@ class HookSession:
     """
 
     def __init__(self, model: nn.Module, taps: Taps, *, detach: bool = True, stop_early: bool = False,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, keep: Callable[[Any], Any] | None = None) -> None:
         self.taps = taps
+        self._keep = keep
         self.detach = detach
         self.stop_early = stop_early
         self._model = model
@@ -300,6 +303,10 @@ class HookSession:
         names = self._names.get(site)
         if names is None:
             return
+        if self._keep is not None:  # sees the output as the module returned it, before any clone
+            kept = self._keep(output)
+            for name in names:
+                forward.kept[name] = kept
         if isinstance(output, torch.Tensor):
             output = output.detach() if self.detach else output
         else:
@@ -352,10 +359,15 @@ class HookSession:
         missing = [name for name in self.taps.names if name not in forward.store]
         raise LayerNotRunError(f"requested layers never ran in the forward pass: {', '.join(missing)}")
 
-    def follow(self, publish: Callable[[dict[str, Any]], None]) -> None:
+    def follow(
+        self,
+        publish: Callable[[dict[str, Any], dict[str, Any]], None],
+        discard: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         """Collect every forward of the hooked model that its caller runs (for ``capture``).
 
-        Each completed forward hands its store to ``publish``. The first forward is traced on the
+        Each completed forward hands its store, and what ``keep`` made of each output, to ``publish``;
+        a forward that fails hands the latter to ``discard``. The first forward is traced on the
         meta device with its own arguments to learn which taps need a clone; a model that cannot be
         traced has every tap cloned. The model's own hooks for this are removed by ``remove``.
         """
@@ -370,11 +382,15 @@ class HookSession:
 
         def finish(_module: nn.Module, _args: Any, _output: Any) -> None:
             if not tracing():
-                publish(self._stack()[-1].store)
+                forward = self._stack()[-1]
+                forward.published = True
+                publish(forward.store, forward.kept)
 
         def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
             if not tracing():
-                self._stack().pop()
+                forward = self._stack().pop()
+                if not forward.published and discard is not None:
+                    discard(forward.kept)
 
         handles = [
             root.register_forward_pre_hook(start, with_kwargs=True),

@@ -17,8 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
-from ._taps import Taps
-from ._trace import Trace, fixed_input_size, trace_images, tracing
+from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
@@ -376,19 +375,17 @@ def capture(
             "grads=True needs mode='grad': detached outputs are not part of the graph, so no gradient reaches them"
         )
     taps = LayerIndex(module, type(module).__name__).taps(layers)
-    session = HookSession(module, taps, detach=mode == "detach", stop_early=False)
+    # With grads, the session hands each output, as the module returned it, to _GradSlots (before any clone
+    # of a tap changed in place later: a hook on a clone would never fire, the model does not use it).
+    session = HookSession(module, taps, detach=mode == "detach", stop_early=False, keep=_GradSlots if grads else None)
     features = CapturedFeatures(taps.names, grads=grads)
-    recorder: _GradRecorder | None = None
     try:
-        # The session's end-of-forward hook publishes, so it must run before the recorder's (registered
-        # later), which pops the forward's gradients: both are published together, never half of a forward.
-        session.follow(lambda store: features.publish(store, recorder.current() if recorder is not None else None))
-        if grads:
-            recorder = _GradRecorder(module, taps)
+        session.follow(
+            lambda store, kept: features.publish(store, kept if grads else None),
+            discard=lambda kept: _release(kept.values()),  # a failed forward: nobody will read its gradients
+        )
         yield features
     finally:
-        if recorder is not None:
-            recorder.remove()
         session.remove()
         features._release_hooks()
 
@@ -435,94 +432,6 @@ class _GradSlots:
 def _release(slots: Iterable[_GradSlots]) -> None:
     for one in slots:
         one.release()
-
-
-class _GradForward:
-    """What one forward registered: calls per tapped module, and the gradient slots by output name."""
-
-    __slots__ = ("calls", "grads", "published")
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-        self.grads: dict[str, _GradSlots] = {}
-        self.published = False
-
-
-class _ThreadGradForwards(threading.local):
-    stack: list[_GradForward] | None = None
-
-
-class _GradRecorder:
-    """Forward hooks that put a tensor hook on each captured output the moment its module returns.
-
-    Registering at that moment, rather than on what the session stored, is what makes the gradient
-    the one with respect to the captured value: a hook registered before an in-place change receives
-    the gradient with respect to the value before it, and the session's copy of a tap changed in
-    place later is not used downstream, so a hook on the copy would never fire. Calls are counted
-    per forward and per thread as the session counts them (the root's pre-hook starts a forward),
-    so ``path_k`` names the same call in both. The hooks are closures, not bound methods, so a deep
-    copy of the model (the session's meta trace) shares them instead of copying this recorder.
-    """
-
-    def __init__(self, root: nn.Module, taps: Taps) -> None:
-        self._names = taps.names_by_site()
-        self._local = _ThreadGradForwards()
-        self._handles: list[RemovableHandle] = []
-        local = self._local
-        names = self._names
-
-        def stack() -> list[_GradForward]:
-            if local.stack is None:
-                local.stack = []
-            return local.stack
-
-        def start(_module: nn.Module, _args: Any) -> None:
-            if not tracing():
-                stack().append(_GradForward())
-
-        def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
-            if not tracing() and local.stack:
-                forward = local.stack.pop()
-                if not forward.published:  # the forward failed: nobody will read its gradients
-                    _release(forward.grads.values())
-
-        def tapped(path: str) -> Callable[[nn.Module, Any, Any], None]:
-            def collect(_module: nn.Module, _args: Any, output: Any) -> None:
-                forwards = local.stack
-                if not forwards or tracing():  # outside a forward of the root, or in the meta trace
-                    return
-                forward = forwards[-1]
-                call = forward.calls.get(path, 0)
-                forward.calls[path] = call + 1
-                site_names = names.get((path, call))
-                if site_names:
-                    slots = _GradSlots(output)
-                    for name in site_names:
-                        forward.grads[name] = slots
-
-            return collect
-
-        try:
-            for path in taps.paths:
-                self._handles.append(root.get_submodule(path).register_forward_hook(tapped(path)))
-            self._handles.append(root.register_forward_pre_hook(start))
-            self._handles.append(root.register_forward_hook(pop, always_call=True))
-        except BaseException:
-            self.remove()
-            raise
-
-    def current(self) -> dict[str, _GradSlots]:
-        """The gradient slots of this thread's forward in progress (innermost), handed over for publishing."""
-        forwards = self._local.stack
-        if not forwards:
-            return {}
-        forwards[-1].published = True
-        return dict(forwards[-1].grads)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 class CapturedFeatures(Mapping[str, Any]):

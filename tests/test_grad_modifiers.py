@@ -290,3 +290,28 @@ def test_bad_arguments_are_refused_clearly(call: Callable[[nn.Module], GradModif
         call(net)
     assert hook_count(net) == 0
     assert issubclass(error, fh.FeatureHooksError)
+
+
+def test_modifiers_compose_with_watch_in_registration_order() -> None:
+    """watch put on before a modifier reads the modified gradient; put on after, the gradient as it arrives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    x = torch.randn(5, 4)
+    out = model[0](x).detach().requires_grad_(True)
+    (arriving,) = torch.autograd.grad(model[1](out).pow(2).sum(), out)
+
+    def watched_grad_mean(watch_first: bool) -> float:
+        if watch_first:
+            probe = fh.watch(model, ["0"], grads=True)
+            modifier = fh.scale_grad(model[0], 3.0)
+        else:
+            modifier = fh.scale_grad(model[0], 3.0)
+            probe = fh.watch(model, ["0"], grads=True)
+        with probe, modifier:
+            model(x).pow(2).sum().backward()
+            (row,) = [r for r in probe.summary() if r.kind == "grad"]
+        model.zero_grad()
+        return row.mean
+
+    assert watched_grad_mean(watch_first=True) == pytest.approx(3.0 * arriving.mean().item(), rel=1e-5)
+    assert watched_grad_mean(watch_first=False) == pytest.approx(arriving.mean().item(), rel=1e-5)
