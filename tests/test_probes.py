@@ -594,3 +594,17 @@ def test_probes_across_inference_mode_and_training(probe: Any) -> None:
 def test_stats_names() -> None:
     assert STATS == ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
 
+
+
+def test_std_survives_a_mean_far_larger_than_the_spread() -> None:
+    """Sums of squares about the first value, not about 0: 1000 ± 0.01 keeps its std (it cancelled to 0.11)."""
+    torch.manual_seed(0)
+    identity = nn.Sequential(nn.Identity())
+    x = 1000 + 0.01 * torch.randn(2, 1_000_000)
+    with fh.watch(identity, ["0"], grads=False) as probe:
+        identity(x)
+        identity(x + 0.5)
+    (row,) = probe.summary()
+    both = torch.cat([x, x + 0.5]).double()
+    assert row.std == pytest.approx(both.std(unbiased=False).item(), rel=1e-3)
+    assert row.mean == pytest.approx(both.mean().item(), rel=1e-7)

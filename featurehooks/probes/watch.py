@@ -8,10 +8,10 @@ Definitions (per layer, call and kind; ``n`` counts the finite values):
 
 - ``count``: values seen, finite or not; ``nonfinite``: how many of them were NaN or ±inf;
 - ``mean``, ``std``, ``min``, ``max``, ``absmax``: over the finite values only, so one NaN does
-  not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n)**2, 0))``
-  from the sum ``S1`` and the sum of squares ``S2`` (each call summed in float32 with pairwise
-  summation, accumulated across calls in float64; the variance's relative error is about
-  ``1e-7 * mean**2 / std**2``, so it is poor only when ``|mean|`` dwarfs ``std``);
+  not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n - K)**2, 0))``
+  from the sum ``S1`` and the sum of squares ``S2`` of the values shifted by ``K``, the first value of
+  the layer's first call (each call summed in float32 with pairwise summation, accumulated across calls
+  in float64); the shift keeps a large mean from cancelling the variance (``1000 ± 0.01`` is exact);
 - ``zeros``: the fraction of values that are exactly 0.
 
 Counts are exact up to 2**24 values per call. Tensors in bfloat16 or float16 (autocast) are
@@ -48,8 +48,9 @@ STATS = ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
 KINDS = ("output", "grad")
 _F32 = torch.float32
 # Slots of the per-call vector and of the running sums: additive ones first, then maxima.
-_NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX = range(6)
+_NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX, _SHIFT = range(7)
 _ADDITIVE = 4
+_SLOTS = 7
 
 
 class ScalarWriter(Protocol):
@@ -106,11 +107,12 @@ class _Need:
         )
 
 
-def _call_stats(x: Tensor, need: _Need, scratch: _Scratch) -> Tensor:
+def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Tensor:
     """One call's statistics as a vector of the accumulators' dtype on ``x``'s device; no host sync.
 
-    Slots: number of non-finite values, sum and sum of squares of the finite values, number of
-    non-zero finite values, minus the minimum and the maximum of the finite values (NaN: none).
+    Slots: number of non-finite values, sum of the finite values and sum of their squared distances
+    to ``shift`` (a 0-d tensor), number of non-zero finite values, minus the minimum and the maximum
+    of the finite values (NaN: none).
     Computed in float32 (float64 for float64 tensors) over the elements in memory order. On the
     CPU the tensor is taken in chunks of ``_CHUNK`` values through small scratch buffers, so the
     passes after the first read it from the cache instead of memory (half the time of whole-tensor
@@ -126,6 +128,7 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch) -> Tensor:
     low_precision = source.dtype != dtype
     first, second, third = [*scratch.take(min(chunk, n), dtype, x.device, 3 if low_precision else 2), None][:3]
     zero = torch.zeros((), dtype=dtype, device=x.device)
+    shift = shift.to(dtype)
     parts: list[Tensor] = []
     for start in range(0, n, chunk):
         part = source[start:start + chunk]
@@ -136,13 +139,15 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch) -> Tensor:
         if need.moments or need.zeros:
             finite = torch.nan_to_num(part, nan=0.0, posinf=0.0, neginf=0.0, out=_head(first, size))
             total = finite.sum()
-            if need.squares:
-                squares = _sum_of_squares(finite)
+            if need.squares:  # non-finite values sit at 0 here: each adds shift**2, taken off below
+                squares = _sum_of_squares(torch.sub(finite, shift, out=_head(second, size)))
             if need.zeros:
                 signs = torch.sign(finite, out=_head(second, size))
                 nonzero = torch.dot(signs, signs)  # exact: a sum of ones and zeros
         flags = torch.sub(part, part, out=_head(second, size)).nan_to_num_(nan=1.0)  # x - x: 0, NaN if not finite
         nonfinite = flags.sum()
+        if need.squares:
+            squares = squares - nonfinite * shift * shift
         if need.extremes:
             # non-finite values become the finite mean, which lies within [min, max]; NaN if none is finite
             finite.addcmul_(flags, total / (size - nonfinite))
@@ -152,6 +157,11 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch) -> Tensor:
     low = values[:, 4].nan_to_num(nan=math.inf).amin()
     high = values[:, 5].nan_to_num(nan=-math.inf).amax()
     return torch.cat([values[:, :_ADDITIVE].sum(0), torch.stack([-low, high])])
+
+
+def _first_value(x: Tensor) -> Tensor:
+    """The first element of ``x`` as a 0-d tensor on its device (0 if it is not finite): a shift for the sums."""
+    return torch.nan_to_num(_flat(x)[0].detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _head(buffer: Tensor | None, size: int) -> Tensor | None:
@@ -227,17 +237,28 @@ def _first_float(value: Any) -> Tensor | None:
     return None
 
 
+def _moved_to_shift(values: list[float], count: int, shift: float) -> list[float]:
+    """``values`` with their sum of squares taken about ``shift`` instead of their own shift."""
+    finite = count - round(values[_NONFINITE])
+    delta = values[_SHIFT] - shift
+    moved = list(values)
+    moved[_SQUARES] += 2 * delta * (values[_SUM] - finite * values[_SHIFT]) + finite * delta * delta
+    moved[_SHIFT] = shift
+    return moved
+
+
 class _Sums:
     """Running sums of one (layer, call, kind) on one device."""
 
-    __slots__ = ("additive", "calls", "count", "extremes", "values")
+    __slots__ = ("additive", "calls", "count", "extremes", "shift", "values")
 
     def __init__(self, device: torch.device) -> None:
         with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
-            self.values = torch.zeros(6, dtype=_accumulator_dtype(device), device=device)
-            self.values[_ADDITIVE:] = -math.inf
+            self.values = torch.zeros(_SLOTS, dtype=_accumulator_dtype(device), device=device)
+            self.values[_ADDITIVE:_SHIFT] = -math.inf
         self.additive = self.values[:_ADDITIVE]
-        self.extremes = self.values[_ADDITIVE:]
+        self.extremes = self.values[_ADDITIVE:_SHIFT]
+        self.shift = self.values[_SHIFT]
         self.calls = 0
         self.count = 0
 
@@ -301,13 +322,16 @@ class Watch(Observer):
             return
         if not tensor.numel():
             return
-        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-            values = _call_stats(tensor.detach(), self._need, self._scratch)
         key = (path, call, kind, tensor.device)
         with self._lock:
             sums = self._sums.get(key)
             if sums is None:
                 sums = self._sums[key] = _Sums(tensor.device)
+                with torch.no_grad():
+                    sums.shift.copy_(_first_value(tensor))
+        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+            values = _call_stats(tensor.detach(), self._need, self._scratch, sums.shift)
+        with self._lock:
             sums.additive.add_(values[:_ADDITIVE])
             torch.fmax(sums.extremes, values[_ADDITIVE:], out=sums.extremes)
             sums.calls += 1
@@ -356,9 +380,10 @@ class Watch(Observer):
             row_key = key[:3]
             if row_key in merged:  # the same layer call on several devices (nn.DataParallel replicas)
                 old, old_calls, old_count = merged[row_key]
+                values = _moved_to_shift(values, count, old[_SHIFT])
                 values = [a + b for a, b in zip(old[:_ADDITIVE], values[:_ADDITIVE])] + [
-                    max(a, b) for a, b in zip(old[_ADDITIVE:], values[_ADDITIVE:])
-                ]
+                    max(a, b) for a, b in zip(old[_ADDITIVE:_SHIFT], values[_ADDITIVE:_SHIFT])
+                ] + [old[_SHIFT]]
                 calls, count = calls + old_calls, count + old_count
             merged[row_key] = (values, calls, count)
         ordered = sorted(merged, key=lambda k: (self._order[k[0]], k[1], KINDS.index(k[2])))
@@ -369,7 +394,8 @@ class Watch(Observer):
         nonfinite = round(values[_NONFINITE])
         finite = count - nonfinite
         mean = values[_SUM] / finite if finite else math.nan
-        variance = max(values[_SQUARES] / finite - mean * mean, 0.0) if finite else math.nan
+        offset = mean - values[_SHIFT]
+        variance = max(values[_SQUARES] / finite - offset * offset, 0.0) if finite else math.nan
         low = -values[_NEG_MIN] if finite else math.nan
         high = values[_MAX] if finite else math.nan
         zeros = max(finite - round(values[_NONZERO]), 0) / count if count else math.nan
