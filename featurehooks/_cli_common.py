@@ -14,6 +14,7 @@ __all__ = [
     "add_model_options",
     "at_least",
     "build_extractor",
+    "check_output_file",
     "device_from",
     "non_negative",
     "positive",
@@ -110,6 +111,13 @@ def build_extractor(args: argparse.Namespace, output_format: str = "native") -> 
         args.backbone, args.layers, weights=weights, mode="detach", output_format=output_format
     )
     return extractor.to(device)
+
+
+def check_output_file(path: str) -> None:
+    """Refuse an output file whose folder does not exist, before any compute (not after an hour of it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"cannot write {path}: the folder {folder} does not exist")
 
 
 def sizes(args: argparse.Namespace) -> dict[str, Any]:

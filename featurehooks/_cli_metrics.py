@@ -14,6 +14,7 @@ from ._cli_common import (
     UserError,
     add_model_options,
     build_extractor,
+    check_output_file,
     device_from,
     non_negative,
     positive,
@@ -139,6 +140,8 @@ def _lpips(args: argparse.Namespace) -> int:
     from .metrics import LPIPS, pair_files, score_pairs
 
     device = device_from(args.device)
+    if args.out is not None:
+        check_output_file(args.out)
     pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
     for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
         if names:
@@ -199,6 +202,7 @@ def _stats(args: argparse.Namespace) -> int:
 
     if len(args.layers) != 1:
         raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
+    check_output_file(args.out)
     sources = list_images(args.sources)
     stats = feature_statistics(
         build_extractor(args),

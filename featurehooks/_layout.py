@@ -61,8 +61,8 @@ def prefix_tokens_of(model: nn.Module) -> int | None:
     if isinstance(count, int) and not isinstance(count, bool):
         return count
     origin = type(model).__module__
-    if origin.startswith("timm."):
-        return 0
+    if origin.startswith("timm."):  # CoaT, CrossViT: class tokens without saying how many lead
+        return None if any("cls_token" in name or "dist_token" in name for name, _ in model.named_parameters()) else 0
     if origin.startswith("torchvision.models"):
         return 1 if type(model).__name__ == "VisionTransformer" else 0
     return None
@@ -132,6 +132,8 @@ def classify(
     if len(shape) == 2:
         return Layout("NC", shape[1])
     if len(shape) == 3:
+        if prefix_tokens and shape[1] <= prefix_tokens:  # class tokens only (CaiT's class-attention blocks)
+            return Layout("NLC", shape[2], None, shape[1])
         for prefix in dict.fromkeys((prefix_tokens or 0, 0)):
             stride = _token_stride(shape[1] - prefix, input_hw, patch_size)
             if stride is not None:
@@ -141,6 +143,8 @@ def classify(
     channels_last_stride = _spatial_stride(shape[1], shape[2], input_hw)
     if channels_first_stride is None and channels_last_stride is not None:
         return Layout("NHWC", shape[3], channels_last_stride)
+    if channels_first_stride is None and shape[2] != shape[3]:  # (B, heads, N, head_dim), (B, windows, N, C)
+        return OTHER
     return Layout("NCHW", shape[1], channels_first_stride)
 
 
@@ -226,6 +230,10 @@ def pool_positions(feature: Tensor, layout: Layout, how: Pool, name: str) -> Ten
             if prefix.shape[1] == 0:
                 raise InvalidValueError(f"pool='cls': the tokens of layer {name!r} have no class token")
             return prefix[:, 0]
+        if feature.shape[1] == 0:
+            raise InvalidValueError(
+                f"pool={how!r}: layer {name!r} returns class tokens only, no patch tokens to pool; use pool='cls'"
+            )
     elif how == "cls":
         raise InvalidValueError(
             f"pool='cls': layer {name!r} returns {layout.kind} maps, which have no class token; "

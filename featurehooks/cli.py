@@ -111,7 +111,7 @@ def _show(args: argparse.Namespace) -> int:
     image = prepare_image(picture, extractor, **sizes(args))
     with torch.no_grad():
         features = extractor(image)
-    _check_drawable(features, args.backbone)
+    _check_drawable(features, extractor.output_layouts, args.backbone)
     path = save_feature_grid(
         args.out, features, image, channels=args.channels, tile_size=args.tile_size, input_range=extractor.input_range
     )
@@ -119,14 +119,14 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_drawable(features: dict[str, Any], backbone: str) -> None:
-    """Refuse layers whose outputs are no maps (B, C, H, W) or tokens (B, N, C), such as a classifier's (B, C)."""
+def _check_drawable(features: dict[str, Any], layouts: dict[str, Any], backbone: str) -> None:
+    """Refuse outputs that are no maps once laid out: vectors (a classifier's (B, C)), attention internals, windows."""
     for name, value in features.items():
-        if not hasattr(value, "dim") or value.dim() not in (3, 4):
+        if layouts[name].kind != "NCHW":
             shape = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
             raise UserError(
-                f"layer {name!r} has shape {shape}, not a feature map (B, C, H, W); pick a convolutional layer "
-                f"(see `featurehooks layers {backbone}`)"
+                f"layer {name!r} has shape {shape} ({layouts[name].kind}), not a feature map of the image; pick a "
+                f"convolutional or token layer (see `featurehooks layers {backbone}`)"
             )
 
 

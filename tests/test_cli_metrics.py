@@ -129,3 +129,14 @@ def test_lpips_command_refuses_folders_without_pairs(tmp_path: Path, capsys: pyt
     assert main(["lpips", str(a), str(b), "--weights", "none", "-q"]) == 2
     assert "no image in" in capsys.readouterr().err
     assert main(["lpips", str(a), str(tmp_path / "missing"), "--weights", "none", "-q"]) == 2
+
+
+def test_outputs_into_missing_folders_are_refused_before_any_compute(
+    sets: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = sets
+    missing = tmp_path / "nowhere"
+    assert main(["stats", str(a), "--out", str(missing / "a.npz"), *MODEL, *RUN]) == 2
+    assert main(["lpips", str(a), str(b), "--weights", "none", "--out", str(missing / "s.csv"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("does not exist") == 2 and ".tmp" not in err

@@ -420,3 +420,12 @@ def test_several_layers_in_one_pass_and_clear_errors(resnet: FeatureExtractor, f
         statistics_from_dump(result, "layer9")
     with pytest.raises(FileNotFoundError, match="no featurehooks dump"):
         statistics_from_dump(tmp_path, "layer4")
+
+
+def test_a_covariance_that_is_not_positive_semi_definite_is_refused() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 4))
+    mean, cov = x.mean(0), np.cov(x, rowvar=False)
+    with pytest.raises(InvalidValueError, match="not positive semi-definite"):
+        frechet_distance((mean, -cov), x)
+    assert frechet_distance((mean, cov), x) == pytest.approx(0.0, abs=1e-9)

@@ -63,6 +63,8 @@ def test_classify_reads_each_layout_from_its_shape() -> None:
     assert classify((2, 1000), image, None) == Layout("NC", 1000)
     assert classify((128, 49, 96), image, 0).kind == "other"  # windows folded into the batch
     assert classify(None, image, None).kind == "other"
+    assert classify((2, 6, 197, 64), image, 1).kind == "other"  # (B, heads, N, head_dim): no map of the image
+    assert classify((2, 1, 384), image, 1) == Layout("NLC", 384, None, 1)  # class token only (CaiT)
 
 
 def test_token_grid_rounds_down_or_up_as_the_tokens_say() -> None:
@@ -85,6 +87,8 @@ def test_pooling_never_averages_prefix_tokens() -> None:
         pool_positions(maps, Layout("NHWC", 5, 8), "cls", "x")
     with pytest.raises(fh.InvalidValueError, match="prefix_tokens="):
         pool_positions(tokens, Layout("NLC", 5, None, None), "avg", "x")
+    with pytest.raises(fh.InvalidValueError, match="class tokens only"):
+        pool_positions(tokens[:, :1], Layout("NLC", 5, None, 1), "avg", "x")
     maps_nchw, prefix = to_nchw(tokens[:, :7], layout, (16, 16), "x")
     assert maps_nchw.shape == (2, 5, 2, 2) and prefix is not None and torch.equal(prefix, tokens[:, :3])
 
@@ -202,6 +206,25 @@ def test_cli_show_draws_vit_tokens_as_maps(photos: Path, tmp_path: Path, capsys:
             "--layers", "blocks.1", "patch_embed", "--weights", "none", "--resize", "224", "--channels", "3"]
     assert main(argv) == 0
     assert Image.open(out).size[0] > 0 and "blocks.1" in capsys.readouterr().out
+
+
+def test_timm_models_with_unsaid_class_tokens_need_prefix_tokens() -> None:
+    """CoaT has class tokens but no num_prefix_tokens: pooling or maps ask for prefix_tokens= instead of guessing 0."""
+    ext = fh.FeatureExtractor("timm/coat_lite_tiny", ["norm4"], weights=None)
+    assert ext.output_layouts["norm4"].prefix_tokens is None
+    with pytest.raises(fh.InvalidValueError, match="prefix_tokens="):
+        fh.FeatureExtractor("timm/coat_lite_tiny", ["norm4"], weights=None, output_format="nchw")
+    maps = fh.FeatureExtractor("timm/coat_lite_tiny", ["norm4"], weights=None, output_format="nchw", prefix_tokens=1)
+    assert maps(torch.rand(1, 3, 224, 224))["norm4"].shape == (1, 320, 7, 7)
+
+
+def test_cli_show_refuses_outputs_that_are_no_maps(
+    photos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["show", str(photos / "0.png"), "--out", str(tmp_path / "g.png"), "--backbone",
+            "timm/vit_tiny_patch16_224", "--layers", "blocks.0.attn.q_norm", "--weights", "none", "--resize", "224"]
+    assert main(argv) == 2
+    assert "not a feature map" in capsys.readouterr().err and not (tmp_path / "g.png").exists()
 
 
 def test_cli_layers_shows_token_layouts(capsys: pytest.CaptureFixture[str]) -> None:

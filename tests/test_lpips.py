@@ -338,3 +338,14 @@ def test_score_pairs_errors_name_the_file(trunks: None, tmp_path: Path) -> None:
         score_pairs(metric, [(tmp_path / "a.png", tmp_path / "b.png")], num_workers=0)
     with pytest.raises(InvalidValueError, match="one value per pair.*reduction='none'"):
         score_pairs(LPIPS("alex"), [(tmp_path / "a.png", tmp_path / "a.png")], num_workers=0)
+
+
+@pytest.mark.parametrize(("net", "smallest"), [("alex", 31), ("vgg", 16), ("squeeze", 17)])
+def test_too_small_images_are_refused_before_the_trunk_fails(net: str, smallest: int) -> None:
+    torch.manual_seed(0)
+    metric = LPIPS(net, weights=None, reduction="none")
+    small = torch.rand(1, 3, smallest - 1, 40)
+    with pytest.raises(InvalidValueError, match=f"at least {smallest}x{smallest}"):
+        metric(small, small)
+    fits = torch.rand(1, 3, smallest, smallest)
+    assert metric(fits, fits).shape == (1,)

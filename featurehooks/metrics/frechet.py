@@ -31,6 +31,10 @@ def _check_pair(a: Any, b: Any) -> None:
         a.check_matches(b)
 
 
+# Negative eigenvalues down to this fraction of the largest are rounding in a covariance; below, it is none.
+_NEGATIVE = 1e-6
+
+
 def _moments(value: Moments, side: str) -> tuple[Tensor, Tensor]:
     """``(mean (D,), covariance (D, D))`` in float64 on the CPU, from any accepted input."""
     if isinstance(value, FeatureStatistics):
@@ -69,10 +73,20 @@ def _as_array(value: Any, side: str) -> Tensor | np.ndarray:
 
 def _root_factor(covariance: Tensor) -> Tensor:
     """``R`` of shape ``(D, r)`` with ``covariance = R Rᵀ``: eigenvectors scaled by the square roots of
-    the eigenvalues above the eigensolver's noise floor (``D * eps * largest``), ``r`` the numerical rank."""
+    the eigenvalues above the eigensolver's noise floor (``D * eps * largest``), ``r`` the numerical rank.
+
+    Raises:
+        InvalidValueError: an eigenvalue is negative beyond rounding: no covariance (a hand-edited file?).
+    """
     values, vectors = torch.linalg.eigh(covariance)
     if not values.numel():
         return vectors
+    scale = max(float(values.abs().max()), float(np.finfo(np.float64).tiny))
+    if float(values[0]) < -_NEGATIVE * scale:
+        raise InvalidValueError(
+            f"a covariance has the eigenvalue {float(values[0]):.3g} (largest magnitude {scale:.3g}): it is not "
+            "positive semi-definite, so it is no covariance of any features"
+        )
     floor = max(float(values[-1]), 0.0) * covariance.shape[0] * torch.finfo(torch.float64).eps
     kept = values > floor
     return vectors[:, kept] * values[kept].sqrt()

@@ -73,6 +73,8 @@ release, fed the [-1, 1] image to the trunk unscaled and has heads of its own.""
 _SHIFT = (-0.030, -0.088, -0.188)
 _SCALE = (0.458, 0.448, 0.450)
 _NET_ALIASES = {"alexnet": "alex", "vgg16": "vgg", "squeezenet1_1": "squeeze"}
+# The smallest image side each trunk's convolutions and pools accept (every layer LPIPS taps must run).
+_MIN_SIDE = {"alex": 31, "vgg": 16, "squeeze": 17}
 # Keys of a head: lpips' "lin3.model.1.weight" (after a Dropout), "lin3.model.0.weight" (without one),
 # "lins.3.model.1.weight" (its ModuleList), "lin3.weight", any of them under a prefix such as "module.".
 _HEAD_KEY = re.compile(r"(?:^|\.)lin(?:s\.)?(\d+)(?:\.model\.\d+)?\.weight$")
@@ -320,6 +322,12 @@ class LPIPS(nn.Module):
             )
         if input.device != target.device:
             raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
+        smallest = _MIN_SIDE[self.net]
+        if min(input.shape[-2:]) < smallest:
+            raise InvalidValueError(
+                f"images of {input.shape[-2]}x{input.shape[-1]} are too small for LPIPS({self.net!r}): its trunk needs "
+                f"at least {smallest}x{smallest}; upsample them first"
+            )
 
     def _one_forward(self, input: Tensor) -> bool:
         """Whether a pair that needs no graph (or two) runs as one concatenated batch: on accelerators only
