@@ -180,6 +180,11 @@ def check_nchw(layout: Layout, shape: tuple[int, ...], image_hw: tuple[int, int]
         return
     if layout.prefix_tokens is None:
         raise _unknown_prefix(name, shape)
+    if layout.prefix_tokens >= shape[1]:
+        raise InvalidValueError(
+            f"layer {name!r} returns {shape[1]} tokens and all of them lead the patch tokens (prefix tokens: "
+            f"{layout.prefix_tokens}): no patch tokens to lay out as a map; use output_format='native'"
+        )
     token_grid(shape[1] - layout.prefix_tokens, image_hw, layout.stride, name)
 
 

@@ -218,6 +218,11 @@ def test_timm_models_with_unsaid_class_tokens_need_prefix_tokens() -> None:
     assert maps(torch.rand(1, 3, 224, 224))["norm4"].shape == (1, 320, 7, 7)
 
 
+def test_a_prefix_count_that_leaves_no_patch_tokens_is_named() -> None:
+    with pytest.raises(fh.InvalidValueError, match="no patch tokens"):
+        fh.FeatureExtractor(tiny_vit(), ["blocks.0"], weights=None, output_format="nchw", prefix_tokens=300)
+
+
 def test_cli_show_refuses_outputs_that_are_no_maps(
     photos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
