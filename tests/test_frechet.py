@@ -429,3 +429,13 @@ def test_a_covariance_that_is_not_positive_semi_definite_is_refused() -> None:
     with pytest.raises(InvalidValueError, match="not positive semi-definite"):
         frechet_distance((mean, -cov), x)
     assert frechet_distance((mean, cov), x) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_statistics_of_one_image_and_of_another_backbone_name_the_problem() -> None:
+    one = FeatureStatistics().update(np.ones((1, 3)))
+    with pytest.raises(InvalidValueError, match="b holds 1 feature vector"):
+        frechet_distance(np.random.default_rng(0).normal(size=(5, 3)), one)
+    a = FeatureStatistics(origin=FeatureOrigin("resnet18", "layer4", "avg", None)).update(np.ones((2, 512)))
+    b = FeatureStatistics(origin=FeatureOrigin("resnet50", "layer4", "avg", None)).update(np.ones((2, 2048)))
+    with pytest.raises(InvalidValueError, match="'resnet18' vs 'resnet50'"):
+        frechet_distance(a, b)

@@ -38,6 +38,8 @@ _NEGATIVE = 1e-6
 def _moments(value: Moments, side: str) -> tuple[Tensor, Tensor]:
     """``(mean (D,), covariance (D, D))`` in float64 on the CPU, from any accepted input."""
     if isinstance(value, FeatureStatistics):
+        if value.count < 2:
+            raise InvalidValueError(f"{side} holds {value.count} feature vector(s); a covariance needs 2 or more")
         return value.mean, value.covariance
     if isinstance(value, (Tensor, np.ndarray)):
         features = _as_matrix(value, side)

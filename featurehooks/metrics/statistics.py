@@ -447,10 +447,10 @@ class FeatureStatistics:
 
     def check_matches(self, other: FeatureStatistics, what: str = "the two statistics") -> None:
         """Raise ``InvalidValueError`` unless ``other`` has the same dimension and a matching origin."""
+        if self.origin is not None and other.origin is not None:  # first: another backbone explains another D
+            self.origin.check_matches(other.origin, what)
         if self._dim is not None and other._dim is not None and self._dim != other._dim:
             raise InvalidValueError(f"{what} have different feature dimensions: {self._dim} vs {other._dim}")
-        if self.origin is not None and other.origin is not None:
-            self.origin.check_matches(other.origin, what)
 
 
 # -- from images ---------------------------------------------------------------------------------------
