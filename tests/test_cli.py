@@ -261,7 +261,7 @@ def test_model_errors_found_at_build_exit_2_with_one_line(
 
 @pytest.mark.parametrize("name", ["auto", "cuda"])
 def test_each_torchrun_rank_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    from featurehooks import _cli_common
+    from featurehooks.cli import _common as _cli_common
 
     chosen: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

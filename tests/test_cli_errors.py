@@ -180,7 +180,7 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert "error: argument" in err.strip().splitlines()[-1]
 
 
-# -- bad input found outside cli.py: a FeatureHooksError there too ------------------------------------------------
+# -- bad input found outside the CLI: a FeatureHooksError there too ------------------------------------------------
 
 
 def test_the_same_layer_twice(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -341,8 +341,9 @@ def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None
         >>> try:
         ...     with detect_nonfinite(net):
         ...         net(torch.randn(2, 4))
-        ... except NonFiniteError as e:
-        ...     print(e.path, e.phase, e.tensor)
-        1 forward output
+        ... except NonFiniteError as error:
+        ...     found = (error.path, error.phase, error.tensor)
+        >>> found
+        ('1', 'forward', 'output')
     """
     return NonFiniteDetector(model, layers)

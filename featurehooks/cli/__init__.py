@@ -1,5 +1,5 @@
 """The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid),
-and the metrics ``fd`` and ``stats`` (see ``_cli_metrics``).
+and the metrics ``fd`` and ``stats`` (see ``cli._metrics``).
 
 Exit status: 0 success, 1 the run failed (I/O error, another rank), 2 bad input (unknown backbone
 or layer, missing images, unusable weights, an existing output without ``--resume``/``--overwrite``),
@@ -16,7 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._cli_common import (
+from ..errors import FeatureHooksError, RunFailedError
+from ..layers import list_layers
+from ._common import (
     UserError,
     add_model_options,
     at_least,
@@ -26,9 +28,7 @@ from ._cli_common import (
     sizes,
     weights_from,
 )
-from ._cli_metrics import add_metric_commands
-from .errors import FeatureHooksError, RunFailedError
-from .layers import list_layers
+from ._metrics import add_metric_commands
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -59,7 +59,7 @@ def _layers(args: argparse.Namespace) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from .dump import list_images
+    from ..dump import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
     result = _dump(build_extractor(args, args.output_format), sources, args)
@@ -75,7 +75,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
     """``dump_features`` with the command's options; an output that needs --resume/--overwrite is a UserError."""
-    from .dump import dump_features
+    from ..dump import dump_features
 
     try:
         return dump_features(
@@ -98,8 +98,8 @@ def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
 def _show(args: argparse.Namespace) -> int:
     import torch
 
-    from .images import prepare_image, read_image
-    from .viz import save_feature_grid
+    from ..images import prepare_image, read_image
+    from ..viz import save_feature_grid
 
     try:  # before the model is built, like extract
         picture = read_image(args.image)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .errors import first_line
+from ..errors import first_line
 
 __all__ = [
     "UserError",
@@ -101,7 +101,7 @@ def build_extractor(args: argparse.Namespace, output_format: str = "native") -> 
     """The FeatureExtractor that ``add_model_options``' arguments describe, on ``--device``, without a graph."""
     import torch
 
-    from .extractor import FeatureExtractor
+    from ..extractor import FeatureExtractor
 
     device = device_from(args.device)  # a bad --device fails before the model is built
     weights = weights_from(args.weights)

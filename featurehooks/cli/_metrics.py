@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._cli_common import (
+from ._common import (
     UserError,
     add_model_options,
     build_extractor,
@@ -137,7 +137,7 @@ def _lpips(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .metrics import LPIPS, pair_files, score_pairs
+    from ..metrics import LPIPS, pair_files, score_pairs
 
     device = device_from(args.device)
     if args.out is not None:
@@ -183,7 +183,7 @@ def _write_scores(path: str, names: list[str], scores: list[float]) -> None:
     import csv
     import io
 
-    from .dump.store import write_atomic
+    from ..dump.store import write_atomic
 
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
@@ -197,8 +197,8 @@ def _pool(args: argparse.Namespace) -> str | None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from .dump import list_images
-    from .metrics import feature_statistics
+    from ..dump import list_images
+    from ..metrics import feature_statistics
 
     if len(args.layers) != 1:
         raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
@@ -220,7 +220,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _fd(args: argparse.Namespace) -> int:
-    from .metrics import frechet_distance, kernel_inception_distance
+    from ..metrics import frechet_distance, kernel_inception_distance
 
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = args.kid_keep if args.kid else 0
@@ -237,8 +237,8 @@ def _fd(args: argparse.Namespace) -> int:
 
 def _side(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:
     """Statistics of one set by layer: read from a ``.npz``, or computed from its images."""
-    from .dump import list_images
-    from .metrics import FeatureStatistics, feature_statistics_by_layer
+    from ..dump import list_images
+    from ..metrics import FeatureStatistics, feature_statistics_by_layer
 
     if source.endswith(".npz") and Path(source).is_file():
         if len(args.layers) != 1:
