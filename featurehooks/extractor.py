@@ -152,6 +152,7 @@ class FeatureExtractor(nn.Module):
             found, self.in_channels = None, loaded.in_channels
             self._untraced = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         self._layouts: dict[str, Layout] | None = None
+        self._returned_layouts: dict[str, Layout] = {}
         if found is not None:
             index.check_calls(self.taps, found)
             self._set_layouts({tap.name: found.outputs[tap.site].shape for tap in self.taps}, found.input_shape)
@@ -200,27 +201,32 @@ class FeatureExtractor(nn.Module):
             for name, layout in layouts.items():
                 check_nchw(layout, shapes[name] or (), (input_shape[-2], input_shape[-1]), name)
         self._layouts = layouts
+        self._returned_layouts = self._after_format(layouts)
+
+    def _after_format(self, layouts: dict[str, Layout]) -> dict[str, Layout]:
+        """The layouts of what ``forward`` returns: with ``"nchw"``, token and NHWC taps as maps, plus prefixes."""
+        if self.output_format == "native":
+            return layouts
+        returned: dict[str, Layout] = {}
+        for name, layout in layouts.items():
+            if layout.kind in ("NHWC", "NLC"):
+                returned[name] = Layout("NCHW", layout.channels, layout.stride)
+                if self.return_prefix_tokens and layout.kind == "NLC" and layout.prefix_tokens:
+                    returned[f"{name}.prefix"] = Layout("NLC", layout.channels, None, layout.prefix_tokens)
+            else:
+                returned[name] = layout
+        return returned
 
     @property
     def output_layouts(self) -> dict[str, Layout]:
         """The layout of each returned output, by name (after ``output_format``; ``"<name>.prefix"``
-        outputs are ``"NLC"`` tokens that are all prefix tokens)."""
+        outputs are ``"NLC"`` tokens that are all prefix tokens). Worked out once, from the trace."""
         if self._layouts is None:
             raise RuntimeError(
                 f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so the layouts of its "
                 "outputs are known after its first forward"
             )
-        if self.output_format == "native":
-            return dict(self._layouts)
-        layouts: dict[str, Layout] = {}
-        for name, layout in self._layouts.items():
-            if layout.kind in ("NHWC", "NLC"):
-                layouts[name] = Layout("NCHW", layout.channels, layout.stride)
-                if self.return_prefix_tokens and layout.kind == "NLC" and layout.prefix_tokens:
-                    layouts[f"{name}.prefix"] = Layout("NLC", layout.channels, None, layout.prefix_tokens)
-            else:
-                layouts[name] = layout
-        return layouts
+        return dict(self._returned_layouts)
 
     @functools.cached_property
     def feature_info(self) -> list[FeatureInfo]:
