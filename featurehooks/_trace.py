@@ -22,7 +22,18 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._taps import Site
 
-__all__ = ["STATE", "CallOutput", "Trace", "fixed_input_size", "meta_copy", "trace", "trace_images", "tracing"]
+__all__ = [
+    "STATE",
+    "CallOutput",
+    "Trace",
+    "drop_hooks",
+    "fixed_input_size",
+    "meta_copy",
+    "trace",
+    "trace_images",
+    "tracing",
+]
+
 
 class _TraceState(threading.local):
     """Per thread: whether a meta trace is running (hook sessions ignore the forwards of a trace)."""
@@ -153,12 +164,12 @@ def trace(
         recorder.note_changes(len(recorder.outputs))
     finally:
         STATE.active = was_tracing
-        _drop_hooks(copied)
+        drop_hooks(copied)
     shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
     return Trace(shape, recorder.calls, recorder.outputs, recorder.changed_at)
 
 
-def _drop_hooks(copied: nn.Module) -> None:
+def drop_hooks(copied: nn.Module) -> None:
     """Empty the hook dicts of a traced copy: copies of hook objects (a session's own taps) point back at
     the copied model, and that cycle would keep the copy, and what its hooks hold, alive until a gc run."""
     for module in copied.modules():

@@ -65,35 +65,68 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     extraction = _load("extraction")
     payload = extraction.main(
-        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "1x32"]
+        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "2x32"]
     )
     _check_files(tmp_path, "extraction", payload)
+    e = extraction
     groups = payload["groups"]
     vit = "timm ViT-S/16 (vit_small_patch16_224) blocks.5+blocks.8"
-    cases = {"VGG16 relu3_3", "timm convnext_tiny stages.1+stages.2", vit}
+    vgg = "VGG16 relu3_3"
+    cases = {vgg, "timm convnext_tiny stages.1+stages.2", vit}
     assert {g["case"] for g in groups} == cases
     assert {g["params"]["mode"] for g in groups} == {"no-grad", "grad"}
     assert len(groups) == 2 * len(cases)
+    formats = [e.FLOOR, e.FLOOR_CL, e.FE, e.FE_CONTIGUOUS, e.FE_CHANNELS_LAST]
     for group in groups:
-        names = [row["name"] for row in group["rows"]]
-        is_vit = group["case"] == vit
-        nchw = [extraction.FE_NCHW] if is_vit else []
-        assert names[:4 + len(nchw)] == [extraction.FULL, extraction.FLOOR, extraction.FE, *nchw, extraction.NO_EE]
-        assert (extraction.FE_NCHW in names) == is_vit
-        assert extraction.FX in names  # the ViT traces with timm's tracer settings
-        assert (extraction.TIMM in names) == group["case"].startswith("timm")
-        for row in group["rows"]:
-            if row["name"] == extraction.FULL:  # logits: nothing to compare
+        rows = {row["name"]: row for row in group["rows"]}
+        is_vit, is_vgg = group["case"] == vit, group["case"] == vgg
+        tail = [e.NO_EE, e.FULL, e.FX] if is_vgg else [e.FE_NCHW, e.FX, e.TIMM] if is_vit else [e.FX, e.TIMM]
+        assert list(rows) == [*formats, *tail] and group["baseline"] == e.FLOOR
+        # the memory format each backbone ran in: "auto" picks channels_last for the convolutional VGG only
+        assert rows[e.FE]["format"] == ("channels_last" if is_vgg else "contiguous")
+        assert rows[e.FE_CONTIGUOUS]["format"] == rows[e.FLOOR]["format"] == rows[e.FX]["format"] == "contiguous"
+        assert rows[e.FE_CHANNELS_LAST]["format"] == rows[e.FLOOR_CL]["format"] == "channels_last"
+        for row in rows.values():
+            if row["name"] == e.FULL:  # logits: nothing to compare
                 assert row["max_abs_diff"] is None and row["compared_with"] is None
                 continue
-            # every contender returns the floor's tensors: ViT maps (FE nchw, timm) the floor's tokens as maps
-            maps = is_vit and row["name"] in (extraction.FE_NCHW, extraction.TIMM)
-            assert row["compared_with"] == ("floor as maps" if maps else "floor"), row
-            assert row["max_abs_diff"] <= 1e-4, row
-    claims = {t["claim"] for t in payload["targets"]}
-    assert "FeatureExtractor / bare truncated" in claims and "FeatureExtractor / timm forward_intermediates" in claims
-    nchw_targets = [t for t in payload["targets"] if t["claim"] == "FeatureExtractor nchw / timm forward_intermediates"]
+            # every contender returns the tensors of the hand-written loop in its own memory format; ViT maps
+            # (FE nchw, timm) the floor's tokens as maps
+            maps = is_vit and row["name"] in (e.FE_NCHW, e.TIMM)
+            channels_last = row["format"] == "channels_last" and row["name"] != e.FLOOR_CL
+            expected = ("channels_last floor" if channels_last else "floor") + (" as maps" if maps else "")
+            assert row["compared_with"] == expected, row
+            if row["name"] == e.FLOOR_CL and group["params"]["mode"] == "grad":
+                # another summation order: a ReLU / max-pool near-tie may move a gradient entry
+                assert row["max_rel_diff"] <= 0.5, row
+            else:  # float32 rounding at most
+                assert row["max_abs_diff"] <= 1e-4 and row["max_rel_diff"] <= 1e-4, row
+    targets = payload["targets"]
+    claims = [t["claim"] for t in targets]
+    for claim in (f"{e.FE} / {e.FE_CONTIGUOUS}", f"{e.FE} / {e.FLOOR}"):  # "auto" at most 3% slower than NCHW
+        found = [t for t in targets if t["claim"] == claim]
+        assert len(found) == len(groups) and all(t["limit"] == 1.03 and t["kind"] == "<=" for t in found)
+    headline = [t for t in targets if t["group"].startswith(f"{vgg}:")]
+    speedups = {(t["claim"], t["group"].split("mode=")[1].split(",")[0]): t for t in headline
+                if t["claim"].endswith("(speed-up)")}
+    assert set(speedups) == {(f"{other} / {e.FE} (speed-up)", mode) for other in (e.FLOOR, e.FX)
+                             for mode in ("no-grad", "grad")}
+    assert all(t["limit"] == 1.3 and t["kind"] == ">=" for t in speedups.values())
+    assert f"{e.FE_CONTIGUOUS} / {e.FLOOR} (hook overhead)" in claims and f"{e.FE} / {e.TIMM}" in claims
+    nchw_targets = [t for t in targets if t["claim"] == f"{e.FE_NCHW} / {e.TIMM}"]
     assert len(nchw_targets) == 2 and all(t["group"].startswith(vit) and t["limit"] == 1.03 for t in nchw_targets)
+    # the speed-up claims are about batches on the CPU: none at batch 1, none on a GPU
+    for batch, device in ((1, "cpu"), (2, "cuda")):
+        found = extraction.targets([_group(extraction, groups[0], batch=batch)], device)
+        assert found and not [t for t in found if "speed-up" in t.claim]
+
+
+def _group(module: ModuleType, group: dict, **params: object) -> object:
+    """A saved group back as a harness Group, with some params replaced."""
+    H = module.H
+    rows = [H.Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"], {}) for r in group["rows"]]
+    return H.Group(group["case"], {**group["params"], **params}, group["baseline"], group["rounds"],
+                   group["calls_per_sample"], rows)
 
 
 def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> None:
@@ -120,19 +153,33 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
     losses = _load("losses")
     payload = losses.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "losses", payload)
+    L = losses
+    assert {g["case"]: [row["name"] for row in g["rows"]] for g in payload["groups"]} == L.GROUPS
+    assert all(g["params"]["batch"] == 2 for g in payload["groups"])  # --quick: 2x32, batch >= 2 for the targets
     by_case = {g["case"]: {row["name"]: row for row in g["rows"]} for g in payload["groups"]}
-    content = by_case[losses.CONTENT]
+    content = by_case[L.CONTENT]
     # the contenders compute the same loss on the same weights (each in its library's scale)
-    assert content[losses.PL]["loss"] == pytest.approx(content[losses.FLOOR]["loss"], rel=1e-4)
-    assert content[losses.PIQ]["loss"] == pytest.approx(256 * content[losses.PL]["loss"], rel=1e-4)
-    lpips_case = by_case[losses.LPIPS_CASE]
-    assert lpips_case[losses.FH_LPIPS]["loss"] == pytest.approx(lpips_case[losses.LPIPS_BASE]["loss"], rel=1e-3)
-    style = by_case[losses.STYLE]
-    for name in (losses.FH_STYLE, losses.FH_STYLE_FIXED, losses.PIQ_STYLE):
-        assert style[name]["loss"] == pytest.approx(style[losses.STYLE_FLOOR]["loss"], rel=1e-4)
+    for name in (L.FLOOR_CL, L.FLOOR_CAT, L.PL, L.PL_CONTIGUOUS):
+        assert content[name]["loss"] == pytest.approx(content[L.FLOOR]["loss"], rel=1e-4), name
+    assert content[L.PIQ]["loss"] == pytest.approx(256 * content[L.PL]["loss"], rel=1e-4)
+    lpips_case = by_case[L.LPIPS_CASE]
+    for name in (L.FH_LPIPS, L.FH_LPIPS_CONTIGUOUS):
+        assert lpips_case[name]["loss"] == pytest.approx(lpips_case[L.LPIPS_BASE]["loss"], rel=1e-3), name
+    style = by_case[L.STYLE]
+    for name in (L.FH_STYLE, L.FH_STYLE_CONTIGUOUS, L.FH_STYLE_FIXED, L.PIQ_STYLE):
+        assert style[name]["loss"] == pytest.approx(style[L.STYLE_FLOOR]["loss"], rel=1e-4), name
+    # "auto" runs VGG16 channels-last on the CPU; the floors and the other libraries run NCHW
+    formats = {name: row["format"] for rows in by_case.values() for name, row in rows.items()}
+    channels_last = {L.FLOOR_CL, L.PL, L.FH_LPIPS, L.FH_STYLE, L.FH_STYLE_FIXED}
+    assert formats == {name: "channels_last" if name in channels_last else "contiguous" for name in formats}
     for rows in by_case.values():
         assert all(row["peak_mib"] >= 0 for row in rows.values())
-    assert any(t["claim"].startswith("piq ContentLoss time") for t in payload["targets"])
+    claims = {t["claim"]: t for t in payload["targets"]}
+    assert claims[f"{L.FLOOR} / {L.PL} (speed-up)"]["limit"] == 1.3
+    assert claims[f"{L.PIQ} time / {L.PL} time"]["limit"] == 1.3  # CPU, batch >= 2
+    assert claims[f"{L.FLOOR_CAT} / {L.FLOOR} (two forwards stay)"]["kind"] == ">="
+    for auto, contiguous, floor in L.FORMAT_PAIRS:
+        assert claims[f"{auto} / {contiguous}"]["limit"] == claims[f"{auto} / {floor}"]["limit"] == 1.03
 
 
 def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:

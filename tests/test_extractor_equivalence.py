@@ -30,7 +30,7 @@ def fx_reference(name: str, nodes: dict[str, str]) -> nn.Module:
 def test_vgg16_every_alias_matches_fx(vgg16_cached: Path, images: torch.Tensor) -> None:
     aliases = [row.alias for row in fh.list_layers("vgg16") if row.alias]
     assert len(aliases) == 13 * 2 + 5
-    extractor = fh.FeatureExtractor("vgg16", aliases)
+    extractor = fh.FeatureExtractor("vgg16", aliases, memory_format="contiguous")  # bit-exact: NCHW as FX
     paths = {row.path: row.alias for row in fh.list_layers("vgg16") if row.alias}
     reference = fx_reference("vgg16", paths)
     ours = extractor(images)
@@ -43,7 +43,7 @@ def test_vgg16_every_alias_matches_fx(vgg16_cached: Path, images: torch.Tensor) 
 
 def test_resnet18_stages_and_inner_modules_match_fx(resnet18_cached: Path, images: torch.Tensor) -> None:
     nodes = ["conv1", "maxpool", "layer1", "layer2.0.conv1", "layer2.0.downsample", "layer3.1.bn1", "layer3", "layer4"]
-    extractor = fh.FeatureExtractor("resnet18", nodes)
+    extractor = fh.FeatureExtractor("resnet18", nodes, memory_format="contiguous")  # bit-exact: NCHW as FX
     reference = fx_reference("resnet18", {n: n for n in nodes})
     ours, theirs = extractor(images), reference(extractor.normalize(images))
     assert list(ours) == nodes

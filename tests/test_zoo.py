@@ -248,3 +248,53 @@ def test_features_and_input_gradients_match_fx(name: str) -> None:
     # differently (at most 1.2e-6 of the largest apart, ResNet-50; in float64 1e-14).
     scale = float(theirs_input.grad.abs().max())
     torch.testing.assert_close(ours_input.grad / scale, theirs_input.grad / scale, rtol=1e-4, atol=1e-5)
+
+
+def _run_in_format(
+    model: nn.Module, picked: list[str], side: int, memory_format: str, dtype: torch.dtype, grad: bool
+) -> tuple[fh.FeatureExtractor, dict, Tensor | None]:
+    """Features (float64, detached) of ``model`` in ``memory_format`` and ``dtype`` and, with ``grad``, the
+    input gradient of a seeded weighted sum, on a batch of two seeded images."""
+    extractor = fh.FeatureExtractor(model, picked, mode="grad", memory_format=memory_format).to(dtype)
+    with extractor, torch.set_grad_enabled(grad):
+        generator = torch.Generator().manual_seed(SEED)
+        images = torch.rand(2, 3, side, side, generator=generator, dtype=dtype).requires_grad_(grad)
+        features = extractor(images)
+        if grad:
+            weights = {node: torch.randn(features[node].shape, generator=generator, dtype=dtype) for node in picked}
+            weighted_sum(features, weights).backward()
+    values = {node: value.detach().double() for node, value in features.items()}
+    return extractor, values, images.grad.double() if grad else None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_channels_last_matches_nchw(name: str) -> None:
+    """Every model runs in channels-last when asked, with the NCHW values to float32 rounding, 1e-5 of each
+    feature's scale. Where "auto" picks channels-last, input gradients too: their norm-relative error from
+    a float64 run is at most twice NCHW's (deep random networks amplify float32 rounding in either format,
+    a ReLU tie decided the other way moves a whole path: 1% of the norm between the two formats on
+    wide_resnet101_2). The others (ViT, Swin, ConvNeXt, MaxViT) run NCHW unless asked, so only their values
+    are checked, without a graph. One random init; every run is a copy of it."""
+    if name in TOO_SLOW:
+        pytest.skip(TOO_SLOW[name])
+    picked = pick_nodes(layer_rows(name), fx_graph(name))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        auto = fh.FeatureExtractor(name, picked, weights=None)
+    auto.close()  # its backbone is copied by every run below, without hooks
+    side = input_side(name, auto.preprocessing.crop_size or SMALL)
+    grad = auto.memory_format_in_use == "channels_last"
+    runs = {
+        fmt: _run_in_format(auto.backbone, picked, side, fmt, torch.float32, grad)
+        for fmt in ("contiguous", "channels_last")
+    }
+    assert [runs[fmt][0].memory_format_in_use for fmt in runs] == ["contiguous", "channels_last"]
+    (_, expected, expected_grad), (_, found, found_grad) = runs["contiguous"], runs["channels_last"]
+    for node in picked:
+        scale = float(expected[node].abs().max())
+        torch.testing.assert_close(found[node], expected[node], rtol=0, atol=1e-5 * scale + 1e-30, msg=node)
+    if grad:
+        _, _, exact = _run_in_format(auto.backbone, picked, side, "contiguous", torch.float64, grad)
+        assert exact is not None and expected_grad is not None and found_grad is not None
+        errors = [float((g - exact).norm() / exact.norm()) for g in (expected_grad, found_grad)]
+        assert errors[1] <= 2 * errors[0] + 1e-5, f"NCHW {errors[0]:.2e}, channels-last {errors[1]:.2e} from float64"

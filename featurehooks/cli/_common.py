@@ -108,7 +108,12 @@ def build_extractor(args: argparse.Namespace, output_format: str = "native") -> 
     if weights is None:
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
     extractor = FeatureExtractor(
-        args.backbone, args.layers, weights=weights, mode="detach", output_format=output_format
+        args.backbone,
+        args.layers,
+        weights=weights,
+        mode="detach",
+        output_format=output_format,
+        memory_format=args.memory_format,
     )
     return extractor.to(device)
 
@@ -131,7 +136,7 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--backbone, --layers, --weights, --seed, --resize, --crop and --device."""
+    """--backbone, --layers, --weights, --seed, --resize, --crop, --device and --memory-format."""
     parser.add_argument(
         "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
     )
@@ -160,5 +165,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--crop", type=size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-
-
+    parser.add_argument(
+        "--memory-format",
+        choices=("auto", "channels_last", "contiguous"),
+        default="auto",
+        help="the backbone's memory format (default: auto, channels_last for convolutional backbones on cpu/cuda)",
+    )

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .._layout import Layout, Pool, classify, pool_positions
 from ..errors import InvalidTypeError, InvalidValueError
+from .tiling import micro_batch_size
 
 __all__ = ["device_of", "features_as_arrays", "pool_features"]
 
@@ -49,11 +50,23 @@ def device_of(extractor: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def features_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype: str) -> dict[str, np.ndarray]:
-    """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU.
+def features_as_arrays(
+    extractor: Any, images: Tensor, pool: Pool | None, dtype: str, *, micro_batches: bool = False
+) -> dict[str, np.ndarray]:
+    """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU;
+    with ``micro_batches``, on the CPU in micro-batches sized to the cache (see ``tiling``). Arrays are
+    C-ordered whatever the memory format the backbone ran in.
 
     The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works.
     """
+    size = micro_batch_size(extractor, images) if micro_batches else images.shape[0]
+    parts = [_part_as_arrays(extractor, part, pool, dtype) for part in images.split(max(size, 1))]
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+def _part_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype: str) -> dict[str, np.ndarray]:
     with torch.no_grad():
         outputs = extractor(images)
     arrays = {}
@@ -64,5 +77,5 @@ def features_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype:
                 f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped"
             )
         pooled = pool_features(value.detach(), layouts.get(name, Layout("other")), pool, name)
-        arrays[name] = pooled.to(getattr(torch, dtype)).cpu().numpy()
+        arrays[name] = np.ascontiguousarray(pooled.to(getattr(torch, dtype)).cpu().numpy())
     return arrays

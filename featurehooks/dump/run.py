@@ -129,9 +129,7 @@ class Progress:
         self._bar: Any = None
         if enabled and sys.stderr is not None:
             try:
-                self._bar = tqdm(
-                    total=total, unit=unit, desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True
-                )
+                self._bar = tqdm(total=total, unit=unit, desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True)
             except Exception:  # noqa: BLE001 - ValueError (closed file), OSError (EPIPE, EBADF), ...
                 self._bar = None
 
@@ -305,18 +303,30 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def batch_features(
-    extractor: Any, images: Tensor | list[Tensor], device: torch.device, pool: str | None, dtype: str
+    extractor: Any,
+    images: Tensor | list[Tensor],
+    device: torch.device,
+    pool: str | None,
+    dtype: str,
+    *,
+    micro_batches: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Features of one batch; a batch of images of several sizes (pooled, uncropped) runs one forward per size."""
+    """Features of one batch; a batch of images of several sizes (pooled, uncropped) runs one forward per size.
+
+    ``micro_batches``: forward in cache-sized micro-batches on the CPU (see ``tiling``: only when no
+    DataLoader worker shares the cores).
+    """
     if isinstance(images, Tensor):
-        return features_as_arrays(extractor, images.to(device, non_blocking=True), pool, dtype)
+        return features_as_arrays(
+            extractor, images.to(device, non_blocking=True), pool, dtype, micro_batches=micro_batches
+        )
     rows_of: dict[tuple[int, ...], list[int]] = {}
     for row, image in enumerate(images):
         rows_of.setdefault(tuple(image.shape), []).append(row)
     batch: dict[str, np.ndarray] = {}
     for rows in rows_of.values():
         same = torch.stack([images[row] for row in rows]).to(device, non_blocking=True)
-        for name, value in features_as_arrays(extractor, same, pool, dtype).items():
+        for name, value in features_as_arrays(extractor, same, pool, dtype, micro_batches=micro_batches).items():
             batch.setdefault(name, np.empty((len(images), *value.shape[1:]), value.dtype))[rows] = value
     return batch
 
@@ -349,7 +359,9 @@ def _compute(
     try:
         for chunk, (start, stop), batch in zip(chunks, ranges, loader):
             images, reasons = batch.images, batch.reasons
-            arrays = batch_features(extractor, images, device, manifest["pool"], manifest["dtype"])
+            arrays = batch_features(
+                extractor, images, device, manifest["pool"], manifest["dtype"], micro_batches=workers == 0
+            )
             skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
             for row, _ in skipped:
                 for value in arrays.values():

@@ -265,4 +265,3 @@ def collate_batch(samples: list[Sample]) -> Batch:
     images = [s.image for s in samples]
     stacked = torch.stack(images) if len({tuple(i.shape) for i in images}) == 1 else images
     return Batch(stacked, [s.reason for s in samples], [s.label for s in samples])
-

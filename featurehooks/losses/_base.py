@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .._layout import channels_first
 from ..backbones import BackboneSpec, WeightsSpec
 from ..errors import InvalidTypeError, InvalidValueError
-from ..extractor import FeatureExtractor
+from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import (
     Distance,
     Reduction,
@@ -129,13 +129,17 @@ class FeatureLoss(nn.Module):
         weights: WeightsSpec,
         input_range: tuple[float, float],
         resize: Resize,
+        memory_format: MemoryFormat = "auto",
     ) -> None:
         super().__init__()
         if isinstance(backbone, FeatureExtractor):
             if backbone.mode != "grad":
                 raise InvalidValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
-            if weights != "DEFAULT" or tuple(float(v) for v in input_range) != (0.0, 1.0):
-                raise InvalidValueError("weights and input_range come from the shared FeatureExtractor; set them there")
+            shared_settings = (weights, tuple(float(v) for v in input_range), memory_format)
+            if shared_settings != ("DEFAULT", (0.0, 1.0), "auto"):
+                raise InvalidValueError(
+                    "weights, input_range and memory_format come from the shared FeatureExtractor; set them there"
+                )
             names = as_layer_list(layers) if layers is not None else list(backbone.layers)
             missing = [name for name in names if name not in backbone.layers]
             if missing:
@@ -146,7 +150,9 @@ class FeatureLoss(nn.Module):
             self.extractor = backbone
         else:
             names = as_layer_list(layers if layers is not None else self.default_layers)
-            self.extractor = FeatureExtractor(backbone, names, weights=weights, mode="grad", input_range=input_range)
+            self.extractor = FeatureExtractor(
+                backbone, names, weights=weights, mode="grad", input_range=input_range, memory_format=memory_format
+            )
         self.layers: list[str] = names
         self.layer_weights = resolve_layer_weights(layer_weights, names)
         self.distance = distance

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..backbones import BackboneSpec, WeightsSpec
 from ..errors import InvalidValueError
-from ..extractor import FeatureExtractor
+from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Distance, GramNormalization, Reduction, gram_matrix
 from ._base import FeatureLoss, LayerWeights, Resize
 
@@ -39,6 +39,7 @@ class StyleLoss(FeatureLoss):
         weights: backbone weights, as for ``FeatureExtractor``.
         input_range: the value range of the images you pass.
         resize: resize images to ``(H, W)`` (or a square) before the backbone.
+        memory_format: the backbone's memory format, as for ``FeatureExtractor``.
         target: a fixed style image, same as calling ``set_target(target)``.
 
     Shape:
@@ -73,6 +74,7 @@ class StyleLoss(FeatureLoss):
         weights: WeightsSpec = "DEFAULT",
         input_range: tuple[float, float] = (0.0, 1.0),
         resize: Resize = None,
+        memory_format: MemoryFormat = "auto",
         target: Tensor | None = None,
     ) -> None:
         if gram_normalization not in _GRAM_NORMALIZATIONS:
@@ -88,6 +90,7 @@ class StyleLoss(FeatureLoss):
             weights=weights,
             input_range=input_range,
             resize=resize,
+            memory_format=memory_format,
         )
         self.gram_normalization: GramNormalization = gram_normalization
         if target is not None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ..extractor import FeatureExtractor
+from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
 from ..losses._base import check_images
 
@@ -53,9 +53,7 @@ class LpipsNet:
 
 LPIPS_NETS: dict[str, LpipsNet] = {
     "alex": LpipsNet("alexnet", ("relu1", "relu2", "relu3", "relu4", "relu5"), (64, 192, 384, 256, 256)),
-    "vgg": LpipsNet(
-        "vgg16", ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3"), (64, 128, 256, 512, 512)
-    ),
+    "vgg": LpipsNet("vgg16", ("relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3"), (64, 128, 256, 512, 512)),
     "squeeze": LpipsNet(
         "squeezenet1_1",
         ("relu1", "fire3", "fire5", "fire6", "fire7", "fire8", "fire9"),
@@ -231,6 +229,7 @@ class LPIPS(nn.Module):
             weights LPIPS was calibrated on), a member name, ``None`` (random) or a local file.
         heads: the calibrated heads: ``None`` finds those bundled with an installed ``lpips`` (or
             ``torchmetrics``) package; or a ``.pth`` file (or state dict) in lpips' layout.
+        memory_format: the backbone's memory format, as for ``FeatureExtractor``.
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast).
@@ -263,6 +262,7 @@ class LPIPS(nn.Module):
         input_range: tuple[float, float] = (0.0, 1.0),
         weights: WeightsSpec = "DEFAULT",
         heads: HeadsSpec = None,
+        memory_format: MemoryFormat = "auto",
     ) -> None:
         super().__init__()
         self.net = _resolve_net(net)
@@ -287,7 +287,14 @@ class LPIPS(nn.Module):
             raise InvalidTypeError(f"heads must be a path, a state dict or None, not {type(heads).__name__}")
         mean, std = input_scaling(self.version)
         self.extractor = FeatureExtractor(
-            spec.backbone, list(spec.layers), weights=weights, mode="grad", input_range=input_range, mean=mean, std=std
+            spec.backbone,
+            list(spec.layers),
+            weights=weights,
+            mode="grad",
+            input_range=input_range,
+            mean=mean,
+            std=std,
+            memory_format=memory_format,
         )
         self.layers: list[str] = list(spec.layers)
         for name, weight in zip(self.layers, weights_per_layer):

@@ -532,7 +532,7 @@ def feature_statistics_by_layer(
     bar = Progress(total, 0, 1, progress, label="statistics")
     try:
         for rows, batch in zip(batches, loader):
-            arrays = batch_features(extractor, batch.images, device, pool, "float32")
+            arrays = batch_features(extractor, batch.images, device, pool, "float32", micro_batches=workers == 0)
             valid = [i for i, reason in enumerate(batch.reasons) if not reason]
             skipped.extend((inputs.names[rows[i]], r) for i, r in enumerate(batch.reasons) if r)
             for name in wanted:

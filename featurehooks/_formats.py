@@ -1,0 +1,103 @@
+"""Memory formats: which one a backbone runs in, and the evidence ``"auto"`` decides by.
+
+``"auto"`` picks ``channels_last`` on CPUs and CUDA devices for a backbone whose 2-D convolutions do
+most of the work up to the deepest requested layer (counted in FLOPs on the meta device, where the
+channels-last forward must also run), and ``contiguous`` (NCHW) otherwise. The rule comes from
+``benchmarks/``: on the CPU every convolutional torchvision family measured 0.98–2.0x the NCHW speed
+in channels_last (VGG, ResNet, DenseNet, MobileNet, EfficientNet, RegNet, Inception, SqueezeNet...),
+while models whose work is in matrix products (ViT, Swin, ConvNeXt's MLPs) measured 0.99–1.04x:
+nothing to gain, so they stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ._taps import Site
+from ._trace import STATE, drop_hooks, meta_copy
+from .errors import InvalidValueError
+
+__all__ = [
+    "MEMORY_FORMATS",
+    "MemoryFormat",
+    "check_memory_format",
+    "choose_format",
+    "conv_share",
+    "deepest",
+]
+
+MemoryFormat = Literal["auto", "channels_last", "contiguous"]
+MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
+TORCH_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
+# A backbone whose convolutions do at least this share of the FLOPs runs channels-last under "auto".
+CONV_SHARE = 0.5
+# Devices whose convolution kernels were measured (CPU) or are documented (cuDNN) faster in channels_last.
+CHANNELS_LAST_DEVICES = ("cpu", "cuda")
+_CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
+
+
+def check_memory_format(memory_format: object) -> None:
+    if memory_format not in MEMORY_FORMATS:
+        raise InvalidValueError(f"memory_format must be 'auto', 'channels_last' or 'contiguous', not {memory_format!r}")
+
+
+class _Stop(Exception):
+    """Raised by the hook on the deepest requested call: nothing after it runs in the extractor either."""
+
+
+def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | None) -> float | None:
+    """The share of FLOPs in convolutions of a channels-last forward on the meta device, up to the call
+    ``stop_at`` (the deepest requested layer); None when that forward fails in channels-last (a ``.view``
+    that needs NCHW strides) or does no FLOPs at all."""
+    copied = meta_copy(model).to(memory_format=torch.channels_last)
+    dtype = next((p.dtype for p in copied.parameters() if p.is_floating_point()), torch.float32)
+    images = torch.empty(input_shape, dtype=dtype, device="meta").contiguous(memory_format=torch.channels_last)
+    calls: dict[str, int] = {}
+
+    def stop(path: str, *_: Any) -> None:
+        calls[path] = calls.get(path, 0) + 1
+        if stop_at is not None and (path, calls[path] - 1) == stop_at:
+            raise _Stop
+
+    if stop_at is not None:
+        dict(copied.named_modules())[stop_at[0]].register_forward_hook(partial(stop, stop_at[0]))
+    counter = FlopCounterMode(display=False)
+    STATE.active, was_tracing = True, STATE.active
+    try:
+        with torch.no_grad(), counter:
+            copied.eval()(images)
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - any failure means: no evidence that channels-last runs
+        return None
+    finally:
+        STATE.active = was_tracing
+        drop_hooks(copied)
+    counts = counter.get_flop_counts().get("Global", {})
+    total = sum(counts.values())
+    convolutions = sum(flops for op, flops in counts.items() if _op_name(op) in _CONVOLUTIONS)
+    return convolutions / total if total else None
+
+
+def _op_name(op: Any) -> str:
+    """``aten.convolution.default`` -> ``convolution``."""
+    return str(getattr(op, "__name__", op)).split(".")[0]
+
+
+def choose_format(requested: str, share: float | None, device_type: str) -> str:
+    """``"channels_last"`` or ``"contiguous"``: the format a backbone runs in on a device of ``device_type``."""
+    if requested != "auto":
+        return requested
+    convolutional = share is not None and share >= CONV_SHARE
+    return "channels_last" if convolutional and device_type in CHANNELS_LAST_DEVICES else "contiguous"
+
+
+def deepest(sites: Collection[Site], order: dict[Site, int]) -> Site | None:
+    """The site of ``sites`` that fires last (None without sites)."""
+    return max(sites, key=lambda site: order[site], default=None)

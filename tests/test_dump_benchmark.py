@@ -1,0 +1,108 @@
+"""``benchmarks/dump_throughput.py`` in quick mode: its files, its structure and its output checks, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytest.importorskip("skimage")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dump_throughput.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_fh_bench_dump_throughput", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """The script seeds torch and sets threads; leave the rest of the session as it was."""
+    threads, rng, path = torch.get_num_threads(), torch.random.get_rng_state(), list(sys.path)
+    yield
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
+    sys.path[:] = path
+
+
+def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
+    bench = _load()
+    argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
+    payload = bench.main(argv)
+
+    saved = json.loads((tmp_path / "dump_throughput.json").read_text())
+    assert saved == json.loads(json.dumps(payload))
+    assert saved["benchmark"] == "dump_throughput" and saved["quick"] is True and saved["partial"] is False
+    assert saved["command"] == "python benchmarks/dump_throughput.py " + " ".join(argv)
+    assert {"cpu", "cpu_count", "torch_threads", "versions", "date_utc"} <= set(saved["machine"])
+    assert not (tmp_path / "dump_throughput.png").exists()
+    config = saved["config"]
+    assert config["images"] == 18 and config["batch_size"] == 8 and config["workers"] == 1
+    assert config["input_max_abs_diff"] == 0.0  # both routes feed the model the same pixels
+
+    (group,) = saved["groups"]
+    assert group["baseline"] == bench.HAND and group["rounds"] == 1
+    assert group["params"] == {"images": 18, "batch": 8, "workers": 1, "threads": 1}
+    rows = {row["name"]: row for row in group["rows"]}
+    assert list(rows) == [bench.HAND, bench.CONTIGUOUS, bench.DEFAULT]
+    for row in rows.values():
+        assert row["median_ms"] > 0 and row["images_per_s"] > 0 and math.isfinite(row["speedup"])
+        assert row["best_images_per_s"] >= row["images_per_s"]
+        assert row["images_per_s"] == pytest.approx(18 / (row["median_ms"] / 1e3))
+        assert row["rel_diff"] <= bench.MAX_RELATIVE_DIFF
+    assert rows[bench.HAND]["speedup"] == pytest.approx(1.0) and rows[bench.HAND]["ratio"] == pytest.approx(1.0)
+    assert rows[bench.CONTIGUOUS]["memory_format"] == "contiguous"
+    for name in (bench.CONTIGUOUS, bench.DEFAULT):  # compared with the hand loop, row by row
+        assert rows[name]["feature_scale"] > 0 and math.isfinite(rows[name]["max_abs_diff"])
+        assert isinstance(rows[name]["rows_in_folder_order"], bool)
+
+    targets = {t["claim"]: t for t in saved["targets"]}
+    speed = targets[f"{bench.DEFAULT} / {bench.HAND} images/s"]
+    assert speed["limit"] == 1.25 and speed["kind"] == ">="
+    assert speed["measured"] == pytest.approx(rows[bench.DEFAULT]["speedup"])
+    checks = [t for claim, t in targets.items() if "diff" in claim]
+    assert len(checks) == 3 and all(t["met"] for t in checks)
+
+    markdown = (tmp_path / "dump_throughput.md").read_text()
+    assert "Command: `python benchmarks/dump_throughput.py --quick" in markdown and "Machine: " in markdown
+    assert "| contender | median ms | IQR ms | ratio | images/s (median) |" in markdown
+    assert all(f"| {name} |" in markdown for name in rows)
+
+
+def test_photos_are_seeded_jpegs_in_class_folders(tmp_path: Path) -> None:
+    bench = _load()
+    first = bench.make_photos(tmp_path / "a", 7)
+    second = bench.make_photos(tmp_path / "b", 7)
+    assert [p.relative_to(tmp_path / "a") for p in first] == [p.relative_to(tmp_path / "b") for p in second]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
+    assert len({p.parent.name for p in first}) == 6 and all(p.suffix == ".jpg" for p in first)
+    from PIL import Image
+
+    for path in first:
+        with Image.open(path) as image:
+            assert image.format == "JPEG" and image.mode == "RGB" and image.size in bench.SIZES
+
+
+def test_rounds_rotate_and_stop_at_the_budget(tmp_path: Path) -> None:
+    bench = _load()
+    calls: list[tuple[str, Path]] = []
+    contenders = {name: (lambda folder, name=name: calls.append((name, folder))) for name in "abc"}
+    timing = bench.time_rounds(contenders, tmp_path / "all", tmp_path / "warm", rounds=3, budget=60.0)
+    assert timing.rounds == 3 and all(len(s) == 3 for s in timing.samples.values())
+    assert calls[:3] == [(name, tmp_path / "warm") for name in "abc"]  # one warm-up call each, untimed
+    assert [name for name, _ in calls[3:]] == list("abcbcacab")
+    calls.clear()
+    timing = bench.time_rounds(contenders, tmp_path / "all", tmp_path / "warm", rounds=3, budget=0.0)
+    assert timing.rounds == 1 and len(calls) == 6  # one round always runs

@@ -1,0 +1,120 @@
+"""``benchmarks/memory_formats.py`` in quick mode: its files, its structure and its output checks, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("timm")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory_formats.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_fh_bench_memory_formats", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """The script seeds torch and sets threads; leave the rest of the session as it was."""
+    threads, rng, path = torch.get_num_threads(), torch.random.get_rng_state(), list(sys.path)
+    yield
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
+    sys.path[:] = path
+
+
+def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
+    return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
+
+
+def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
+    bench = _load()
+    argv = _argv(tmp_path, torch_home)
+    payload = bench.main(argv)
+
+    saved = json.loads((tmp_path / "memory_formats.json").read_text())
+    assert saved == json.loads(json.dumps(payload))
+    assert saved["benchmark"] == "memory_formats" and saved["quick"] is True and saved["partial"] is False
+    assert saved["command"] == "python benchmarks/memory_formats.py " + " ".join(argv)
+    assert {"cpu", "cpu_count", "torch_threads", "device", "versions", "date_utc"} <= set(saved["machine"])
+    markdown = (tmp_path / "memory_formats.md").read_text()
+    assert "| contender | median ms | IQR ms | ratio | format | conv share |" in markdown
+    assert (tmp_path / "memory_formats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the quick cases: one convolutional model (auto -> channels_last), one token model (auto -> contiguous)
+    config = saved["config"]
+    assert config["models"] == [case.key for case in bench.QUICK] and config["batches"] == [1, 2]
+    cases = config["cases"]
+    conv, vit = (cases[case.key] for case in bench.QUICK)
+    assert conv["auto"] == "channels_last" and conv["conv_share"] >= 0.5
+    assert vit["auto"] == "contiguous" and vit["conv_share"] < 0.5
+    assert all(case["cpu_s"] >= 0 for case in cases.values())
+
+    groups = saved["groups"]
+    titles = [conv["title"], vit["title"]]
+    assert [g["case"] for g in groups] == [title for title in titles for _ in range(4)]
+    assert [(g["params"]["mode"], g["params"]["batch"]) for g in groups[:4]] == [
+        ("no-grad", 1), ("grad", 1), ("no-grad", 2), ("grad", 2)]
+    assert [g["params"]["size"] for g in groups] == [64] * 4 + [224] * 4  # the ViT keeps its fixed size
+    for group, case in zip(groups, [conv] * 4 + [vit] * 4):
+        rows = {row["name"]: row for row in group["rows"]}
+        assert list(rows) == [bench.CONTIGUOUS, bench.CHANNELS_LAST, bench.AUTO]
+        assert group["baseline"] == bench.CONTIGUOUS and rows[bench.CONTIGUOUS]["ratio"] == pytest.approx(1.0)
+        assert group["rounds"] >= 1
+        for row in rows.values():
+            assert row["median_ms"] > 0 and math.isfinite(row["ratio"])
+            assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"]
+        assert rows[bench.CONTIGUOUS]["format"] == "contiguous"
+        assert rows[bench.CHANNELS_LAST]["format"] == "channels_last"
+        assert rows[bench.AUTO]["format"] == case["auto"]
+        assert rows[bench.AUTO]["conv_share"] == case["conv_share"]
+        assert rows[bench.CONTIGUOUS]["conv_share"] is None and rows[bench.CHANNELS_LAST]["conv_share"] is None
+        # same tensors as NCHW: float32 rounding (features), looser for input gradients (a ReLU/max-pool tie)
+        assert rows[bench.CONTIGUOUS]["max_abs_diff"] == 0.0
+        bound = 1e-4 if group["params"]["mode"] == "no-grad" else 0.5
+        assert rows[bench.CHANNELS_LAST]["max_rel_diff"] <= bound, rows
+        # auto runs exactly the format it names: its outputs are those of that contender, bit for bit
+        twin = bench.CONTIGUOUS if case["auto"] == "contiguous" else bench.CHANNELS_LAST
+        assert rows[bench.AUTO]["max_abs_diff"] == rows[twin]["max_abs_diff"]
+
+    targets = saved["targets"]
+    assert len(targets) == 2 * len(groups)
+    best = f"{bench.AUTO} / best of {bench.CONTIGUOUS} and {bench.CHANNELS_LAST}"
+    claims = {f"{bench.AUTO} / {bench.CONTIGUOUS}", best}
+    assert {t["claim"] for t in targets} == claims
+    for target in targets:
+        assert target["limit"] == 1.03 and target["kind"] == "<=" and math.isfinite(target["measured"])
+    assert sum(line.startswith(tuple(titles)) for line in saved["notes"]) == 2  # one overview line per model
+
+
+def test_best_ratio_takes_the_faster_format() -> None:
+    bench = _load()
+    H = bench.H
+    rows = [H.Row(name, ms, ms, ms, ms / 10.0) for name, ms in
+            ((bench.CONTIGUOUS, 10.0), (bench.CHANNELS_LAST, 8.0), (bench.AUTO, 8.4))]
+    group = H.Group("case", {"mode": "no-grad"}, bench.CONTIGUOUS, 5, 1, rows)
+    assert bench.best_ratio(group) == pytest.approx(8.4 / 8.0)
+    by_claim = {t.claim: t for t in bench.targets([group])}
+    assert by_claim[f"{bench.AUTO} / {bench.CONTIGUOUS}"].met
+    assert not by_claim[f"{bench.AUTO} / best of {bench.CONTIGUOUS} and {bench.CHANNELS_LAST}"].met
+
+
+def test_unknown_model_is_refused(tmp_path: Path, torch_home: Path) -> None:
+    bench = _load()
+    with pytest.raises(SystemExit, match="unknown models"):
+        bench.main([*_argv(tmp_path, torch_home), "--models", "resnet9000"])

@@ -1,0 +1,400 @@
+"""memory_format: what "auto" picks and why, values and gradients of each format against float64, dumps.
+
+tests/test_zoo.py holds channels-last to NCHW on every torchvision classification model; this file
+holds both formats to a float64 reference on a spread of families, and covers the choice itself,
+device moves, strides, losses, metrics, dumps and the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import Tensor, nn
+
+import featurehooks as fh
+from featurehooks import _formats
+from featurehooks.cli import main
+from featurehooks.dump import dump_features, tiling
+from featurehooks.dump import forward as dump_forward
+from featurehooks.errors import InvalidValueError
+from featurehooks.losses import PerceptualLoss, StyleLoss
+
+SEED = 0
+
+
+def seeded_extractor(backbone: str, layers: list[str], **kwargs: object) -> fh.FeatureExtractor:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return fh.FeatureExtractor(backbone, layers, weights=None, **kwargs)
+
+
+def conv_weights(extractor: fh.FeatureExtractor) -> list[Tensor]:
+    return [m.weight for m in extractor.backbone.modules() if isinstance(m, nn.Conv2d)]
+
+
+@pytest.mark.parametrize(
+    ("backbone", "layers", "expected"),
+    [
+        ("vgg16", ["relu3_3"], "channels_last"),
+        ("resnet18", ["layer2", "layer4"], "channels_last"),
+        ("efficientnet_b0", ["features.5"], "channels_last"),
+        ("mobilenet_v3_small", ["features.8"], "channels_last"),
+        ("densenet121", ["features.denseblock2"], "channels_last"),
+        ("timm/resnet18", ["layer3"], "channels_last"),
+        ("convnext_tiny", ["features.5"], "contiguous"),  # its work is in Linear layers on permuted maps
+        ("vit_b_16", ["encoder.layers.encoder_layer_2"], "contiguous"),
+        ("swin_t", ["features.3"], "contiguous"),
+        ("maxvit_t", ["blocks.1"], "contiguous"),  # 46% of its FLOPs are convolutions
+        ("timm/vit_tiny_patch16_224", ["blocks.3"], "contiguous"),
+    ],
+)
+def test_auto_runs_channels_last_where_convolutions_do_the_work(
+    backbone: str, layers: list[str], expected: str
+) -> None:
+    extractor = seeded_extractor(backbone, layers)
+    assert extractor.memory_format == "auto" and extractor.memory_format_in_use == expected
+    layout = torch.channels_last if expected == "channels_last" else torch.contiguous_format
+    convs = conv_weights(extractor)
+    assert convs and all(w.is_contiguous(memory_format=layout) for w in convs)
+
+
+def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> None:
+    class ConvThenMatmul(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.pool = nn.AdaptiveAvgPool2d(16)
+            self.head = nn.Linear(8 * 16 * 16, 16384)  # 3x the convolution's FLOPs at 224 px
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.pool(self.conv(x)).flatten(1))
+
+    early = fh.FeatureExtractor(ConvThenMatmul(), ["conv"], weights=None)
+    late = fh.FeatureExtractor(ConvThenMatmul(), ["head"], weights=None)
+    assert early._conv_share == pytest.approx(1.0) and early.memory_format_in_use == "channels_last"
+    assert late._conv_share < 0.5 and late.memory_format_in_use == "contiguous"
+
+
+@pytest.mark.parametrize(
+    ("backbone", "layers", "side"),
+    [
+        ("vgg16", ["relu1_2", "relu3_3"], 64),
+        ("resnet18", ["layer1", "layer3"], 64),
+        ("mobilenet_v3_large", ["features.4", "features.12"], 96),
+        ("efficientnet_b0", ["features.3", "features.6"], 96),
+        ("squeezenet1_1", ["fire4", "fire7"], 64),
+        ("regnet_y_400mf", ["trunk_output.block2", "trunk_output.block3"], 96),
+    ],
+)
+def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: list[str], side: int) -> None:
+    """Values to 1e-5 of each feature's scale; input gradients by norm-relative error (element-wise maxima
+    mislead: a ReLU tie that float32 decides the other way moves a whole gradient path), the same bound
+    for both formats: channels-last is not allowed to be the less exact one by a margin."""
+    reference = seeded_extractor(backbone, layers, mode="grad", memory_format="contiguous").double()
+    images = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(SEED), dtype=torch.float64)
+    weights = {name: None for name in layers}
+
+    def run(extractor: fh.FeatureExtractor, dtype: torch.dtype) -> tuple[dict[str, Tensor], Tensor]:
+        leaf = images.to(dtype).requires_grad_()
+        features = extractor(leaf)
+        generator = torch.Generator().manual_seed(SEED + 1)
+        for name in layers:
+            weights[name] = torch.randn(features[name].shape, generator=generator, dtype=torch.float64)
+        loss = sum((features[name].double() * weights[name]).sum() for name in layers)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        return {name: value.detach().double() for name, value in features.items()}, grad.double()
+
+    expected, expected_grad = run(reference, torch.float64)
+    errors = {}
+    for memory_format in ("contiguous", "channels_last"):
+        extractor = seeded_extractor(backbone, layers, mode="grad", memory_format=memory_format)
+        assert extractor.memory_format_in_use == memory_format
+        found, grad = run(extractor, torch.float32)
+        for name in layers:
+            scale = float(expected[name].abs().max())
+            torch.testing.assert_close(found[name], expected[name], rtol=0, atol=1e-5 * scale, msg=name)
+        errors[memory_format] = float((grad - expected_grad).norm() / expected_grad.norm())
+    assert max(errors.values()) < 1e-2, errors
+    assert errors["channels_last"] <= 2 * errors["contiguous"] + 1e-5, errors
+
+
+def test_features_keep_their_shape_and_say_their_strides() -> None:
+    images = torch.rand(2, 3, 64, 64)
+    last = seeded_extractor("resnet18", ["layer2"])(images)["layer2"]
+    nchw = seeded_extractor("resnet18", ["layer2"], memory_format="contiguous")(images)["layer2"]
+    assert last.shape == nchw.shape == (2, 128, 8, 8)
+    assert last.is_contiguous(memory_format=torch.channels_last) and not last.is_contiguous()
+    assert nchw.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x,
+        lambda x: x.contiguous(memory_format=torch.channels_last),
+        lambda x: x[..., ::2, ::2],  # strided view
+        lambda x: x.permute(0, 1, 3, 2),  # a transposed view
+        lambda x: x.double(),
+    ],
+)
+def test_inputs_of_any_strides_and_dtype_give_the_same_features_and_gradients(make: object) -> None:
+    extractor = seeded_extractor("resnet18", ["layer2"], mode="grad")
+    nchw = seeded_extractor("resnet18", ["layer2"], mode="grad", memory_format="contiguous")
+    base = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(SEED))
+    leaf = base.clone().requires_grad_()
+    image = make(leaf)  # type: ignore[operator]
+    reference = image.detach().contiguous().float().requires_grad_()
+    found, expected = extractor(image)["layer2"], nchw(reference)["layer2"]
+    torch.testing.assert_close(found.float(), expected, rtol=0, atol=1e-5 * float(expected.detach().abs().max()))
+    found.sum().backward()
+    expected.sum().backward()
+    assert leaf.grad is not None and reference.grad is not None
+
+
+def test_explicit_formats_are_obeyed_on_any_model() -> None:
+    vit = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_1"], memory_format="channels_last")
+    assert vit.memory_format_in_use == "channels_last"
+    assert vit.backbone.conv_proj.weight.is_contiguous(memory_format=torch.channels_last)
+    nchw = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_1"], memory_format="contiguous")
+    images = torch.rand(2, 3, 224, 224)
+    name = "encoder.layers.encoder_layer_1"
+    expected = nchw(images)[name]
+    torch.testing.assert_close(vit(images)[name], expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    resnet = seeded_extractor("resnet18", ["layer1"], memory_format="contiguous")
+    assert resnet.memory_format_in_use == "contiguous" and all(w.is_contiguous() for w in conv_weights(resnet))
+    assert "memory_format='contiguous'" in repr(resnet) and "memory_format" not in repr(
+        seeded_extractor("resnet18", ["layer1"])
+    )
+
+
+class FlattensWithView(nn.Module):
+    """A convolution then ``.view``: fine in NCHW, an error for channels-last strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.conv(x).view(x.shape[0], -1))
+
+
+def test_auto_keeps_nchw_for_a_model_that_fails_in_channels_last() -> None:
+    extractor = fh.FeatureExtractor(FlattensWithView(), ["conv", "head"], weights=None)
+    assert extractor._conv_share is None and extractor.memory_format_in_use == "contiguous"
+    assert extractor(torch.rand(2, 3, 8, 8))["head"].shape == (2, 2)
+    forced = fh.FeatureExtractor(FlattensWithView(), ["head"], weights=None, memory_format="channels_last")
+    with pytest.raises(RuntimeError, match="view"):
+        forced(torch.rand(2, 3, 8, 8))
+
+
+def test_untraceable_models_stay_nchw_under_auto() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.conv(x) if float(x.mean()) > -1 else x  # a value read: no meta trace
+
+    extractor = fh.FeatureExtractor(DataDependent(), ["conv"], weights=None)
+    assert extractor._trace is None and extractor.memory_format_in_use == "contiguous"
+
+
+@pytest.mark.parametrize(
+    ("requested", "share", "device", "expected"),
+    [
+        ("auto", 0.9, "cpu", "channels_last"),
+        ("auto", 0.9, "cuda", "channels_last"),
+        ("auto", 0.9, "mps", "contiguous"),  # not measured: NCHW as before
+        ("auto", 0.3, "cpu", "contiguous"),
+        ("auto", None, "cpu", "contiguous"),
+        ("channels_last", None, "mps", "channels_last"),
+        ("contiguous", 1.0, "cpu", "contiguous"),
+    ],
+)
+def test_choice_by_request_share_and_device(requested: str, share: float | None, device: str, expected: str) -> None:
+    assert _formats.choose_format(requested, share, device) == expected
+
+
+def test_a_move_to_another_device_type_decides_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    extractor = seeded_extractor("resnet18", ["layer2"])
+    images = torch.rand(2, 3, 64, 64)
+    before = extractor(images)["layer2"]
+    monkeypatch.setattr(_formats, "CHANNELS_LAST_DEVICES", ("cuda",))  # as if the CPU were a device not measured
+    extractor.float()
+    assert extractor.memory_format_in_use == "contiguous" and all(w.is_contiguous() for w in conv_weights(extractor))
+    after = extractor(images)["layer2"]
+    assert after.is_contiguous()
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5 * float(before.abs().max()))
+    monkeypatch.undo()
+    extractor.float()
+    assert extractor.memory_format_in_use == "channels_last"
+
+
+def test_copies_keep_the_format() -> None:
+    extractor = seeded_extractor("resnet18", ["layer1"])
+    buffer = io.BytesIO()
+    torch.save(extractor, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(extractor), torch.load(buffer, weights_only=False)):
+        assert copied.memory_format_in_use == "channels_last"
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(copied))
+
+
+def test_a_bad_memory_format_is_refused() -> None:
+    with pytest.raises(InvalidValueError, match="memory_format must be"):
+        fh.FeatureExtractor("resnet18", ["layer1"], weights=None, memory_format="nhwc")  # type: ignore[arg-type]
+
+
+def test_losses_and_lpips_take_the_format_and_agree_across_formats() -> None:
+    images, target = torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)
+    for make in (
+        lambda fmt: PerceptualLoss("vgg16", ["relu2_2", "relu3_3"], weights=None, memory_format=fmt),
+        lambda fmt: StyleLoss("vgg16", ["relu1_2", "relu2_2"], weights=None, memory_format=fmt),
+        lambda fmt: fh.LPIPS("alex", weights=None, calibrated=False, memory_format=fmt),
+    ):
+        values = {}
+        for fmt in ("contiguous", "channels_last", "auto"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(SEED)
+                loss = make(fmt)
+            assert loss.extractor.memory_format == fmt
+            values[fmt] = loss(images, target)
+        torch.testing.assert_close(values["channels_last"], values["contiguous"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(values["auto"], values["channels_last"], rtol=0, atol=0)
+
+
+def test_a_shared_extractor_brings_its_own_format() -> None:
+    shared = seeded_extractor("vgg16", ["relu3_3"], mode="grad", memory_format="contiguous")
+    assert PerceptualLoss(shared).extractor.memory_format_in_use == "contiguous"
+    with pytest.raises(InvalidValueError, match="memory_format come from the shared FeatureExtractor"):
+        PerceptualLoss(shared, memory_format="channels_last")
+
+
+def test_activation_bytes_is_the_largest_output_per_image_up_to_the_deepest_layer() -> None:
+    resnet = seeded_extractor("resnet18", ["layer4"])
+    assert resnet.activation_bytes(224, 224) == 64 * 112 * 112 * 4  # conv1's output (bn1, relu the same size)
+    assert resnet.activation_bytes(448, 448) == 4 * resnet.activation_bytes(224, 224)
+    early = seeded_extractor("vgg16", ["relu1_1"])
+    assert early.activation_bytes(32, 32) == 64 * 32 * 32 * 4
+    assert seeded_extractor("vgg16", ["relu1_1"]).double().activation_bytes(32, 32) == 64 * 32 * 32 * 8
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("32768K", 32 * 2**20), ("1024K", 2**20), ("2M", 2 * 2**20), ("512", 512), ("lots", None)]
+)
+def test_cache_sizes_are_read_as_sysfs_writes_them(text: str, expected: int | None) -> None:
+    assert tiling._size_in_bytes(text) == expected
+
+
+def test_micro_batches_fit_the_cache_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    resnet = seeded_extractor("resnet18", ["layer4"])
+    monkeypatch.setattr(tiling, "cache_budget", lambda: 16 * 2**20)
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224)) == 5  # 16 MiB / 3.06 MiB per image
+    assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224)) == 3
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta")) == 32
+    assert tiling.micro_batch_size(lambda x: {"x": x}, torch.empty(32, 3, 8, 8)) == 32  # no sizes to go by
+    monkeypatch.setattr(tiling, "cache_budget", lambda: 1)
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224)) == 1
+
+
+@pytest.mark.parametrize("pool", [None, "avg"])
+def test_micro_batched_dump_rows_equal_one_forward(monkeypatch: pytest.MonkeyPatch, pool: str | None) -> None:
+    extractor = seeded_extractor("resnet18", ["layer2", "layer3"])
+    images = torch.rand(7, 3, 64, 64)
+    whole = dump_forward.features_as_arrays(extractor, images, pool, "float32")
+    monkeypatch.setattr(dump_forward, "micro_batch_size", lambda *_: 3)  # 3 + 3 + 1
+    tiled = dump_forward.features_as_arrays(extractor, images, pool, "float32", micro_batches=True)
+    direct = extractor(images)
+    for name, array in tiled.items():
+        assert array.flags.c_contiguous and array.shape == whole[name].shape
+        np.testing.assert_allclose(array, whole[name], rtol=0, atol=1e-5 * float(np.abs(whole[name]).max()))
+        if pool is None:
+            np.testing.assert_array_equal(whole[name], direct[name].numpy())
+
+
+def test_dumps_of_both_formats_agree_and_are_c_ordered(tmp_path: Path) -> None:
+    rng = np.random.default_rng(SEED)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.jpg", quality=90)
+    arrays = {}
+    for fmt in ("contiguous", "auto"):
+        extractor = seeded_extractor("resnet18", ["layer2"], memory_format=fmt)
+        result = dump_features(
+            extractor, folder, tmp_path / fmt, batch_size=4, progress=False, num_workers=0, resize_size=36, crop_size=32
+        )
+        arrays[fmt] = result.load("layer2", mmap=False)
+        assert arrays[fmt].flags.c_contiguous and arrays[fmt].shape == (5, 128, 4, 4)
+    scale = float(np.abs(arrays["contiguous"]).max())
+    np.testing.assert_allclose(arrays["auto"], arrays["contiguous"], rtol=0, atol=1e-5 * scale)
+
+
+def test_the_command_line_takes_a_memory_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(folder / "a.png")
+    common = [
+        "extract",
+        str(folder),
+        "--backbone",
+        "resnet18",
+        "--layers",
+        "layer1",
+        "--weights",
+        "none",
+        "--resize",
+        "36",
+        "--crop",
+        "32",
+        "--device",
+        "cpu",
+        "-q",
+    ]
+    assert main([*common, "--out", str(tmp_path / "out"), "--memory-format", "contiguous"]) == 0
+    assert np.load(tmp_path / "out" / "layer1.npy").shape == (1, 64, 8, 8)
+    with pytest.raises(SystemExit):
+        main([*common, "--out", str(tmp_path / "bad"), "--memory-format", "nhwc"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("workers", "tiled"), [(0, True), (1, False)])
+def test_dumps_tile_only_when_no_worker_shares_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, tiled: bool
+) -> None:
+    calls = []
+    monkeypatch.setattr(dump_forward, "micro_batch_size", lambda _, images: calls.append(len(images)) or 1)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((40, 40, 3), 40 * i, dtype=np.uint8)).save(folder / f"{i}.png")
+    extractor = seeded_extractor("resnet18", ["layer1"])
+    result = dump_features(
+        extractor,
+        folder,
+        tmp_path / "out",
+        batch_size=3,
+        num_workers=workers,
+        progress=False,
+        resize_size=36,
+        crop_size=32,
+        pool="avg",
+    )
+    assert bool(calls) == tiled and result.load("layer1").shape == (3, 64)
+
+
+def test_a_memory_format_given_to_to_cannot_override_the_choice() -> None:
+    vit = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_0"])
+    vit.to(memory_format=torch.channels_last)
+    assert vit.memory_format_in_use == "contiguous" and vit.backbone.conv_proj.weight.is_contiguous()
+    resnet = seeded_extractor("resnet18", ["layer1"])
+    resnet.to(memory_format=torch.contiguous_format)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(resnet))
