@@ -311,6 +311,24 @@ def max_abs_diff(a: Any, b: Any) -> float:
     return worst
 
 
+def max_rel_diff(a: Any, reference: Any) -> float:
+    """Largest ``max|a - reference| / max|reference|`` over the outputs (0 where the reference is all zeros).
+
+    Memory formats sum in another order: channels-last outputs differ from NCHW ones at float32 rounding,
+    which is ~1e-6 of the values' scale whatever that scale is; this is the number to hold to a bound.
+    """
+    a, reference = (list(v.values()) if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else list(v)
+                    for v in (a, reference))
+    if len(a) != len(reference):
+        raise ValueError(f"contenders returned {len(a)} and {len(reference)} outputs")
+    worst = 0.0
+    for x, y in zip(a, reference):
+        scale = float(y.detach().float().abs().max()) if y.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, max_abs_diff(x, y) / scale)
+    return worst
+
+
 # --------------------------------------------------------------------------------------------------
 # results
 

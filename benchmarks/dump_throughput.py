@@ -1,184 +1,390 @@
-"""How fast is a feature dump compared with the model alone on the same images?
+"""Is a whole feature dump at least 1.25x the images/s of the loop a user writes by hand, with equal outputs?
 
-Images/s of ``dump_features`` (decode + resize + crop in DataLoader workers, forward, write to
-``.npy``, commit) against the forward pass alone on the same images preloaded as one tensor, and
-against decoding alone (the DataLoader without the model), at the same batch size, on CPU.
+Issue 13's question. The job: the avg-pooled ``layer4`` features (512-d) of ResNet-18 for a folder
+of real photos, with the weights' preprocessing (resize 256, center crop 224), written to ``.npy``.
+Three contenders do it on the same JPEGs, with the same weights, batch size and DataLoader worker
+count, timed in interleaved rounds (``A B C``, ``B C A``, ...) after one untimed warm-up call each on
+the first images (one full batch and one of the last batch's size); rounds stop at ``--rounds`` or
+when the next one would end past ``--budget`` seconds:
 
-    python benchmarks/dump_throughput.py                # ~3 minutes on 2 cores
-    python benchmarks/dump_throughput.py --quick        # checks the script, not speed
+- *hand-written NCHW loop* (the baseline): ``torchvision.datasets.ImageFolder`` with
+  ``weights.transforms()``, a ``DataLoader``, a plain torchvision ResNet-18 truncated by hand
+  (``conv1`` .. ``layer4``, ``adaptive_avg_pool2d``, ``flatten``) under ``torch.no_grad()``, the rows
+  collected and saved with one ``np.save`` at the end;
+- *featurehooks dump, contiguous*: ``dump_features`` with ``FeatureExtractor(memory_format="contiguous")``,
+  the NCHW layout of earlier releases (for information);
+- *featurehooks dump (default)*: ``dump_features`` with a default ``FeatureExtractor``.
 
-Writes ``benchmarks/results/dump_throughput.json`` (machine, versions, every sample) and ``.md``.
+A dump's time is the whole call: listing, planning, worker start-up, decoding, forwards, writing the
+rows, the per-batch commit (with its fsync) and the manifest. Every contender's saved features are
+compared with the hand loop's, row by row matched by file path (the dump's ``index.csv`` against
+``ImageFolder.samples``); before any timing, the input tensors of both routes (decode, resize, crop,
+normalize) are compared for every image.
+
+Images: seeded random crops, flips and rescales of scikit-image's color photos (``skimage.data``:
+astronaut, chelsea, coffee, rocket, the stereo motorcycle pair) to typical camera sizes (landscape
+and portrait, 333..640 px), saved as JPEG quality 90 in ``root/<photo>/<file>.jpg`` (the layout
+``ImageFolder`` reads) in a temporary folder. Weights: seeded random ResNet-18 weights written where
+torchvision's cache looks, in ``--torch-home`` (a temporary folder unless given).
+
+    python benchmarks/dump_throughput.py            # 400 images, up to 5 rounds in 180 s: ~4 minutes
+    python benchmarks/dump_throughput.py --quick    # 18 images, 1 round: checks the script, not speed
+
+Needs ``scikit-image`` (the photos). Writes ``benchmarks/results/dump_throughput.json`` (machine,
+versions, every sample) and ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import csv
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, machine_line  # noqa: E402
+import _harness as H  # noqa: E402
 
 from featurehooks import FeatureExtractor  # noqa: E402
-from featurehooks.dump import dump_features, list_images  # noqa: E402
-from featurehooks.dump.run import _default_workers  # noqa: E402
-from featurehooks.dump.sources import ImageFiles, collate  # noqa: E402
+from featurehooks.dump import dump_features  # noqa: E402
 from featurehooks.images import read_image, transform_for  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-CASES = {
-    "pooled": {"layers": ["layer4"], "pool": "avg", "dtype": "float32"},
-    "spatial": {"layers": ["layer3"], "pool": None, "dtype": "float16"},
-}
+NAME = "dump_throughput"
+TITLE = "Feature dump vs a hand-written loop: ResNet-18 layer4 avg-pooled, JPEG folder to .npy"
+HAND = "hand-written NCHW loop"
+CONTIGUOUS = "featurehooks dump, contiguous"
+DEFAULT = "featurehooks dump (default)"
+TARGET_SPEEDUP = 1.25
+MAX_RELATIVE_DIFF = 1e-4  # channels-last and other batch splits change float32 rounding only
+SIZES = ((500, 375), (375, 500), (640, 480), (480, 640), (500, 333), (333, 500), (640, 427), (427, 640))  # (W, H)
+JPEG_QUALITY = 90
 
 
-def make_images(folder: Path, count: int, size: tuple[int, int]) -> None:
-    """Smooth synthetic photos (gradients and shapes) as JPEG, like a typical image folder."""
-    rng = np.random.default_rng(0)
-    width, height = size
-    ramp = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
+# --------------------------------------------------------------------------------------------------
+# the images
+
+
+def source_photos() -> dict[str, np.ndarray]:
+    """scikit-image's everyday color photos, (H, W, 3) uint8 each, by name."""
+    try:
+        import skimage.data as data
+    except ImportError:
+        raise SystemExit("this benchmark needs scikit-image for its photos: pip install scikit-image") from None
+    left, right, _ = data.stereo_motorcycle()
+    return {
+        "astronaut": data.astronaut(),
+        "chelsea": data.chelsea(),
+        "coffee": data.coffee(),
+        "motorcycle_left": left,
+        "motorcycle_right": right,
+        "rocket": data.rocket(),
+    }
+
+
+def make_photos(root: Path, count: int, seed: int = H.SEED) -> list[Path]:
+    """``count`` JPEGs under ``root/<photo>/``: a random crop of the photo at a typical aspect ratio,
+    rescaled to a typical size (upscaled where the photo is smaller), flipped half of the time."""
+    rng = np.random.default_rng(seed)
+    photos = source_photos()
+    names = sorted(photos)
+    paths = []
     for i in range(count):
-        base = (ramp * rng.uniform(80, 255, 3) + rng.uniform(0, 60, 3)).clip(0, 255)
-        picture = Image.fromarray(np.broadcast_to(base, (height, width, 3)).astype(np.uint8))
-        draw = ImageDraw.Draw(picture)
-        for _ in range(6):
-            x, y = rng.integers(0, width - 40), rng.integers(0, height - 40)
-            box = (x, y, x + rng.integers(20, 160), y + rng.integers(20, 120))
-            color = tuple(int(c) for c in rng.integers(0, 256, 3))
-            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=color)
-        picture.save(folder / f"img_{i:05d}.jpg", quality=90)
+        name = names[i % len(names)]
+        photo = Image.fromarray(photos[name])
+        width, height = SIZES[rng.integers(len(SIZES))]
+        scale = min(photo.width / width, photo.height / height) * rng.uniform(0.55, 1.0)
+        crop_w, crop_h = max(1, round(width * scale)), max(1, round(height * scale))
+        left = int(rng.integers(0, photo.width - crop_w + 1))
+        top = int(rng.integers(0, photo.height - crop_h + 1))
+        picture = photo.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), Image.BICUBIC)
+        if rng.random() < 0.5:
+            picture = picture.transpose(Image.FLIP_LEFT_RIGHT)
+        path = root / name / f"{name}_{i:04d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        picture.save(path, quality=JPEG_QUALITY)
+        paths.append(path)
+    return paths
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+# --------------------------------------------------------------------------------------------------
+# the contenders
 
 
-def measure(case: str, options: dict, names: list[str], work: Path, args: argparse.Namespace) -> list[dict]:
-    """Rows of one case: model only, decode only (pooled case), and dump_features per worker count."""
-    torch.manual_seed(0)
-    ext = FeatureExtractor("resnet18", options["layers"], weights=None)  # seeded random init: same cost
-    transform = transform_for(ext.preprocessing, ext.input_range)
-    preloaded = torch.stack([transform(read_image(n)) for n in names])
-    pool, dtype = options["pool"], getattr(torch, options["dtype"])
+def truncated_resnet(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a user writes: the stem and the four stages of a torchvision ResNet, then a global average pool."""
 
-    def model_only() -> None:
-        with torch.no_grad():
-            for start in range(0, len(preloaded), args.batch_size):
-                for value in ext(preloaded[start : start + args.batch_size]).values():
-                    (value.mean(dim=(2, 3)) if pool else value).to(dtype).numpy()
+    def features(x: torch.Tensor) -> torch.Tensor:
+        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        x = model.layer4(model.layer3(model.layer2(model.layer1(x))))
+        return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
 
-    def dump(workers: int) -> Callable[[], object]:
-        return lambda: dump_features(
-            ext, names, work / f"out_{case}", batch_size=args.batch_size, num_workers=workers,
-            pool=pool, dtype=options["dtype"], overwrite=True, progress=False,
-        )  # fmt: skip
+    return features
 
-    def decode_only(workers: int) -> Callable[[], object]:
-        files = ImageFiles(names, transform, (3, transform.crop_size, transform.crop_size))
-        size = args.batch_size
-        batches = [list(range(i, min(i + size, len(names)))) for i in range(0, len(names), size)]
-        loader_args = {"batch_sampler": batches, "num_workers": workers, "collate_fn": collate}
-        return lambda: [None for _ in torch.utils.data.DataLoader(files, **loader_args)]
 
-    contenders: dict[str, tuple[Callable[[], object], int | None]] = {"model only (preloaded)": (model_only, None)}
-    for w in args.workers:
-        if case == "pooled":  # decoding does not depend on the case
-            contenders[f"decode only, {w} workers"] = (decode_only(w), w)
-        contenders[f"dump_features, {w} workers"] = (dump(w), w)
-    model_only()  # warm-up (oneDNN primitives, page cache of the images)
-    dump(args.workers[0])()
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for rep in range(args.reps):
-        order = list(contenders)
-        order = order[rep % len(order) :] + order[: rep % len(order)]  # rotate: no fixed neighbour
-        for name in order:
-            samples[name].append(timed(contenders[name][0]))
-    model_rate = len(names) / statistics.median(samples["model only (preloaded)"])
-    best_model_rate = len(names) / min(samples["model only (preloaded)"])
+def hand_loop(root: Path, out: Path, transform: Any, model: torch.nn.Module, batch_size: int, workers: int) -> Path:
+    """The baseline: ImageFolder + DataLoader + the truncated model, rows saved by one ``np.save``."""
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(str(root), transform=transform)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers, shuffle=False)
+    forward = truncated_resnet(model)
     rows = []
-    for name, (_, workers) in contenders.items():
-        seconds = statistics.median(samples[name])
-        rate, best = len(names) / seconds, len(names) / min(samples[name])
-        rows.append({
-            "case": case, "contender": name, "workers": workers, "median_s": seconds, "samples_s": samples[name],
-            "images_per_s": rate, "vs_model_only": rate / model_rate,
-            "best_images_per_s": best, "best_vs_model_only": best / best_model_rate,
-        })  # fmt: skip
-        print(f"{case:8s} {name:28s} {rate:8.1f} img/s  ({rate / model_rate:.2f}x model only)", flush=True)
-    return rows
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--images", type=int, default=96, help="number of images")
-    p.add_argument("--image-size", type=int, nargs=2, default=(400, 300), metavar=("W", "H"), help="source size")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument(
-        "--workers", type=int, nargs="+", default=None, help="worker counts to try (default: 0 and the library default)"
-    )
-    p.add_argument("--reps", type=int, default=3, help="repetitions (median and best reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--quick", action="store_true", help="16 images, 1 repetition: checks the script, not speed")
-    p.add_argument("--out", default=str(RESULTS), help="folder for dump_throughput.json and .md")
-    args = p.parse_args()
-    if args.workers is None:
-        args.workers = sorted({0, max(1, _default_workers())})
-    if args.quick:
-        args.images, args.reps, args.workers = 16, 1, [0, 1]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="fh_dump_bench_"))
-    (work / "images").mkdir()
-    make_images(work / "images", args.images, tuple(args.image_size))
-    names = list_images(work / "images")
-    rows = [row for case, options in CASES.items() for row in measure(case, options, names, work, args)]
-    info = machine(torch.device("cpu"))
-    command = " ".join(["python", "benchmarks/dump_throughput.py", *sys.argv[1:]])
-    payload = {
-        "benchmark": "dump_throughput", "quick": args.quick, "command": command, "machine": info,
-        "settings": {"images": len(names), "image_size": list(args.image_size), "batch_size": args.batch_size,
-                     "backbone": "resnet18 (random init)", "crop": 224, "resize": 256, "reps": args.reps},
-        "cases": CASES, "rows": rows,
-    }  # fmt: skip
-    out = Path(args.out)
+    with torch.no_grad():
+        for images, _ in loader:
+            rows.append(forward(images))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dump_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
-    lines = [
-        "## Dump throughput vs model only",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {machine_line(info)}  ",
-        f"Load average (1, 5, 15 min) at the end: {info.get('load_average_at_end')} (other jobs share the cores)",
-        "",
-        f"{len(names)} JPEGs of {args.image_size[0]}x{args.image_size[1]}, resnet18 at 224 (resize 256, crop 224), "
-        f"batch {args.batch_size}, median and best of {args.reps} interleaved runs; "
-        "dump times include start-up (shape probe, file creation, "
-        "worker start) and the per-batch flush + journal fsync.",
-        "",
-        "| case | contender | images/s (median) | vs model only | images/s (best) | vs model only (best) |",
-        "|---|---|---:|---:|---:|---:|",
+    np.save(out / "layer4.npy", torch.cat(rows).numpy())
+    return out / "layer4.npy"
+
+
+def dump(ext: FeatureExtractor, root: Path, out: Path, batch_size: int, workers: int) -> Any:
+    return dump_features(
+        ext, root, out, batch_size=batch_size, num_workers=workers, pool="avg", progress=False, overwrite=True
+    )
+
+
+def time_rounds(
+    contenders: dict[str, Callable[[Path], Any]], root: Path, warm_root: Path, rounds: int, budget: float
+) -> H.Timing:
+    """One untimed call per contender on ``warm_root``, then interleaved rounds on ``root`` (the order
+    rotates each round), as many as ``rounds`` but no more than fit in ``budget`` seconds (at least one).
+
+    Not ``_harness.time_interleaved``: its warm-up calls would be whole dumps of ``root``, doubling the run.
+    """
+    names = list(contenders)
+    for name in names:
+        contenders[name](warm_root)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            begin = time.perf_counter()
+            contenders[name](root)
+            samples[name].append(time.perf_counter() - begin)
+        elapsed = time.perf_counter() - start
+        if elapsed * (r + 2) / (r + 1) > budget:  # the next round would not fit
+            break
+    return H.Timing(samples, len(samples[names[0]]), 1, "wall")
+
+
+# --------------------------------------------------------------------------------------------------
+# checks
+
+
+def folder_order(root: Path) -> list[str]:
+    """The files in ``ImageFolder``'s row order (classes sorted, then files), as real paths."""
+    from torchvision.datasets import ImageFolder
+
+    return [os.path.realpath(path) for path, _ in ImageFolder(str(root)).samples]
+
+
+def dump_rows(out: Path, order: Sequence[str]) -> tuple[np.ndarray, bool]:
+    """The dump's row for every path of ``order`` (from its ``index.csv``), and whether any row is invalid."""
+    with open(out / "index.csv", newline="") as index:
+        reader = csv.reader(index)
+        header = next(reader)
+        rows = {os.path.realpath(line[2]): (int(line[0]), line[1] == "1") for line in reader}
+    if header != ["row", "valid", "path"]:
+        raise SystemExit(f"unexpected index.csv header in {out}: {header}")
+    matched = [rows[path] for path in order]
+    return np.array([row for row, _ in matched]), not all(valid for _, valid in matched)
+
+
+def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
+    """Max absolute difference, and that difference over the largest feature magnitude."""
+    if reference.shape != other.shape:
+        raise SystemExit(f"outputs differ in shape: {reference.shape} vs {other.shape}")
+    diff = float(np.abs(reference.astype(np.float64) - other.astype(np.float64)).max())
+    scale = float(np.abs(reference).max())
+    return {"max_abs_diff": diff, "feature_scale": scale, "rel_diff": diff / scale if scale else diff}
+
+
+def input_diff(root: Path, transform: Any, ext: FeatureExtractor) -> float:
+    """Largest difference between the hand loop's input tensors and the ones the dump feeds its model.
+
+    Hand: ``ImageFolder``'s PIL decode + ``weights.transforms()``. Dump: ``featurehooks.images``
+    (libjpeg-turbo via torchvision or Pillow) + its transform, normalized as the extractor does.
+    """
+    from torchvision.datasets import ImageFolder
+
+    ours = transform_for(ext.preprocessing, ext.input_range)
+    mean = torch.tensor(transform.mean).view(-1, 1, 1)
+    std = torch.tensor(transform.std).view(-1, 1, 1)
+    worst = 0.0
+    for path, _ in ImageFolder(str(root)).samples:
+        theirs = transform(Image.open(path).convert("RGB"))
+        mine = (ours(read_image(path)) - mean) / std
+        worst = max(worst, float((theirs - mine).abs().max()))
+    return worst
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+
+
+def arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="18 images, batch 8, 1 round: checks the script, not speed")
+    p.add_argument("--images", type=int, default=None, help="number of JPEGs (default: 400; 18 if --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default: 5; 1 if --quick)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=180.0,
+        help="seconds of timed rounds: no round starts that would not end within it (one always runs)",
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="images per batch (default: 32; 8 if --quick)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers, the same for every contender")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores; 1 if --quick)")
+    p.add_argument("--torch-home", default=None, help="TORCH_HOME with (or for) seeded weights; default: a temp dir")
+    p.add_argument("--out", default=str(H.RESULTS), help="folder for dump_throughput.json and .md")
+    args = p.parse_args(argv)
+    quick = {"images": 18, "rounds": 1, "batch_size": 8}
+    full = {"images": 400, "rounds": 5, "batch_size": 32}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("images", "rounds", "batch_size"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} must be at least 1")
+    if args.workers < 0:
+        raise SystemExit("--workers must be at least 0")
+    return args
+
+
+def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings:
+    """The harness settings (threads, seed, command, output folder): CPU, wall clock, no chart."""
+    shared = argparse.Namespace(
+        device="cpu", quick=args.quick, threads=args.threads, budget=0.0, min_reps=args.rounds,
+        max_reps=args.rounds, warmup=1, out=args.out, tag="", no_plot=True, clock="wall",
+    )  # fmt: skip
+    cfg = H.settings(shared, budget=0.0)
+    if argv is not None:  # called from Python (tests): say what the command line would have been
+        cfg.command = " ".join(["python", "benchmarks/dump_throughput.py", *argv])
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = arguments(argv)
+    cfg = settings(args, argv)
+    load_at_start = H.loadavg()
+    import torchvision.models as tvm
+
+    weights = tvm.ResNet18_Weights.DEFAULT
+    transform = weights.transforms()
+    with H.seeded_torch_home(args.torch_home), tempfile.TemporaryDirectory(prefix="fh_dump_bench_") as tmp:
+        work = Path(tmp)
+        root = work / "photos"
+        H.log(f"writing {args.images} JPEGs")
+        classes = len({path.parent.name for path in make_photos(root, args.images)})
+        warm_root = work / "warm-up"  # the first images again: one full batch and one of the last batch's size
+        make_photos(warm_root, min(args.images, args.batch_size + args.images % args.batch_size))
+        H.seeded_hub_weights("resnet18")
+        model = H.load_seeded("resnet18")
+        contiguous = FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT", memory_format="contiguous")
+        default = FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT")
+        H.log("comparing the input tensors of both routes")
+        pixels = input_diff(root, transform, default)
+        outs = {HAND: work / "hand", CONTIGUOUS: work / "contiguous", DEFAULT: work / "default"}
+        batch, workers = args.batch_size, args.workers
+        contenders: dict[str, Callable[[Path], Any]] = {
+            HAND: lambda folder: hand_loop(folder, outs[HAND], transform, model, batch, workers),
+            CONTIGUOUS: lambda folder: dump(contiguous, folder, outs[CONTIGUOUS], batch, workers),
+            DEFAULT: lambda folder: dump(default, folder, outs[DEFAULT], batch, workers),
+        }
+        H.log(f"timing: up to {args.rounds} interleaved round(s) of {args.images} images, {args.budget:g} s at most")
+        timing = time_rounds(contenders, root, warm_root, args.rounds, args.budget)
+        order = folder_order(root)
+        reference = np.load(outs[HAND] / "layer4.npy")
+        checks: dict[str, dict[str, Any]] = {HAND: {"max_abs_diff": 0.0, "rel_diff": 0.0}}
+        for name in (CONTIGUOUS, DEFAULT):
+            rows, invalid = dump_rows(outs[name], order)
+            if invalid:
+                raise SystemExit(f"{name}: some images were not decoded (see {outs[name] / 'manifest.json'})")
+            features = np.load(outs[name] / "layer4.npy")
+            checks[name] = {
+                **compare(reference, features[rows]),
+                "rows_in_folder_order": bool(np.array_equal(rows, np.arange(len(rows)))),
+            }
+        formats = {HAND: "contiguous (NCHW)", CONTIGUOUS: contiguous.memory_format_in_use,
+                   DEFAULT: default.memory_format_in_use}  # fmt: skip
+        contiguous.close()
+        default.close()
+
+    count = len(order)
+    base = timing.median(HAND)
+    base_best = min(timing.samples[HAND])
+    extras = {}
+    for name in contenders:
+        median, best = timing.median(name), min(timing.samples[name])
+        extras[name] = {
+            "images_per_s": count / median, "best_images_per_s": count / best,
+            "speedup": base / median, "best_speedup": base_best / best, "memory_format": formats[name],
+            "samples_images_per_s": [count / s for s in timing.samples[name]], **checks[name],
+        }  # fmt: skip
+    params = {"images": count, "batch": batch, "workers": workers, "threads": cfg.threads}
+    group = H.make_group("resnet18 layer4 avg-pooled (512-d) to .npy", params, timing, HAND, extras)
+    targets = [
+        H.Target(f"{DEFAULT} / {HAND} images/s", group.case, extras[DEFAULT]["speedup"], TARGET_SPEEDUP, ">="),
+        H.Target(
+            "input tensors: max abs diff, hand loop vs dump (pixels identical)", group.case, pixels, 0.0, "<=", unit=""
+        ),
     ]
-    for row in rows:
-        rate, ratio = row["images_per_s"], row["vs_model_only"]
-        best, best_ratio = row["best_images_per_s"], row["best_vs_model_only"]
-        cells = f"{rate:.1f} | {ratio:.2f}x | {best:.1f} | {best_ratio:.2f}x"
-        lines.append(f"| {row['case']} | {row['contender']} | {cells} |")
-    if args.quick:
-        lines.insert(5, "**Quick mode**: 16 images, one repetition; these numbers check the script, not speed.\n")
-    (out / "dump_throughput.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'dump_throughput.json'} and .md")
+    for name in (CONTIGUOUS, DEFAULT):
+        targets.append(
+            H.Target(
+                f"{name}: max abs diff / max abs feature, vs hand loop",
+                group.case,
+                checks[name]["rel_diff"],
+                MAX_RELATIVE_DIFF,
+                "<=",
+                unit="",
+            )
+        )
+    notes = [
+        f"images/s = {count} images / seconds of one whole call (median and best of {timing.rounds} interleaved "
+        "rounds, after one untimed warm-up call each on the first images); *× hand loop* = images/s over the "
+        "hand loop's (median over median, best over best); *ratio* = time over the hand loop's (lower is faster).",
+        f"Inputs: {count} JPEGs (quality {JPEG_QUALITY}, {classes} class folders) cut from scikit-image's "
+        "photos at 333..640 px, landscape and portrait; resize 256, center crop 224 (the weights' own).",
+        f"Every contender: batch {batch}, {workers} DataLoader worker(s), {cfg.threads} torch thread(s); "
+        "dumps include planning, worker start-up, writing and the per-batch commit with its fsync.",
+        "Outputs: each dump's rows matched to the hand loop's by file path; *max abs diff* over all "
+        f"{count}x512 features; *diff / max abs* divides it by the largest |feature| of the hand loop "
+        f"({checks[DEFAULT]['feature_scale']:.3g} with these seeded random weights).",
+        f"Memory format in use: {', '.join(f'{k}: {v}' for k, v in formats.items())}.",
+    ]
+    if cfg.quick:
+        notes.insert(
+            0,
+            f"Quick mode: {count} images, batch {batch}, {timing.rounds} round(s); it checks the script "
+            "and the outputs, not the speed.",
+        )
+    config = {"images": count, "rounds": timing.rounds, "batch_size": batch, "workers": workers,
+              "backbone": "resnet18 (seeded random weights, torchvision layout)", "layers": ["layer4"],
+              "pool": "avg", "resize": 256, "crop": 224, "jpeg_quality": JPEG_QUALITY,
+              "input_max_abs_diff": pixels, "target_speedup": TARGET_SPEEDUP,
+              "max_relative_diff": MAX_RELATIVE_DIFF, "rounds_asked": args.rounds, "budget_s": args.budget,
+              "load_average_at_start": load_at_start}  # fmt: skip
+    columns = [
+        ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
+        ("speedup", "× hand loop", ".2f"), ("best_speedup", "× hand loop (best)", ".2f"),
+        ("max_abs_diff", "max abs diff", ".1e"), ("rel_diff", "diff / max abs", ".1e"),
+    ]  # fmt: skip
+    payload = H.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns)
+    print((cfg.out / f"{NAME}.md").read_text())
+    return payload
 
 
 if __name__ == "__main__":

@@ -1,26 +1,44 @@
-"""Question 2: is a training step with featurehooks' losses cheaper than with lpips and piq?
+"""Question 2: is a training step with featurehooks' losses cheaper than with lpips and piq, in each memory format?
 
 One *step* is what a training loop pays for the loss: the loss of an input that requires grad
 against a target that does not, then ``torch.autograd.grad`` back to the input. Every contender
 reads the same seeded VGG16 checkpoint (``$TORCH_HOME/hub/checkpoints/vgg16-397923af.pth``), takes
-the same [0, 1] images, and reports its loss value (the tables show they compute the same thing,
+the same NCHW [0, 1] images, and reports its loss value (the tables show they compute the same thing,
 up to each library's scale convention). Peak memory is measured for one step apart from the timing.
 
-Content groups: PerceptualLoss(relu3_3) vs piq ``ContentLoss(relu3_3)`` vs ``lpips.LPIPS(net="vgg")``
-(which always runs its five layers), plus the like-for-like LPIPS baseline: featurehooks'
-``featurehooks.LPIPS(net="vgg", calibrated=False)`` vs ``lpips.LPIPS(net="vgg", lpips=False)``.
-Style group: StyleLoss vs piq ``StyleLoss`` on relu1_2, relu2_2, relu3_3, relu4_3 with raw Grams
-(piq's convention), with a per-call target and with a fixed target (``set_target``).
-The floor of each group is a hand-written truncated VGG16 forward with the same distance.
+The floor of each group (every ratio's denominator) is a hand-written truncated VGG16 forward with
+the same distance, in PyTorch's default memory format (NCHW). featurehooks' losses run with their
+default ``memory_format="auto"`` (channels_last for VGG16 on CPUs and CUDA devices: convolutions do
+the FLOPs) and with ``memory_format="contiguous"``; the *format* column says which one ran.
 
-    python benchmarks/losses.py                  # CPU, a few minutes on 2 cores
-    python benchmarks/losses.py --device cuda    # adds bf16 autocast + channels_last groups
+Content groups: the NCHW floor; the same loop over a channels-last copy of the features (images
+converted before normalizing, as featurehooks does); the floor with one forward of the concatenated
+input+target batch (what the issue proposed instead of two forwards: the backward then runs over
+both halves); PerceptualLoss(relu3_3) auto and contiguous; piq ``ContentLoss(relu3_3)``;
+``lpips.LPIPS(net="vgg")`` (which always runs its five layers). LPIPS groups: the like-for-like
+baseline, featurehooks' ``featurehooks.LPIPS(net="vgg", calibrated=False)`` auto and contiguous vs
+``lpips.LPIPS(net="vgg", lpips=False)``. Style groups: StyleLoss (auto, contiguous, and auto with a
+fixed target from ``set_target``) vs piq ``StyleLoss`` on relu1_2, relu2_2, relu3_3, relu4_3 with raw
+Grams (piq's convention). Third-party losses run NCHW, as users run them.
+
+Shapes: CPU ``2x224,8x112`` (batch >= 2: the format targets are about batches); CUDA ``8x224,32x224``,
+each also under bf16 autocast (images stay NCHW; every contender keeps its own memory format).
+
+Targets: PerceptualLoss (auto) >= 1.3x faster than the NCHW floor and than piq on the CPU at batch
+>= 2 (elsewhere: not slower than piq), and not slower than lpips; its peak memory at most piq's and
+lpips'; in every group featurehooks (auto) at most 3% slower than contiguous and than the NCHW floor;
+the concatenated forward not faster than two (why PerceptualLoss keeps two); StyleLoss not slower
+than piq.
+
+    python benchmarks/losses.py                  # CPU, ~10 min on 1 thread (2x224 and 8x112)
+    python benchmarks/losses.py --device cuda    # adds bf16 autocast groups
     python benchmarks/losses.py --quick          # seconds: checks the script, not speed
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import io
 import sys
@@ -41,17 +59,28 @@ STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 VGG16_INDEX = {"relu1_2": 3, "relu2_2": 8, "relu3_3": 15, "relu4_3": 22, "relu5_3": 29}
 CHANNELS = {"relu1_2": 64, "relu2_2": 128, "relu3_3": 256, "relu4_3": 512, "relu5_3": 512}
 
-FLOOR = "bare truncated VGG16 + MSE"
-PL = "featurehooks PerceptualLoss"
+FLOOR = "hand-written NCHW loop (floor)"
+FLOOR_CL = "hand-written channels_last loop"
+FLOOR_CAT = "floor, concatenated input+target batch (one forward)"
+PL = "featurehooks PerceptualLoss (auto)"
+PL_CONTIGUOUS = "PerceptualLoss contiguous"
 PIQ = "piq ContentLoss"
 LPIPS = "lpips.LPIPS (lin)"
-FH_LPIPS = "featurehooks LPIPS(vgg, calibrated=False)"
+LPIPS_FLOOR = "hand-written NCHW loop, relu1_2…relu5_3 + normalized MSE (floor)"
+FH_LPIPS = "featurehooks LPIPS(vgg, calibrated=False) (auto)"
+FH_LPIPS_CONTIGUOUS = "featurehooks LPIPS(vgg, calibrated=False) contiguous"
 LPIPS_BASE = "lpips.LPIPS(lpips=False)"
-LPIPS_FLOOR = "bare VGG16 relu1_2…relu5_3 + normalized MSE"
-STYLE_FLOOR = "bare truncated VGG16 + Gram MSE"
-FH_STYLE = "featurehooks StyleLoss"
-FH_STYLE_FIXED = "featurehooks StyleLoss, fixed target"
+STYLE_FLOOR = "hand-written NCHW loop + Gram MSE (floor)"
+FH_STYLE = "featurehooks StyleLoss (auto)"
+FH_STYLE_CONTIGUOUS = "StyleLoss contiguous"
+FH_STYLE_FIXED = "featurehooks StyleLoss (auto), fixed target"
 PIQ_STYLE = "piq StyleLoss"
+
+# (auto, contiguous, NCHW floor): "auto" may be at most 3% slower than either, in every group
+FORMAT_PAIRS = ((PL, PL_CONTIGUOUS, FLOOR), (FH_LPIPS, FH_LPIPS_CONTIGUOUS, LPIPS_FLOOR),
+                (FH_STYLE, FH_STYLE_CONTIGUOUS, STYLE_FLOOR))
+SPEEDUP = 1.3  # PerceptualLoss (auto) vs the NCHW floor and piq, CPU, batch >= 2
+AUTO_SLACK = 1.03
 
 
 def _quiet() -> contextlib.AbstractContextManager:
@@ -60,19 +89,28 @@ def _quiet() -> contextlib.AbstractContextManager:
 
 
 class Floor(nn.Module):
-    """A hand-written truncated VGG16 loss: normalize, run ``features`` to the deepest tap, compare."""
+    """A hand-written truncated VGG16 loss: normalize, run ``features`` to the deepest tap, compare.
+
+    ``channels_last``: convert the images to channels-last first (give it channels-last ``features``);
+    ``concatenate``: one forward of ``cat([x, y])`` instead of two (the target half detached).
+    """
 
     def __init__(self, features: nn.Sequential, layers: tuple[str, ...], mean: Tensor, std: Tensor, *,
-                 gram: bool = False, lpips: bool = False) -> None:
+                 gram: bool = False, lpips: bool = False, channels_last: bool = False,
+                 concatenate: bool = False) -> None:
         super().__init__()
         self.features = features
         self.taps = {VGG16_INDEX[name] for name in layers}
         self.gram = gram
         self.lpips = lpips
+        self.channels_last = channels_last
+        self.concatenate = concatenate
         self.register_buffer("mean", mean.clone())
         self.register_buffer("std", std.clone())
 
     def feats(self, x: Tensor) -> list[Tensor]:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         x = (x - self.mean) / self.std
         out = []
         for i in range(max(self.taps) + 1):
@@ -82,9 +120,13 @@ class Floor(nn.Module):
         return out
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        fx = self.feats(x)
-        with torch.no_grad():
-            fy = self.feats(y)
+        if self.concatenate:
+            both = self.feats(torch.cat([x, y]))
+            fx, fy = [f[: len(x)] for f in both], [f[len(x):].detach() for f in both]
+        else:
+            fx = self.feats(x)
+            with torch.no_grad():
+                fy = self.feats(y)
         total = x.new_zeros((), dtype=torch.float32)
         for a, b in zip(fx, fy):
             if self.gram:
@@ -109,25 +151,40 @@ def build(cfg: H.Settings) -> dict[str, nn.Module]:
     plain = H.load_seeded("vgg16")
     pl = PerceptualLoss("vgg16", ["relu3_3"])
     mean, std = pl.extractor.mean, pl.extractor.std
+    features_cl = copy.deepcopy(plain.features).to(memory_format=torch.channels_last)
     with _quiet():
         lp = lpips.LPIPS(net="vgg", verbose=False)
         lp_base = lpips.LPIPS(net="vgg", lpips=False, verbose=False)
     modules: dict[str, nn.Module] = {
         FLOOR: Floor(plain.features, ("relu3_3",), mean, std),
+        FLOOR_CL: Floor(features_cl, ("relu3_3",), mean, std, channels_last=True),
+        FLOOR_CAT: Floor(plain.features, ("relu3_3",), mean, std, concatenate=True),
         LPIPS_FLOOR: Floor(plain.features, tuple(VGG16_INDEX), mean, std, lpips=True),
         PL: pl,
+        PL_CONTIGUOUS: PerceptualLoss("vgg16", ["relu3_3"], memory_format="contiguous"),
         PIQ: piq.ContentLoss(feature_extractor="vgg16", layers=("relu3_3",)),
         LPIPS: lp,
         FH_LPIPS: FeatureHooksLPIPS(net="vgg", calibrated=False),
+        FH_LPIPS_CONTIGUOUS: FeatureHooksLPIPS(net="vgg", calibrated=False, memory_format="contiguous"),
         LPIPS_BASE: lp_base,
         STYLE_FLOOR: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
         FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
+        FH_STYLE_CONTIGUOUS: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none",
+                                       memory_format="contiguous"),
         FH_STYLE_FIXED: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
         PIQ_STYLE: piq.StyleLoss(feature_extractor="vgg16", layers=STYLE_LAYERS, weights=[1.0] * len(STYLE_LAYERS)),
     }
     for module in modules.values():
         module.eval().requires_grad_(False).to(cfg.device)
     return modules
+
+
+def memory_format_of(name: str, module: nn.Module) -> str:
+    """The memory format a contender's backbone runs in (featurehooks' ``auto``: the one it chose)."""
+    extractor = getattr(module, "extractor", None)
+    if extractor is not None and hasattr(extractor, "memory_format_in_use"):
+        return extractor.memory_format_in_use
+    return "channels_last" if getattr(module, "channels_last", False) else "contiguous"
 
 
 def steps(modules: dict[str, nn.Module], names: list[str], x: Tensor, y: Tensor, precision: str,
@@ -162,8 +219,9 @@ def steps(modules: dict[str, nn.Module], names: list[str], x: Tensor, y: Tensor,
 
 def run_group(title: str, names: list[str], modules: dict[str, nn.Module], batch: int, size: int,
               precision: str, cfg: H.Settings, notes: dict[str, str]) -> H.Group:
-    x = H.images(batch, size, cfg, precision, seed=1)
-    y = H.images(batch, size, cfg, precision, seed=2)
+    # NCHW images under bf16 too: each contender converts them (or not) to its own memory format
+    x = H.images(batch, size, cfg, precision, seed=1).contiguous()
+    y = H.images(batch, size, cfg, precision, seed=2).contiguous()
     if FH_STYLE_FIXED in names:
         modules[FH_STYLE_FIXED].clear_target()
         modules[FH_STYLE_FIXED].set_target(y)
@@ -171,7 +229,9 @@ def run_group(title: str, names: list[str], modules: dict[str, nn.Module], batch
     timing = H.time_interleaved(fns, cfg, min_sample_s=0.02 if cfg.cuda else 0.0)
     peaks = {name: H.peak_memory(fn, cfg.device) for name, fn in fns.items()}
     extras = {
-        name: {"loss": values[name], "peak_mib": peaks[name] / 2**20, "note": notes.get(name, "")} for name in names
+        name: {"format": memory_format_of(name, modules[name]), "loss": values[name],
+               "peak_mib": peaks[name] / 2**20, "note": notes.get(name, "")}
+        for name in names
     }
     params = {"batch": batch, "size": size, "precision": precision}
     group = H.make_group(title, params, timing, names[0], extras)
@@ -184,15 +244,18 @@ CONTENT = "Content loss relu3_3"
 LPIPS_CASE = "LPIPS baseline, VGG16 relu1_2…relu5_3"
 STYLE = "Style loss relu1_2…relu4_3 (raw Grams)"
 GROUPS = {
-    CONTENT: [FLOOR, PL, PIQ, LPIPS],
-    LPIPS_CASE: [LPIPS_FLOOR, FH_LPIPS, LPIPS_BASE],
-    STYLE: [STYLE_FLOOR, FH_STYLE, FH_STYLE_FIXED, PIQ_STYLE],
+    CONTENT: [FLOOR, FLOOR_CL, FLOOR_CAT, PL, PL_CONTIGUOUS, PIQ, LPIPS],
+    LPIPS_CASE: [LPIPS_FLOOR, FH_LPIPS, FH_LPIPS_CONTIGUOUS, LPIPS_BASE],
+    STYLE: [STYLE_FLOOR, FH_STYLE, FH_STYLE_CONTIGUOUS, FH_STYLE_FIXED, PIQ_STYLE],
 }
 NOTES = {
     FLOOR: "relu3_3 only (floor of the content groups)",
+    FLOOR_CL: "the floor over a channels-last copy",
+    FLOOR_CAT: "backward over input and target rows",
     LPIPS: "always all 5 layers + learned 1x1 convs",
     PIQ: "runs all of vgg16.features",
     FH_LPIPS: "5 layers, channel-normalized",
+    FH_LPIPS_CONTIGUOUS: "5 layers, channel-normalized",
     LPIPS_FLOOR: "5 layers, channel-normalized",
     LPIPS_BASE: "5 layers, channel-normalized",
     FH_STYLE_FIXED: "target Grams computed once",
@@ -200,18 +263,29 @@ NOTES = {
 }
 
 
-def targets(groups: list[H.Group]) -> list[H.Target]:
+def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
+    """The issues' loss targets, checked in every group where they apply (the 1.3x ones: CPU, batch >= 2)."""
     found = []
     for g in groups:
-        label = ", ".join(f"{k}={v}" for k, v in g.params.items())
+        where = f"{g.case}: " + ", ".join(f"{k}={v}" for k, v in g.params.items())
+        speedup = device_type == "cpu" and g.params["batch"] >= 2
         if g.case == CONTENT:
             pl = g.row(PL)
+            if speedup:
+                found.append(H.Target(f"{FLOOR} / {PL} (speed-up)", where, H.ratio(g, FLOOR, PL), SPEEDUP, ">="))
             for other in (PIQ, LPIPS):
-                found.append(H.Target(f"{other} time / PerceptualLoss time", label, H.ratio(g, other, PL), 1.0, ">="))
-                found.append(H.Target(f"PerceptualLoss peak / {other} peak", label,
+                limit = SPEEDUP if speedup and other == PIQ else 1.0
+                found.append(H.Target(f"{other} time / {PL} time", where, H.ratio(g, other, PL), limit, ">="))
+                found.append(H.Target(f"{PL} peak / {other} peak", where,
                                       pl.extra["peak_mib"] / max(g.row(other).extra["peak_mib"], 1e-9), 1.0, "<="))
+            found.append(H.Target(f"{FLOOR_CAT} / {FLOOR} (two forwards stay)", where,
+                                  H.ratio(g, FLOOR_CAT, FLOOR), 1.0, ">="))
+        for auto, contiguous, floor in FORMAT_PAIRS:
+            if g.has(auto) and g.has(contiguous):
+                found.append(H.Target(f"{auto} / {contiguous}", where, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
+                found.append(H.Target(f"{auto} / {floor}", where, H.ratio(g, auto, floor), AUTO_SLACK, "<="))
         if g.case == STYLE:
-            found.append(H.Target("piq StyleLoss time / StyleLoss time", label,
+            found.append(H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where,
                                   H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">="))
     return found
 
@@ -219,37 +293,42 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
     p.add_argument("--groups", default="content,lpips,style", help="subset of content, lpips, style")
-    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 1x224,4x112 (CPU), 8x224,32x224 (cuda)")
+    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 2x224,8x112 (CPU), 8x224,32x224 (cuda)")
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=15.0)
     if args.shapes is None:
-        args.shapes = "1x32" if cfg.quick else ("8x224,32x224" if cfg.cuda else "1x224,4x112")
+        args.shapes = "2x32" if cfg.quick else ("8x224,32x224" if cfg.cuda else "2x224,8x112")
     shapes = H.parse_shapes(args.shapes)
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
     groups: list[H.Group] = []
     notes = [
-        "ratio = median / median of the group's first row (the hand-written floor); *loss* is each library's "
+        "ratio = median / median of the group's first row (the hand-written NCHW floor); *loss* is each library's "
         "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
+        "*format*: the memory format each backbone ran in (featurehooks' default memory_format='auto': the one it "
+        "chose); piq and lpips run NCHW, as users run them; every contender gets the same NCHW images.",
+        f"*{FLOOR_CAT}*: the floor with one forward of cat([input, target]), the target half detached; autograd "
+        "then runs the backward over both halves.",
         "peak MiB: memory allocated during one step above what was allocated before it "
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
     ]
+    if cfg.cuda:
+        notes.append("bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
+                     "memory format (nothing is converted for the whole group).")
     config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), "budget_s": cfg.budget,
               "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
 
     def save(partial: bool) -> dict[str, Any]:
-        return H.save("losses", "Loss step (loss + gradient to the input): time / hand-written floor", cfg, groups,
-                      targets(groups), config, notes, partial=partial,
-                      extra_columns=[("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")])
+        return H.save("losses", "Loss step (loss + gradient to the input): time / hand-written NCHW floor", cfg,
+                      groups, targets(groups, cfg.device.type), config, notes, partial=partial,
+                      extra_columns=[("format", "format", ""), ("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"),
+                                     ("note", "note", "")])
 
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")
         modules = build(cfg)
         try:
             for precision in H.precisions(cfg):
-                if precision == "bf16":
-                    for module in modules.values():
-                        module.to(memory_format=torch.channels_last)
                 for batch, size in shapes:
                     for title in wanted:
                         groups.append(run_group(title, GROUPS[title], modules, batch, size, precision, cfg, NOTES))

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The one prepared GPU run: all three benchmarks with --device cuda (fp32, plus bf16 autocast with
-# channels_last), results written next to the CPU ones with the suffix _cuda. Fits in under 8 minutes
-# on one H200 (each script has its own time limit, so one slow script cannot eat the others' time).
+# The one prepared GPU run: the benchmarks with --device cuda (fp32, plus bf16 autocast), results written
+# next to the CPU ones with the suffix _cuda. extraction and losses time every memory format side by side
+# in every group (hand-written NCHW and channels_last loops, featurehooks "auto" and "contiguous", and
+# for extraction "channels_last"), so the first GPU run says whether memory_format="auto" chooses well on
+# CUDA too. The time limits add up to 8 minutes on one H200 (each script has its own, so one slow script
+# cannot eat the others' time; extraction and losses save after every group, so a cut-short run keeps
+# what it measured).
 #
 #   bash benchmarks/run_gpu.sh                 # uses .venv/bin/python if present, else python3
 #   PYTHON=/path/to/python bash benchmarks/run_gpu.sh
@@ -19,14 +23,14 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 
-# extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16+channels_last}
-# (each script saves after every group: one cut short by its time limit keeps what it measured)
-timeout 250 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1.5 > /dev/null || echo "extraction: exit $?"
+# extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16 autocast} = 40
+# groups of 6-8 contenders (the headline VGG16 relu3_3 case first, with twice the budget)
+timeout 230 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1 > /dev/null || echo "extraction: exit $?"
 echo "extraction done after $(( $(date +%s) - start )) s"
-# loss step: 3 groups x {8x224, 32x224} x {fp32, bf16+channels_last}, time and peak memory
-timeout 100 "$PYTHON" benchmarks/losses.py "${COMMON[@]}" --budget 2 > /dev/null || echo "losses: exit $?"
+# loss step: 3 groups x {8x224, 32x224} x {fp32, bf16 autocast}, time and peak memory (content group first)
+timeout 100 "$PYTHON" benchmarks/losses.py "${COMMON[@]}" --budget 1.5 > /dev/null || echo "losses: exit $?"
 echo "losses done after $(( $(date +%s) - start )) s"
-# torch.compile (inductor), bf16 + channels_last, 32x224
+# torch.compile (inductor), bf16 + channels_last, 32x224 (saves only at the end: keep its limit)
 timeout 120 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/null || echo "compile: exit $?"
 echo "compile done after $(( $(date +%s) - start )) s"
 
