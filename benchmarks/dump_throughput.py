@@ -249,6 +249,7 @@ def arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores; 1 if --quick)")
     p.add_argument("--torch-home", default=None, help="TORCH_HOME with (or for) seeded weights; default: a temp dir")
     p.add_argument("--out", default=str(H.RESULTS), help="folder for dump_throughput.json and .md")
+    p.add_argument("--tag", default="", help="suffix of the result files, e.g. _0_workers")
     args = p.parse_args(argv)
     quick = {"images": 18, "rounds": 1, "batch_size": 8}
     full = {"images": 400, "rounds": 5, "batch_size": 32}
@@ -267,7 +268,7 @@ def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings
     """The harness settings (threads, seed, command, output folder): CPU, wall clock, no chart."""
     shared = argparse.Namespace(
         device="cpu", quick=args.quick, threads=args.threads, budget=0.0, min_reps=args.rounds,
-        max_reps=args.rounds, warmup=1, out=args.out, tag="", no_plot=True, clock="wall",
+        max_reps=args.rounds, warmup=1, out=args.out, tag=args.tag, no_plot=True, clock="wall",
     )  # fmt: skip
     cfg = H.settings(shared, budget=0.0)
     if argv is not None:  # called from Python (tests): say what the command line would have been
@@ -383,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ("max_abs_diff", "max abs diff", ".1e"), ("rel_diff", "diff / max abs", ".1e"),
     ]  # fmt: skip
     payload = H.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns)
-    print((cfg.out / f"{NAME}.md").read_text())
+    print((cfg.out / f"{NAME}{args.tag}.md").read_text())
     return payload
 
 

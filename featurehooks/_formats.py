@@ -3,10 +3,11 @@
 ``"auto"`` picks ``channels_last`` on CPUs and CUDA devices for a backbone whose 2-D convolutions do
 most of the work up to the deepest requested layer (counted in FLOPs on the meta device, where the
 channels-last forward must also run), and ``contiguous`` (NCHW) otherwise. The rule comes from
-``benchmarks/``: on the CPU every convolutional torchvision family measured 0.98–2.0x the NCHW speed
-in channels_last (VGG, ResNet, DenseNet, MobileNet, EfficientNet, RegNet, Inception, SqueezeNet...),
-while models whose work is in matrix products (ViT, Swin, ConvNeXt's MLPs) measured 0.99–1.04x:
-nothing to gain, so they stay as they are.
+``benchmarks/memory_formats.py``: on the CPU, NCHW time / channels-last time measured 0.99–2.13x for VGG,
+ResNet, DenseNet, SqueezeNet, ShuffleNet, MNASNet, MobileNet, EfficientNet and RegNet (convolution share
+1.00), and 0.91–1.04x for ViT, Swin and ConvNeXt (0.01–0.09), whose work is in matrix products: nothing to
+gain, so they stay as they are. On CUDA, channels-last is cuDNN's documented fast path for convolutions;
+``benchmarks/run_gpu.sh`` measures both formats there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .errors import InvalidValueError
 
 __all__ = [
     "MEMORY_FORMATS",
+    "TORCH_FORMATS",
     "MemoryFormat",
     "check_memory_format",
     "choose_format",
