@@ -49,8 +49,9 @@ def check_memory_format(memory_format: object) -> None:
         raise InvalidValueError(f"memory_format must be 'auto', 'channels_last' or 'contiguous', not {memory_format!r}")
 
 
-class _Stop(Exception):
-    """Raised by the hook on the deepest requested call: nothing after it runs in the extractor either."""
+class _Stop(BaseException):
+    """Raised by the hook on the deepest requested call: nothing after it runs in the extractor either.
+    A BaseException, as the session's own stop: a model's ``except Exception`` must not swallow it."""
 
 
 def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | None) -> float | None:
@@ -67,6 +68,9 @@ def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | N
         if stop_at is not None and (path, calls[path] - 1) == stop_at:
             raise _Stop
 
+    for module in copied.modules():
+        if isinstance(module, nn.Conv2d):  # meta convolutions return NCHW strides; CPU and cuDNN ones do not
+            module.register_forward_hook(_channels_last_output)
     if stop_at is not None:
         dict(copied.named_modules())[stop_at[0]].register_forward_hook(partial(stop, stop_at[0]))
     counter = FlopCounterMode(display=False)
@@ -85,6 +89,13 @@ def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | N
     total = sum(counts.values())
     convolutions = sum(flops for op, flops in counts.items() if _op_name(op) in _CONVOLUTIONS)
     return convolutions / total if total else None
+
+
+def _channels_last_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """A convolution's output with the channels-last strides the real kernels give it, so that a later
+    ``.view`` that needs NCHW strides fails on the meta device as it would on the real one."""
+    is_map = isinstance(output, torch.Tensor) and output.dim() == 4
+    return output.contiguous(memory_format=torch.channels_last) if is_map else output
 
 
 def _op_name(op: Any) -> str:

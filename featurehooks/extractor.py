@@ -98,8 +98,9 @@ class FeatureExtractor(nn.Module):
     Features keep their logical shape whatever the memory format: a ``(B, C, H, W)`` map of a
     channels-last backbone has channels-last strides (``.is_contiguous(memory_format=
     torch.channels_last)``); call ``.contiguous()`` where NCHW memory is needed (``.numpy()``
-    arrays keep the strides too, ``np.ascontiguousarray`` makes them C-ordered). Values agree
-    with NCHW to float32 rounding (the kernels sum in another order).
+    arrays keep the strides too, ``np.ascontiguousarray`` makes them C-ordered). Gradients with
+    respect to the images keep the images' own memory format. Values agree with NCHW to float32
+    rounding (the kernels sum in another order).
 
     Grayscale input is an error rather than silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
 
@@ -207,7 +208,8 @@ class FeatureExtractor(nn.Module):
         if self._trace is None:
             return None
         order = {site: out.order for site, out in self._trace.outputs.items()}
-        return conv_share(self._model, self._trace.input_shape, deepest(self.taps.sites, order))
+        stop = deepest(self.taps.sites, order) if self.early_exit else None  # without early exit all of it runs
+        return conv_share(self._model, self._trace.input_shape, stop)
 
     def _settle_format(self) -> None:
         """Convert the backbone to the memory format chosen for the device it is on: at construction, and after
@@ -352,8 +354,10 @@ class FeatureExtractor(nn.Module):
         if not self._session.active:
             raise RuntimeError("this FeatureExtractor was closed; create a new one")
         self._check_input(images)
-        layout = torch.channels_last if self._format == "channels_last" else torch.preserve_format
-        x = self.normalize(images.to(self.mean.dtype, memory_format=layout))
+        x = images.to(self.mean.dtype)
+        if self._format == "channels_last" and not x.is_contiguous(memory_format=torch.channels_last):
+            x = _AsChannelsLast.apply(x)
+        x = self.normalize(x)
         grad = self.mode == "grad" and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             features = self._session.run(self._model, x)
@@ -395,6 +399,19 @@ class FeatureExtractor(nn.Module):
             f"backbone={self.backbone_name!r}, weights={self.weights!r}, layers={self.layers}, "
             f"mode={self.mode!r}, input_range={self.input_range}{layout}{prefix}{memory}"
         )
+
+
+class _AsChannelsLast(torch.autograd.Function):
+    """Images in channels-last memory, whose gradient comes back in the images' own (NCHW) memory: code that
+    ``.view``s an input gradient (gradient penalties) must not see the backbone's format."""
+
+    @staticmethod
+    def forward(ctx: Any, images: Tensor) -> Tensor:
+        return images.contiguous(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 @contextmanager

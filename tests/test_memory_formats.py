@@ -174,7 +174,7 @@ def test_explicit_formats_are_obeyed_on_any_model() -> None:
 
 
 class FlattensWithView(nn.Module):
-    """A convolution then ``.view``: fine in NCHW, an error for channels-last strides."""
+    """A convolution then ``.view``: fine in NCHW, an error for channels-last strides (at any input size)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -182,11 +182,12 @@ class FlattensWithView(nn.Module):
         self.head = nn.Linear(4 * 8 * 8, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.conv(x).view(x.shape[0], -1))
+        return self.head(nn.functional.adaptive_avg_pool2d(self.conv(x), 8).view(x.shape[0], -1))
 
 
 def test_auto_keeps_nchw_for_a_model_that_fails_in_channels_last() -> None:
     extractor = fh.FeatureExtractor(FlattensWithView(), ["conv", "head"], weights=None)
+    assert extractor._trace is not None  # traced: the channels-last meta forward is what failed
     assert extractor._conv_share is None and extractor.memory_format_in_use == "contiguous"
     assert extractor(torch.rand(2, 3, 8, 8))["head"].shape == (2, 2)
     forced = fh.FeatureExtractor(FlattensWithView(), ["head"], weights=None, memory_format="channels_last")
@@ -398,3 +399,58 @@ def test_a_memory_format_given_to_to_cannot_override_the_choice() -> None:
     resnet = seeded_extractor("resnet18", ["layer1"])
     resnet.to(memory_format=torch.contiguous_format)
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(resnet))
+
+
+class ViewAfterTheTap(nn.Module):
+    """Channels-last-safe up to ``act``; a ``.view`` after it needs NCHW strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8 * 4 * 4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pooled = nn.functional.adaptive_avg_pool2d(self.act(self.conv(x)), 4)
+        return self.head(pooled.view(x.shape[0], -1))
+
+
+def test_without_early_exit_the_whole_forward_must_run_in_channels_last() -> None:
+    early = fh.FeatureExtractor(ViewAfterTheTap(), ["act"], weights=None)
+    assert early.memory_format_in_use == "channels_last"  # the .view never runs
+    assert early(torch.rand(2, 3, 32, 32))["act"].shape == (2, 8, 32, 32)
+    whole = fh.FeatureExtractor(ViewAfterTheTap(), ["act"], weights=None, early_exit=False)
+    assert whole.memory_format_in_use == "contiguous"
+    assert whole(torch.rand(2, 3, 32, 32))["act"].shape == (2, 8, 32, 32)
+
+
+def test_a_model_catching_every_exception_cannot_stretch_the_share_past_the_tap() -> None:
+    class Guarded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.pool = nn.AdaptiveAvgPool2d(16)
+            self.head = nn.Linear(8 * 16 * 16, 16384)
+
+        def forward(self, x: Tensor) -> Tensor:
+            try:
+                features = self.conv(x)
+            except Exception:  # noqa: BLE001 - the point of the test
+                features = torch.zeros_like(x)
+            return self.head(self.pool(features).flatten(1))
+
+    extractor = fh.FeatureExtractor(Guarded(), ["conv"], weights=None)
+    assert extractor._conv_share == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_input_gradients_come_back_in_the_inputs_own_memory_format(layout: torch.memory_format) -> None:
+    extractor = seeded_extractor("resnet18", ["layer2"], mode="grad")
+    images = torch.rand(2, 3, 32, 32).contiguous(memory_format=layout).requires_grad_()
+    (grad,) = torch.autograd.grad(extractor(images)["layer2"].sum(), images)
+    assert grad.is_contiguous(memory_format=layout)
+    if layout == torch.contiguous_format:
+        assert grad.view(2, -1).shape == (2, 3 * 32 * 32)  # what a gradient penalty does
+    output = torch.rand(2, 3, 32, 32, requires_grad=True)
+    loss = PerceptualLoss("resnet18", ["layer1"], weights=None)(output, torch.rand(2, 3, 32, 32))
+    assert torch.autograd.grad(loss, output)[0].is_contiguous()
