@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
 pytest.importorskip("matplotlib")
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_fh_bench_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_state() -> Iterator[None]:
-    """The scripts seed torch and may set threads; leave the rest of the session as it was."""
-    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
-    path = list(sys.path)
-    yield
-    torch.set_num_threads(threads)
-    torch.random.set_rng_state(rng)
-    sys.path[:] = path
 
 
 def _common(tmp_path: Path, torch_home: Path) -> list[str]:
@@ -63,7 +39,7 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 
 
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
-    extraction = _load("extraction")
+    extraction = load_script("extraction")
     payload = extraction.main(
         [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "2x32"]
     )
@@ -131,7 +107,7 @@ def _group(module: ModuleType, group: dict, **params: object) -> object:
 
 def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> None:
     """The ViT maps check compares positions, not just shapes: a transposed grid is caught."""
-    extraction = _load("extraction")
+    extraction = load_script("extraction")
     models = extraction.build_vit(extraction.VIT_LAYERS)
     try:
         x = torch.rand(2, 3, 48, 32)  # a 3 x 2 patch grid: rows and columns differ
@@ -150,7 +126,7 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
 
 
 def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
-    losses = _load("losses")
+    losses = load_script("losses")
     payload = losses.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "losses", payload)
     L = losses
@@ -183,7 +159,7 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
-    compile_bench = _load("compile")
+    compile_bench = load_script("compile")
     payload = compile_bench.main(_common(tmp_path, torch_home))  # --quick: backend "eager", dynamo tracing only
     _check_files(tmp_path, "compile", payload)
     rows = {row["name"]: row for g in payload["groups"] for row in g["rows"]}
@@ -195,7 +171,7 @@ def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
-    overhead = _load("hook_overhead")
+    overhead = load_script("hook_overhead")
     payload = overhead.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "hook_overhead", payload)
     (group,) = payload["groups"]
@@ -209,7 +185,7 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
-    probes = _load("probes")
+    probes = load_script("probes")
     payload = probes.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "probes", payload)
     (group,) = payload["groups"]
@@ -223,7 +199,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
-    metrics = _load("metrics")
+    metrics = load_script("metrics")
     payload = metrics.main([*_common(tmp_path, torch_home), "--nets", "alex,squeeze"])
     _check_files(tmp_path, "metrics", payload)
     groups = payload["groups"]

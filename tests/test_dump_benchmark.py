@@ -2,43 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
+from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
 pytest.importorskip("skimage")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dump_throughput.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_fh_bench_dump_throughput", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_state() -> Iterator[None]:
-    """The script seeds torch and sets threads; leave the rest of the session as it was."""
-    threads, rng, path = torch.get_num_threads(), torch.random.get_rng_state(), list(sys.path)
-    yield
-    torch.set_num_threads(threads)
-    torch.random.set_rng_state(rng)
-    sys.path[:] = path
-
 
 def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
-    bench = _load()
+    bench = load_script("dump_throughput")
     argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
     payload = bench.main(argv)
 
@@ -82,7 +57,7 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_photos_are_seeded_jpegs_in_class_folders(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("dump_throughput")
     first = bench.make_photos(tmp_path / "a", 7)
     second = bench.make_photos(tmp_path / "b", 7)
     assert [p.relative_to(tmp_path / "a") for p in first] == [p.relative_to(tmp_path / "b") for p in second]
@@ -96,7 +71,7 @@ def test_photos_are_seeded_jpegs_in_class_folders(tmp_path: Path) -> None:
 
 
 def test_rounds_rotate_and_stop_at_the_budget(tmp_path: Path) -> None:
-    bench = _load()
+    bench = load_script("dump_throughput")
     calls: list[tuple[str, Path]] = []
     contenders = {name: (lambda folder, name=name: calls.append((name, folder))) for name in "abc"}
     timing = bench.time_rounds(contenders, tmp_path / "all", tmp_path / "warm", rounds=3, budget=60.0)

@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
+from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("timm")
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory_formats.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_fh_bench_memory_formats", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_state() -> Iterator[None]:
-    """The script seeds torch and sets threads; leave the rest of the session as it was."""
-    threads, rng, path = torch.get_num_threads(), torch.random.get_rng_state(), list(sys.path)
-    yield
-    torch.set_num_threads(threads)
-    torch.random.set_rng_state(rng)
-    sys.path[:] = path
 
 
 def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
@@ -43,7 +18,7 @@ def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
 
 
 def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
-    bench = _load()
+    bench = load_script("memory_formats")
     argv = _argv(tmp_path, torch_home)
     payload = bench.main(argv)
 
@@ -69,7 +44,11 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
     titles = [conv["title"], vit["title"]]
     assert [g["case"] for g in groups] == [title for title in titles for _ in range(4)]
     assert [(g["params"]["mode"], g["params"]["batch"]) for g in groups[:4]] == [
-        ("no-grad", 1), ("grad", 1), ("no-grad", 2), ("grad", 2)]
+        ("no-grad", 1),
+        ("grad", 1),
+        ("no-grad", 2),
+        ("grad", 2),
+    ]
     assert [g["params"]["size"] for g in groups] == [64] * 4 + [224] * 4  # the ViT keeps its fixed size
     for group, case in zip(groups, [conv] * 4 + [vit] * 4):
         rows = {row["name"]: row for row in group["rows"]}
@@ -103,10 +82,12 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_best_ratio_takes_the_faster_format() -> None:
-    bench = _load()
+    bench = load_script("memory_formats")
     H = bench.H
-    rows = [H.Row(name, ms, ms, ms, ms / 10.0) for name, ms in
-            ((bench.CONTIGUOUS, 10.0), (bench.CHANNELS_LAST, 8.0), (bench.AUTO, 8.4))]
+    rows = [
+        H.Row(name, ms, ms, ms, ms / 10.0)
+        for name, ms in ((bench.CONTIGUOUS, 10.0), (bench.CHANNELS_LAST, 8.0), (bench.AUTO, 8.4))
+    ]
     group = H.Group("case", {"mode": "no-grad"}, bench.CONTIGUOUS, 5, 1, rows)
     assert bench.best_ratio(group) == pytest.approx(8.4 / 8.0)
     by_claim = {t.claim: t for t in bench.targets([group])}
@@ -115,6 +96,6 @@ def test_best_ratio_takes_the_faster_format() -> None:
 
 
 def test_unknown_model_is_refused(tmp_path: Path, torch_home: Path) -> None:
-    bench = _load()
+    bench = load_script("memory_formats")
     with pytest.raises(SystemExit, match="unknown models"):
         bench.main([*_argv(tmp_path, torch_home), "--models", "resnet9000"])
