@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ._formats import TORCH_FORMATS, MemoryFormat, check_memory_format, choose_format, conv_share, deepest
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
+from ._taps import Site
 from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
@@ -90,8 +91,9 @@ class FeatureExtractor(nn.Module):
             convolutions do most of the work up to the deepest requested layer (VGG, ResNet,
             EfficientNet...: measured up to 2x faster on the CPU) and ``"contiguous"`` (NCHW)
             otherwise (ViT, Swin, ConvNeXt; other devices; models that cannot run on the meta
-            device). The backbone is converted once (again after a ``.to()`` to another device
-            type); images are converted inside ``forward``. ``memory_format_in_use`` says which.
+            device). The backbone is converted once (and the choice made again after a ``.to()``,
+            which may change the device type); images are converted inside ``forward``.
+            ``memory_format_in_use`` says which.
 
     ``output_layouts`` tells the layout of each returned output.
 
@@ -203,13 +205,19 @@ class FeatureExtractor(nn.Module):
         self.register_buffer("std", (std * (high - low)).view(1, -1, 1, 1), persistent=False)
         self._normalizes = pre.mean is not None or (low, high) != (0.0, 1.0)
 
+    @functools.cached_property
+    def _stop_site(self) -> Site | None:
+        """The module call after which the forward stops: the deepest requested one with early exit, else None
+        (all of the model runs). Read from the trace, so None for an untraced model too."""
+        if self._trace is None or not self.early_exit:
+            return None
+        return deepest(self.taps.sites, {site: out.order for site, out in self._trace.outputs.items()})
+
     def _measure_conv_share(self) -> float | None:
-        """The share of convolution FLOPs up to the deepest requested layer (None for an untraced model)."""
+        """The share of convolution FLOPs in what the forward runs (None for an untraced model)."""
         if self._trace is None:
             return None
-        order = {site: out.order for site, out in self._trace.outputs.items()}
-        stop = deepest(self.taps.sites, order) if self.early_exit else None  # without early exit all of it runs
-        return conv_share(self._model, self._trace.input_shape, stop)
+        return conv_share(self._model, self._trace.input_shape, self._stop_site)
 
     def _settle_format(self) -> None:
         """Convert the backbone to the memory format chosen for the device it is on: at construction, and after
@@ -219,13 +227,12 @@ class FeatureExtractor(nn.Module):
         self._model.to(memory_format=TORCH_FORMATS[self._format])
 
     def activation_bytes(self, height: int, width: int) -> int | None:
-        """Bytes of the largest module output per image of ``height x width`` up to the deepest requested
-        layer (what one image keeps hot in the cache; dumps size their CPU micro-batches by it). None for a
-        model that could not be traced."""
+        """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to
+        the deepest requested layer with early exit: what one image keeps hot in the cache; dumps size their
+        CPU micro-batches by it). None for a model that could not be traced."""
         if self._trace is None:
             return None
-        order = {site: out.order for site, out in self._trace.outputs.items()}
-        last = order[deepest(self.taps.sites, order)] if self.taps.sites else max(order.values(), default=0)
+        last = self._trace.outputs[self._stop_site].order if self._stop_site is not None else math.inf
         traced = self._trace.input_shape
         largest = max(
             (math.prod(out.shape) for out in self._trace.outputs.values() if out.shape and out.order <= last),
