@@ -454,3 +454,22 @@ def test_input_gradients_come_back_in_the_inputs_own_memory_format(layout: torch
     output = torch.rand(2, 3, 32, 32, requires_grad=True)
     loss = PerceptualLoss("resnet18", ["layer1"], weights=None)(output, torch.rand(2, 3, 32, 32))
     assert torch.autograd.grad(loss, output)[0].is_contiguous()
+
+
+def test_without_early_exit_activation_bytes_cover_the_whole_forward() -> None:
+    assert seeded_extractor("resnet18", ["conv1"]).activation_bytes(32, 32) == 64 * 16 * 16 * 4
+    assert seeded_extractor("vgg16", ["pool5"]).activation_bytes(32, 32) == 64 * 32 * 32 * 4
+    pooled = seeded_extractor("vgg16", ["pool1"])  # its largest map, 64x32x32, runs before the tap either way
+    assert pooled.activation_bytes(32, 32) == 64 * 32 * 32 * 4
+    early = seeded_extractor("resnet18", ["maxpool"])
+    whole = seeded_extractor("resnet18", ["maxpool"], early_exit=False)
+    assert early._stop_site == ("maxpool", 0) and whole._stop_site is None
+    assert early.activation_bytes(32, 32) == whole.activation_bytes(32, 32) == 64 * 16 * 16 * 4
+
+
+def test_without_early_exit_the_layers_after_the_tap_count_too() -> None:
+    widening = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 64, 3, padding=1))
+    early = fh.FeatureExtractor(widening, ["0"], weights=None)
+    whole = fh.FeatureExtractor(widening, ["0"], weights=None, early_exit=False)
+    assert early.activation_bytes(32, 32) == 4 * 32 * 32 * 4
+    assert whole.activation_bytes(32, 32) == 64 * 32 * 32 * 4
