@@ -28,8 +28,9 @@ __all__ = [
     "MEMORY_FORMATS",
     "TORCH_FORMATS",
     "MemoryFormat",
+    "auto_format",
+    "channels_last_pays",
     "check_memory_format",
-    "choose_format",
     "conv_share",
     "deepest",
 ]
@@ -39,6 +40,8 @@ MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
 TORCH_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 # A backbone whose convolutions do at least this share of the FLOPs runs channels-last under "auto".
 CONV_SHARE = 0.5
+# Images with fewer pixels than this run NCHW under "auto": channels-last measured no faster there.
+MIN_CHANNELS_LAST_PIXELS = 96 * 96
 # Devices whose convolution kernels were measured (CPU) or are documented (cuDNN) faster in channels_last.
 CHANNELS_LAST_DEVICES = ("cpu", "cuda")
 _CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
@@ -103,12 +106,20 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "__name__", op)).split(".")[0]
 
 
-def choose_format(requested: str, share: float | None, device_type: str) -> str:
-    """``"channels_last"`` or ``"contiguous"``: the format a backbone runs in on a device of ``device_type``."""
-    if requested != "auto":
-        return requested
+def auto_format(share: float | None, device_type: str, shape: tuple[int, ...]) -> str:
+    """The format ``"auto"`` runs a forward without a graph in: channels-last for a convolutional backbone
+    (``share`` at least ``CONV_SHARE``) on a device where it was measured faster, when
+    ``channels_last_pays`` for images of ``shape``; NCHW otherwise."""
     convolutional = share is not None and share >= CONV_SHARE
-    return "channels_last" if convolutional and device_type in CHANNELS_LAST_DEVICES else "contiguous"
+    if convolutional and device_type in CHANNELS_LAST_DEVICES and channels_last_pays(shape, device_type):
+        return "channels_last"
+    return "contiguous"
+
+
+def channels_last_pays(shape: tuple[int, ...], device_type: str) -> bool:
+    """Whether images of ``shape`` (B, C, H, W) are large enough for channels-last to pay on ``device_type``."""
+    height, width = shape[-2], shape[-1]
+    return height * width >= MIN_CHANNELS_LAST_PIXELS
 
 
 def deepest(sites: Collection[Site], order: dict[Site, int]) -> Site | None:

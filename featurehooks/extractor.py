@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._formats import TORCH_FORMATS, MemoryFormat, check_memory_format, choose_format, conv_share, deepest
+from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format, conv_share, deepest
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
@@ -51,6 +52,13 @@ def _check_format(output_format: str, return_prefix_tokens: bool, prefix_tokens:
         raise InvalidValueError(f"prefix_tokens must be a non-negative int or None, not {prefix_tokens}")
 
 
+def _check_normalize(normalize: object, mean: object, std: object) -> None:
+    if not isinstance(normalize, bool):
+        raise InvalidTypeError(f"normalize must be True or False, not {normalize!r}")
+    if not normalize and (mean is not None or std is not None):
+        raise InvalidValueError("normalize=False feeds images as they are: it takes no mean or std")
+
+
 def _floating_tensor(model: nn.Module) -> Tensor:
     """The model's first floating-point parameter or buffer (an empty float tensor for none): its dtype and device."""
     tensors = itertools.chain(model.parameters(), model.buffers())
@@ -76,6 +84,9 @@ class FeatureExtractor(nn.Module):
         input_range: the value range of the images you pass, e.g. ``(0, 1)``, ``(-1, 1)`` or ``(0, 255)``.
         mean: per-channel mean for images scaled to [0, 1]; overrides the weights' normalization.
         std: per-channel std for images scaled to [0, 1]; overrides the weights' normalization.
+        normalize: ``False`` feeds images to the backbone exactly as you pass them: no mean/std and no
+            mapping of ``input_range`` (which then only serves the out-of-range warning), as code that
+            gives a VGG its [-1, 1] images directly does (pix2pixHD).
         early_exit: stop the forward after the deepest requested layer (turn off only to measure).
         output_format: ``"native"`` returns module outputs as they are; ``"nchw"`` returns every map
             and token output as ``(B, C, H, W)``: channels-last maps (Swin) permuted, tokens (ViT)
@@ -86,14 +97,15 @@ class FeatureExtractor(nn.Module):
         prefix_tokens: how many tokens lead the patch tokens of the model's token outputs; read
             from the model (timm's ``num_prefix_tokens``, torchvision's ViT), so only needed for
             your own modules that do not say.
-        memory_format: how the backbone's 4-D weights and activations lie in memory.
-            ``"auto"`` (default) runs ``"channels_last"`` on CPUs and CUDA devices when 2-D
-            convolutions do most of the work up to the deepest requested layer (VGG, ResNet,
-            EfficientNet...: measured up to 2x faster on the CPU) and ``"contiguous"`` (NCHW)
-            otherwise (ViT, Swin, ConvNeXt; other devices; models that cannot run on the meta
-            device). The backbone is converted once (and the choice made again after a ``.to()``,
-            which may change the device type); images are converted inside ``forward``.
-            ``memory_format_in_use`` says which.
+        memory_format: how the backbone's 4-D activations lie in memory. ``"auto"`` (default)
+            never changes what NCHW code would give beyond float32 rounding, and never in a graph:
+            with ``mode="grad"`` it is always ``"contiguous"`` (NCHW), so values and input gradients
+            are bitwise those of the NCHW code you port; with ``mode="detach"`` it runs a forward in
+            ``"channels_last"`` only where that was measured faster for the input's shape (see
+            ``featurehooks._formats``; values within 1e-5 of scale). ``"channels_last"`` and
+            ``"contiguous"`` force a format (channels-last in a graph rounds input gradients
+            differently, up to a few % of their largest element on VGG/ResNet).
+            ``memory_format_in_use`` says which format the latest forward ran in.
 
     ``output_layouts`` tells the layout of each returned output.
 
@@ -129,6 +141,7 @@ class FeatureExtractor(nn.Module):
         input_range: tuple[float, float] = (0.0, 1.0),
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        normalize: bool = True,
         early_exit: bool = True,
         output_format: OutputFormat = "native",
         return_prefix_tokens: bool = False,
@@ -142,6 +155,7 @@ class FeatureExtractor(nn.Module):
         low, high = (float(v) for v in input_range)
         if not low < high:
             raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
+        _check_normalize(normalize, mean, std)
         loaded = load_backbone(
             backbone,
             weights,
@@ -152,7 +166,11 @@ class FeatureExtractor(nn.Module):
         object.__setattr__(self, "_model", model)  # outside the module tree: see the class docstring
         self.backbone_name = loaded.name
         self.weights = loaded.weights
-        self.preprocessing: Preprocessing = loaded.preprocessing
+        # what forward does to the images: nothing at all with normalize=False
+        self.preprocessing: Preprocessing = (
+            loaded.preprocessing if normalize else dataclasses.replace(loaded.preprocessing, mean=None, std=None)
+        )
+        self.normalizes = normalize
         self.mode: Mode = mode
         self.input_range = (low, high)
         self.early_exit = early_exit
@@ -177,10 +195,13 @@ class FeatureExtractor(nn.Module):
             index.check_calls(self.taps, found)
             self._set_layouts({tap.name: found.outputs[tap.site].shape for tap in self.taps}, found.input_shape)
         self._trace: Trace | None = found
-        self._register_normalization(loaded.preprocessing)
+        self._register_normalization(self.preprocessing)
         self.memory_format: MemoryFormat = memory_format
-        self._conv_share = self._measure_conv_share() if memory_format == "auto" else None
+        # auto uses channels-last only without a graph, so a grad-mode extractor needs no evidence for it
+        self._conv_share = self._measure_conv_share() if memory_format == "auto" and mode == "detach" else None
+        self._auto_failed = False  # a channels-last forward under auto raised: NCHW from then on
         self._settle_format()
+        self._format = memory_format if memory_format != "auto" else "contiguous"
         self._range_checked = False
         self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit)
         self._session.prepare(found)
@@ -195,8 +216,9 @@ class FeatureExtractor(nn.Module):
 
         They start with the backbone's dtype and device (a user's module may be float64 or on a GPU already)
         and follow ``.to()`` from then on: forward casts images to their dtype and checks their device.
+        With ``normalize=False`` they are 0 and 1: images reach the backbone as they are.
         """
-        low, high = self.input_range
+        low, high = self.input_range if self.normalizes else (0.0, 1.0)
         channels = len(pre.mean) if pre.mean is not None else (self.in_channels or 1)
         like = _floating_tensor(self._model)
         mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels).to(like)
@@ -220,11 +242,26 @@ class FeatureExtractor(nn.Module):
         return conv_share(self._model, self._trace.input_shape, self._stop_site)
 
     def _settle_format(self) -> None:
-        """Convert the backbone to the memory format chosen for the device it is on: at construction, and after
-        every ``.to()``/``.half()``..., which may move it to another device type or change its format."""
-        # a name, not a torch.memory_format object: torch.save cannot pickle those
-        self._format = choose_format(self.memory_format, self._conv_share, self.mean.device.type)
-        self._model.to(memory_format=TORCH_FORMATS[self._format])
+        """Convert the backbone to a forced memory format: at construction, and after every ``.to()``/``.half()``,
+        which could change it. Under ``"auto"`` the backbone keeps its weights as they are and each forward
+        decides by the format of the images it hands the backbone."""
+        if self.memory_format != "auto":
+            self._model.to(memory_format=TORCH_FORMATS[self.memory_format])
+
+    def memory_format_for(self, shape: Sequence[int], *, graph: bool | None = None) -> str:
+        """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in.
+
+        ``graph`` says whether the forward builds a graph (default: it does in ``mode="grad"``). Under
+        ``"auto"``, a forward that builds a graph always runs NCHW (bitwise the gradients of NCHW code);
+        one without runs channels-last where ``featurehooks._formats.channels_last_pays`` says so for
+        this backbone, device and shape.
+        """
+        if self.memory_format != "auto":
+            return self.memory_format
+        graph = self.mode == "grad" if graph is None else graph
+        if graph or self._auto_failed:
+            return "contiguous"
+        return auto_format(self._conv_share, self.mean.device.type, tuple(shape))
 
     def activation_bytes(self, height: int, width: int) -> int | None:
         """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to
@@ -242,7 +279,8 @@ class FeatureExtractor(nn.Module):
 
     @property
     def memory_format_in_use(self) -> str:
-        """``"channels_last"`` or ``"contiguous"``: the format the backbone runs in on its current device."""
+        """``"channels_last"`` or ``"contiguous"``: the format of the latest forward (the forced one before any;
+        ``"contiguous"`` under ``"auto"``)."""
         return self._format
 
     @property
@@ -306,7 +344,7 @@ class FeatureExtractor(nn.Module):
         super()._apply(fn, recurse)
         if recurse:
             self._model._apply(fn)
-            if hasattr(self, "_format"):  # a move to another device type may change the chosen format
+            if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
                 self._settle_format()
         return self
 
@@ -361,19 +399,32 @@ class FeatureExtractor(nn.Module):
         if not self._session.active:
             raise RuntimeError("this FeatureExtractor was closed; create a new one")
         self._check_input(images)
-        x = images.to(self.mean.dtype)
-        if self._format == "channels_last" and not x.is_contiguous(memory_format=torch.channels_last):
-            x = _AsChannelsLast.apply(x)
-        x = self.normalize(x)
         grad = self.mode == "grad" and torch.is_grad_enabled()
+        x = self.normalize(images.to(self.mean.dtype))
+        self._format = self.memory_format_for(x.shape, graph=grad)
         with torch.set_grad_enabled(grad):
-            features = self._session.run(self._model, x)
+            features = self._run(x, grad)
         if self._layouts is None:  # an untraced model: layouts from its first real forward
             shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
             self._set_layouts(shapes, tuple(images.shape))
         if self.output_format == "nchw":
             return self._as_maps(features, (images.shape[-2], images.shape[-1]))
         return features
+
+    def _run(self, x: Tensor, grad: bool) -> dict[str, Any]:
+        """The session's forward in the chosen format; under ``"auto"``, a channels-last forward that fails
+        (a ``.view`` that needs NCHW strides, which no meta check sees for every op) runs again in NCHW,
+        which the extractor keeps from then on: a default never crashes a model that runs in NCHW."""
+        if self._format != "channels_last" or x.is_contiguous(memory_format=torch.channels_last):
+            return self._session.run(self._model, x)
+        converted = _AsChannelsLast.apply(x) if grad else x.contiguous(memory_format=torch.channels_last)
+        if self.memory_format != "auto":
+            return self._session.run(self._model, converted)
+        try:
+            return self._session.run(self._model, converted)
+        except RuntimeError:
+            self._auto_failed, self._format = True, "contiguous"
+            return self._session.run(self._model, x)
 
     def _as_maps(self, features: dict[str, Any], image_hw: tuple[int, int]) -> dict[str, Any]:
         """Token and channels-last outputs as ``(B, C, H, W)`` views; prefix tokens kept on request."""
@@ -402,9 +453,10 @@ class FeatureExtractor(nn.Module):
         layout = "" if self.output_format == "native" else f", output_format={self.output_format!r}"
         prefix = ", return_prefix_tokens=True" if self.return_prefix_tokens else ""
         memory = "" if self.memory_format == "auto" else f", memory_format={self.memory_format!r}"
+        raw = "" if self.normalizes else ", normalize=False"
         return (
             f"backbone={self.backbone_name!r}, weights={self.weights!r}, layers={self.layers}, "
-            f"mode={self.mode!r}, input_range={self.input_range}{layout}{prefix}{memory}"
+            f"mode={self.mode!r}, input_range={self.input_range}{raw}{layout}{prefix}{memory}"
         )
 
 

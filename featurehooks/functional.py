@@ -18,10 +18,12 @@ from torch import Tensor
 from .errors import InvalidTypeError, InvalidValueError
 
 __all__ = [
+    "BATCH_DISTANCES",
     "DISTANCES",
     "Distance",
     "GramNormalization",
     "Reduction",
+    "batch_frobenius",
     "channel_normalize",
     "check_batch",
     "check_reduction",
@@ -206,13 +208,36 @@ DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 one minus the cosine similarity over the channel dimension (dim 1)."""
 
 
+def batch_frobenius(input: Tensor, target: Tensor) -> Tensor:
+    """One Frobenius norm of the whole batch's difference, as BasicSR's ``criterion: fro`` computes it.
+
+    It has no per-sample value: losses that use it (``distance="fro"``) return it with ``reduction="mean"``.
+
+    Shape:
+        input: ``(B, ...)``; target: the same or ``(1, ...)``; output: scalar.
+    """
+    return torch.norm(input - target, p="fro")
+
+
+BATCH_DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"fro": batch_frobenius}
+"""Named distances over the whole batch at once (no per-sample values): ``"fro"``, BasicSR's Frobenius norm."""
+
+
 def resolve_distance(distance: Distance) -> Callable[[Tensor, Tensor], Tensor]:
     """The elementwise function for a distance name, or the callable itself."""
     if callable(distance):
         return distance
     if isinstance(distance, str) and distance in DISTANCES:
         return DISTANCES[distance]
-    raise InvalidValueError(f"distance must be one of {sorted(DISTANCES)} or a callable, not {distance!r}")
+    if isinstance(distance, str) and distance in BATCH_DISTANCES:
+        raise InvalidValueError(
+            f"distance={distance!r} is one norm over the whole batch, with no per-sample value: "
+            "PerceptualLoss and StyleLoss take it (with reduction='mean'); here use one of "
+            f"{sorted(DISTANCES)} or a callable"
+        )
+    raise InvalidValueError(
+        f"distance must be one of {sorted(DISTANCES) + sorted(BATCH_DISTANCES)} or a callable, not {distance!r}"
+    )
 
 
 def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") -> Tensor:

@@ -34,6 +34,9 @@ def seeded_extractor(backbone: str, layers: list[str], **kwargs: object) -> fh.F
         return fh.FeatureExtractor(backbone, layers, weights=None, **kwargs)
 
 
+LARGE = (8, 3, 224, 224)  # images for which channels-last pays on every convolutional backbone measured
+
+
 def conv_weights(extractor: fh.FeatureExtractor) -> list[Tensor]:
     return [m.weight for m in extractor.backbone.modules() if isinstance(m, nn.Conv2d)]
 
@@ -58,10 +61,11 @@ def test_auto_runs_channels_last_where_convolutions_do_the_work(
     backbone: str, layers: list[str], expected: str
 ) -> None:
     extractor = seeded_extractor(backbone, layers)
-    assert extractor.memory_format == "auto" and extractor.memory_format_in_use == expected
-    layout = torch.channels_last if expected == "channels_last" else torch.contiguous_format
+    assert extractor.memory_format == "auto" and extractor.memory_format_for(LARGE) == expected
+    assert extractor.memory_format_in_use == "contiguous"  # no forward yet
     convs = conv_weights(extractor)
-    assert convs and all(w.is_contiguous(memory_format=layout) for w in convs)
+    assert convs and all(w.is_contiguous() for w in convs)  # auto converts images, never the weights
+    assert seeded_extractor(backbone, layers, mode="grad").memory_format_for(LARGE) == "contiguous"
 
 
 def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> None:
@@ -77,8 +81,8 @@ def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> N
 
     early = fh.FeatureExtractor(ConvThenMatmul(), ["conv"], weights=None)
     late = fh.FeatureExtractor(ConvThenMatmul(), ["head"], weights=None)
-    assert early._conv_share == pytest.approx(1.0) and early.memory_format_in_use == "channels_last"
-    assert late._conv_share < 0.5 and late.memory_format_in_use == "contiguous"
+    assert early._conv_share == pytest.approx(1.0) and early.memory_format_for(LARGE) == "channels_last"
+    assert late._conv_share < 0.5 and late.memory_format_for(LARGE) == "contiguous"
 
 
 @pytest.mark.parametrize(
@@ -114,8 +118,8 @@ def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: 
     errors = {}
     for memory_format in ("contiguous", "channels_last"):
         extractor = seeded_extractor(backbone, layers, mode="grad", memory_format=memory_format)
-        assert extractor.memory_format_in_use == memory_format
         found, grad = run(extractor, torch.float32)
+        assert extractor.memory_format_in_use == memory_format
         for name in layers:
             scale = float(expected[name].abs().max())
             torch.testing.assert_close(found[name], expected[name], rtol=0, atol=1e-5 * scale, msg=name)
@@ -125,10 +129,10 @@ def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: 
 
 
 def test_features_keep_their_shape_and_say_their_strides() -> None:
-    images = torch.rand(2, 3, 64, 64)
+    images = torch.rand(2, 3, 128, 128)
     last = seeded_extractor("resnet18", ["layer2"])(images)["layer2"]
     nchw = seeded_extractor("resnet18", ["layer2"], memory_format="contiguous")(images)["layer2"]
-    assert last.shape == nchw.shape == (2, 128, 8, 8)
+    assert last.shape == nchw.shape == (2, 128, 16, 16)
     assert last.is_contiguous(memory_format=torch.channels_last) and not last.is_contiguous()
     assert nchw.is_contiguous()
 
@@ -209,34 +213,38 @@ def test_untraceable_models_stay_nchw_under_auto() -> None:
 
 
 @pytest.mark.parametrize(
-    ("requested", "share", "device", "expected"),
+    ("share", "device", "shape", "expected"),
     [
-        ("auto", 0.9, "cpu", "channels_last"),
-        ("auto", 0.9, "cuda", "channels_last"),
-        ("auto", 0.9, "mps", "contiguous"),  # not measured: NCHW as before
-        ("auto", 0.3, "cpu", "contiguous"),
-        ("auto", None, "cpu", "contiguous"),
-        ("channels_last", None, "mps", "channels_last"),
-        ("contiguous", 1.0, "cpu", "contiguous"),
+        (0.9, "cpu", LARGE, "channels_last"),
+        (0.9, "cuda", LARGE, "channels_last"),
+        (0.9, "mps", LARGE, "contiguous"),  # not measured: NCHW
+        (0.3, "cpu", LARGE, "contiguous"),
+        (None, "cpu", LARGE, "contiguous"),
+        (0.9, "cpu", (8, 3, 32, 32), "contiguous"),  # too small to pay
     ],
 )
-def test_choice_by_request_share_and_device(requested: str, share: float | None, device: str, expected: str) -> None:
-    assert _formats.choose_format(requested, share, device) == expected
+def test_auto_decides_by_share_device_and_shape(
+    share: float | None, device: str, shape: tuple[int, ...], expected: str
+) -> None:
+    assert _formats.auto_format(share, device, shape) == expected
 
 
-def test_a_move_to_another_device_type_decides_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_formats_are_kept_whatever_the_mode_or_shape() -> None:
+    for fmt in ("contiguous", "channels_last"):
+        for mode in ("detach", "grad"):
+            extractor = seeded_extractor("resnet18", ["layer1"], mode=mode, memory_format=fmt)
+            assert extractor.memory_format_for((1, 3, 16, 16)) == extractor.memory_format_for(LARGE) == fmt
+
+
+def test_a_device_type_not_measured_runs_nchw(monkeypatch: pytest.MonkeyPatch) -> None:
     extractor = seeded_extractor("resnet18", ["layer2"])
-    images = torch.rand(2, 3, 64, 64)
+    images = torch.rand(2, 3, 128, 128)
     before = extractor(images)["layer2"]
-    monkeypatch.setattr(_formats, "CHANNELS_LAST_DEVICES", ("cuda",))  # as if the CPU were a device not measured
-    extractor.float()
-    assert extractor.memory_format_in_use == "contiguous" and all(w.is_contiguous() for w in conv_weights(extractor))
-    after = extractor(images)["layer2"]
-    assert after.is_contiguous()
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-5 * float(before.abs().max()))
-    monkeypatch.undo()
-    extractor.float()
     assert extractor.memory_format_in_use == "channels_last"
+    monkeypatch.setattr(_formats, "CHANNELS_LAST_DEVICES", ("cuda",))  # as if the CPU were a device not measured
+    after = extractor(images)["layer2"]
+    assert extractor.memory_format_in_use == "contiguous" and after.is_contiguous()
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5 * float(before.abs().max()))
 
 
 def test_copies_keep_the_format() -> None:
@@ -245,7 +253,9 @@ def test_copies_keep_the_format() -> None:
     torch.save(extractor, buffer)
     buffer.seek(0)
     for copied in (copy.deepcopy(extractor), torch.load(buffer, weights_only=False)):
-        assert copied.memory_format_in_use == "channels_last"
+        assert copied.memory_format_for(LARGE) == "channels_last"
+    forced = seeded_extractor("resnet18", ["layer1"], memory_format="channels_last")
+    for copied in (copy.deepcopy(forced),):
         assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(copied))
 
 
@@ -269,13 +279,13 @@ def test_losses_and_lpips_take_the_format_and_agree_across_formats() -> None:
             assert loss.extractor.memory_format == fmt
             values[fmt] = loss(images, target)
         torch.testing.assert_close(values["channels_last"], values["contiguous"], rtol=1e-5, atol=0)
-        torch.testing.assert_close(values["auto"], values["channels_last"], rtol=0, atol=0)
+        torch.testing.assert_close(values["auto"], values["contiguous"], rtol=0, atol=0)  # a graph: NCHW
 
 
 def test_a_shared_extractor_brings_its_own_format() -> None:
     shared = seeded_extractor("vgg16", ["relu3_3"], mode="grad", memory_format="contiguous")
-    assert PerceptualLoss(shared).extractor.memory_format_in_use == "contiguous"
-    with pytest.raises(InvalidValueError, match="memory_format come from the shared FeatureExtractor"):
+    assert PerceptualLoss(shared).extractor.memory_format == "contiguous"
+    with pytest.raises(InvalidValueError, match="come from the shared FeatureExtractor"):
         PerceptualLoss(shared, memory_format="channels_last")
 
 
@@ -395,8 +405,8 @@ def test_dumps_tile_only_when_no_worker_shares_the_cores(
 def test_a_memory_format_given_to_to_cannot_override_the_choice() -> None:
     vit = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_0"])
     vit.to(memory_format=torch.channels_last)
-    assert vit.memory_format_in_use == "contiguous" and vit.backbone.conv_proj.weight.is_contiguous()
-    resnet = seeded_extractor("resnet18", ["layer1"])
+    assert vit.memory_format_for(LARGE) == "contiguous"
+    resnet = seeded_extractor("resnet18", ["layer1"], memory_format="channels_last")
     resnet.to(memory_format=torch.contiguous_format)
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(resnet))
 
@@ -417,11 +427,12 @@ class ViewAfterTheTap(nn.Module):
 
 def test_without_early_exit_the_whole_forward_must_run_in_channels_last() -> None:
     early = fh.FeatureExtractor(ViewAfterTheTap(), ["act"], weights=None)
-    assert early.memory_format_in_use == "channels_last"  # the .view never runs
-    assert early(torch.rand(2, 3, 32, 32))["act"].shape == (2, 8, 32, 32)
+    assert early.memory_format_for(LARGE) == "channels_last"  # the .view never runs
+    assert early(torch.rand(2, 3, 128, 128))["act"].shape == (2, 8, 128, 128)
+    assert early.memory_format_in_use == "channels_last"
     whole = fh.FeatureExtractor(ViewAfterTheTap(), ["act"], weights=None, early_exit=False)
-    assert whole.memory_format_in_use == "contiguous"
-    assert whole(torch.rand(2, 3, 32, 32))["act"].shape == (2, 8, 32, 32)
+    assert whole.memory_format_for(LARGE) == "contiguous"
+    assert whole(torch.rand(2, 3, 128, 128))["act"].shape == (2, 8, 128, 128)
 
 
 def test_a_model_catching_every_exception_cannot_stretch_the_share_past_the_tap() -> None:

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._layout import channels_first
-from ..backbones import BackboneSpec, WeightsSpec
+from ..backbones import BackboneSpec
 from ..errors import InvalidTypeError, InvalidValueError
-from ..extractor import FeatureExtractor, MemoryFormat
+from ..extractor import FeatureExtractor
 from ..functional import (
+    BATCH_DISTANCES,
     Distance,
     Reduction,
     check_batch,
@@ -126,19 +127,20 @@ class FeatureLoss(nn.Module):
         layer_weights: LayerWeights,
         distance: Distance,
         reduction: Reduction,
-        weights: WeightsSpec,
-        input_range: tuple[float, float],
         resize: Resize,
-        memory_format: MemoryFormat = "auto",
+        extractor_options: Mapping[str, Any],
     ) -> None:
         super().__init__()
+        if layers is None and isinstance(layer_weights, Mapping):
+            layers = list(layer_weights)  # BasicSR/KAIR configs: one dict of layer -> weight
+        if "mode" in extractor_options:
+            raise InvalidValueError("a loss's extractor always runs in mode='grad'; do not pass mode")
         if isinstance(backbone, FeatureExtractor):
             if backbone.mode != "grad":
                 raise InvalidValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
-            shared_settings = (weights, tuple(float(v) for v in input_range), memory_format)
-            if shared_settings != ("DEFAULT", (0.0, 1.0), "auto"):
+            if extractor_options:
                 raise InvalidValueError(
-                    "weights, input_range and memory_format come from the shared FeatureExtractor; set them there"
+                    f"{sorted(extractor_options)} come from the shared FeatureExtractor; set them where it is built"
                 )
             names = as_layer_list(layers) if layers is not None else list(backbone.layers)
             missing = [name for name in names if name not in backbone.layers]
@@ -150,14 +152,20 @@ class FeatureLoss(nn.Module):
             self.extractor = backbone
         else:
             names = as_layer_list(layers if layers is not None else self.default_layers)
-            self.extractor = FeatureExtractor(
-                backbone, names, weights=weights, mode="grad", input_range=input_range, memory_format=memory_format
-            )
+            self.extractor = FeatureExtractor(backbone, names, mode="grad", **extractor_options)
         self.layers: list[str] = names
         self.layer_weights = resolve_layer_weights(layer_weights, names)
         self.distance = distance
-        self._distance: Callable[[Tensor, Tensor], Tensor] = resolve_distance(distance)
         check_reduction(reduction)
+        self._whole_batch = isinstance(distance, str) and distance in BATCH_DISTANCES
+        if self._whole_batch and reduction != "mean":
+            raise InvalidValueError(
+                f"distance={distance!r} is one norm over the whole batch (BasicSR's criterion), with no per-sample "
+                f"value to {reduction!r}: use reduction='mean'"
+            )
+        self._distance: Callable[[Tensor, Tensor], Tensor] = (
+            BATCH_DISTANCES[distance] if self._whole_batch else resolve_distance(distance)  # type: ignore[index]
+        )
         self.reduction: Reduction = reduction
         self.resize = check_resize(resize)
         self._target: list[Tensor] | None = None
@@ -299,8 +307,11 @@ class FeatureLoss(nn.Module):
                     f"layer {name!r}: input {tuple(a.shape)} and target {tuple(b.shape)} do not match "
                     "(the target's batch may be 1 or the input's)"
                 )
-            terms.append(weight * feature_distance(a, b, self._distance))
-        return reduce_loss(sum(terms[1:], terms[0]), self.reduction)
+            terms.append(
+                weight * (self._distance(a, b) if self._whole_batch else feature_distance(a, b, self._distance))
+            )
+        total = sum(terms[1:], terms[0])
+        return total if self._whole_batch else reduce_loss(total, self.reduction)
 
     def extra_repr(self) -> str:
         weights = "" if all(w == 1.0 for w in self.layer_weights) else f", layer_weights={self.layer_weights}"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..backbones import BackboneSpec, WeightsSpec
-from ..extractor import FeatureExtractor, MemoryFormat
+from ..backbones import BackboneSpec
+from ..extractor import FeatureExtractor
 from ..functional import Distance, Reduction, channel_normalize
 from ._base import FeatureLoss, LayerWeights, Resize
 
@@ -32,18 +33,23 @@ class PerceptualLoss(FeatureLoss):
     Args:
         backbone: backbone name (``"vgg16"``), ``nn.Module``, or a shared ``FeatureExtractor``
             built with ``mode="grad"`` (then ``weights`` and ``input_range`` are taken from it).
-        layers: layers to compare; default ``("relu3_3",)``, or every layer of a shared extractor.
+        layers: layers to compare; default the keys of a ``layer_weights`` dict, else ``("relu3_3",)``,
+            or every layer of a shared extractor.
         layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``);
-            default 1 each.
+            default 1 each. A dict alone names the layers too, as BasicSR and KAIR configs do.
         distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ``"charbonnier"``, ``"cosine"``
-            (over channels), or a callable ``(input, target) -> Tensor``; see ``functional.DISTANCES``.
+            (over channels), ``"fro"`` (BasicSR's ``criterion: fro``: one Frobenius norm of the
+            whole batch's difference per layer, so only with ``reduction="mean"``), or a callable
+            ``(input, target) -> Tensor`` of elementwise values, which are averaged per sample over
+            every dimension but the batch before ``reduction`` (so ``F.l1_loss``-style means over
+            the whole batch come out the same); see ``functional.DISTANCES``.
         normalize_features: scale each feature vector to unit length over channels first (LPIPS).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
-        weights: backbone weights, as for ``FeatureExtractor``.
-        input_range: the value range of the images you pass, e.g. ``(0, 1)`` or ``(-1, 1)``.
         resize: resize input and target to ``(H, W)`` (or a square) before the backbone.
-        memory_format: the backbone's memory format, as for ``FeatureExtractor`` (``"auto"``:
-            channels-last for convolutional backbones on CPU and CUDA).
+        **extractor_options: keyword arguments of the ``FeatureExtractor`` built for the loss:
+            ``weights``, ``input_range`` (the value range of your images, e.g. ``(-1, 1)``),
+            ``mean``/``std``, ``normalize=False`` (images to the backbone as they are),
+            ``memory_format``... (not with a shared extractor, whose own settings apply).
 
     Input and target run in two forwards (the target's without a graph): one forward of the
     concatenated batch measured 0.61–0.75x as fast on the CPU, because the backward then runs over
@@ -77,10 +83,8 @@ class PerceptualLoss(FeatureLoss):
         distance: Distance = "mse",
         normalize_features: bool = False,
         reduction: Reduction = "mean",
-        weights: WeightsSpec = "DEFAULT",
-        input_range: tuple[float, float] = (0.0, 1.0),
         resize: Resize = None,
-        memory_format: MemoryFormat = "auto",
+        **extractor_options: Any,
     ) -> None:
         super().__init__(
             backbone,
@@ -88,10 +92,8 @@ class PerceptualLoss(FeatureLoss):
             layer_weights=layer_weights,
             distance=distance,
             reduction=reduction,
-            weights=weights,
-            input_range=input_range,
             resize=resize,
-            memory_format=memory_format,
+            extractor_options=extractor_options,
         )
         self.normalize_features = normalize_features
 

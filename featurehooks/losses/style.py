@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
-from ..backbones import BackboneSpec, WeightsSpec
+from ..backbones import BackboneSpec
 from ..errors import InvalidValueError
-from ..extractor import FeatureExtractor, MemoryFormat
+from ..extractor import FeatureExtractor
 from ..functional import Distance, GramNormalization, Reduction, gram_matrix
 from ._base import FeatureLoss, LayerWeights, Resize
 
@@ -30,17 +31,19 @@ class StyleLoss(FeatureLoss):
 
     Args:
         backbone: backbone name, ``nn.Module``, or a shared ``FeatureExtractor`` (``mode="grad"``).
-        layers: layers whose Grams are compared; default Johnson et al.'s VGG16 style layers
-            ``("relu1_2", "relu2_2", "relu3_3", "relu4_3")``, or every layer of a shared extractor.
-        layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``).
-        distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ... or a callable; averaged over C x C.
+        layers: layers whose Grams are compared; default the keys of a ``layer_weights`` dict, else
+            Johnson et al.'s VGG16 style layers ``("relu1_2", "relu2_2", "relu3_3", "relu4_3")``, or
+            every layer of a shared extractor.
+        layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``); a
+            dict alone names the layers too.
+        distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ... or a callable, averaged over
+            C x C per sample; ``"fro"``: one Frobenius norm over the whole batch (BasicSR).
         gram_normalization: ``"chw"`` (default, Johnson et al.), ``"hw"`` or ``"none"`` (Gatys et al., piq).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
-        weights: backbone weights, as for ``FeatureExtractor``.
-        input_range: the value range of the images you pass.
         resize: resize images to ``(H, W)`` (or a square) before the backbone.
-        memory_format: the backbone's memory format, as for ``FeatureExtractor``.
         target: a fixed style image, same as calling ``set_target(target)``.
+        **extractor_options: keyword arguments of the ``FeatureExtractor`` built for the loss
+            (``weights``, ``input_range``, ``mean``/``std``, ``normalize``, ``memory_format``...).
 
     Shape:
         input: ``(B, 3, H, W)``; target: ``(B, 3, H', W')`` or ``(1, 3, H', W')``; output: scalar,
@@ -71,11 +74,9 @@ class StyleLoss(FeatureLoss):
         distance: Distance = "mse",
         gram_normalization: GramNormalization = "chw",
         reduction: Reduction = "mean",
-        weights: WeightsSpec = "DEFAULT",
-        input_range: tuple[float, float] = (0.0, 1.0),
         resize: Resize = None,
-        memory_format: MemoryFormat = "auto",
         target: Tensor | None = None,
+        **extractor_options: Any,
     ) -> None:
         if gram_normalization not in _GRAM_NORMALIZATIONS:
             raise InvalidValueError(
@@ -87,10 +88,8 @@ class StyleLoss(FeatureLoss):
             layer_weights=layer_weights,
             distance=distance,
             reduction=reduction,
-            weights=weights,
-            input_range=input_range,
             resize=resize,
-            memory_format=memory_format,
+            extractor_options=extractor_options,
         )
         self.gram_normalization: GramNormalization = gram_normalization
         if target is not None:
