@@ -108,13 +108,9 @@ class Built:
     def all(self) -> list[fh.FeatureExtractor]:
         return [ext for by_mode in self.extractors.values() for ext in by_mode.values()]
 
-    def chosen(self) -> str:
-        """The format ``auto`` runs in on the extractors' current device."""
-        return self.extractors[AUTO]["no-grad"].memory_format_in_use
-
     def title(self) -> str:
         share = "unknown" if self.conv_share is None else f"{self.conv_share:.2f}"
-        return f"{self.case.backbone} {self.case.layer} (conv share {share}, auto: {self.chosen()})"
+        return f"{self.case.backbone} {self.case.layer} (conv share {share})"
 
     def close(self) -> None:
         for ext in self.all():
@@ -191,11 +187,17 @@ def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cf
         for name, by_mode in built.extractors.items()
     }
     del kept, reference
-    params = {"mode": mode, "batch": batch, "size": size, "precision": precision}
+    params = {"mode": mode, "batch": batch, "size": size, "precision": precision,
+              "auto ran": by_mode_format(built, mode)}
     group = H.make_group(built.title(), params, timing, CONTIGUOUS, extras)
     H.log(f"{group.case} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows)
           + f"; auto/best={best_ratio(group):.3f}")
     return group
+
+
+def by_mode_format(built: Built, mode: str) -> str:
+    """The format the latest forward of ``auto`` ran in, in ``mode``: the rule's decision for that group."""
+    return built.extractors[AUTO][mode].memory_format_in_use
 
 
 def best_ratio(group: H.Group) -> float:
@@ -237,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--modes", default="no-grad,grad", help="no-grad, grad or both")
     p.add_argument("--batches", default=None,
                    help="comma-separated batch sizes; default 1,8 (cuda: 1,8,64; quick: 1,2)")
-    p.add_argument("--size", type=int, default=None,
-                   help="image size of models that take any size; default 224 (quick: 64)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated image sizes of models that take any size; default 224 (quick: 64); "
+                        "the size sweep: 32,64,128,224,384,512")
     p.set_defaults(warmup=1)  # one untimed call per contender, whose output is also the one checked
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=1.0, quick_budget=0.0)
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.batches is None:
         args.batches = "1,2" if cfg.quick else ("1,8,64" if cfg.cuda else "1,8")
     batches = [int(b) for b in args.batches.split(",")]
-    size = args.size or (64 if cfg.quick else 224)
+    sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else [64 if cfg.quick else 224]
     precisions = H.precisions(cfg)
     groups: list[H.Group] = []
     cases: dict[str, dict[str, Any]] = {}
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Where auto chose contiguous, *{AUTO}* / *{CONTIGUOUS}* compares identical configurations: its spread "
         "is the noise of this run.",
     ]
-    config = {"models": keys, "modes": modes, "batches": batches, "size": size, "precisions": precisions,
+    config = {"models": keys, "modes": modes, "batches": batches, "sizes": sizes, "precisions": precisions,
               "budget_s": cfg.budget, "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup,
               "cases": cases}
 
@@ -291,12 +294,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for ext in built.all():
                     ext.to(cfg.device)
                 cases[key] = {"backbone": case.backbone, "layer": case.layer, "conv_share": built.conv_share,
-                              "auto": built.chosen(), "title": built.title()}
+                              "title": built.title()}
                 for precision in precisions:
-                    for batch in batches:
-                        for mode in modes:
-                            groups.append(run_group(built, batch, case.size or size, mode, precision, cfg))
-                            save(partial=True)
+                    for side in [case.size] if case.size else sizes:
+                        for batch in batches:
+                            for mode in modes:
+                                groups.append(run_group(built, batch, side, mode, precision, cfg))
+                                save(partial=True)
                 cases[key]["cpu_s"] = round(time.process_time() - start, 1)  # build and groups, this process
             finally:
                 built.close()

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
+from featurehooks import _formats
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("timm")
 
 
 def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
-    return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
+    return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home), "--sizes", "32,128"]
 
 
 def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
@@ -31,26 +33,32 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
     assert "| contender | median ms | IQR ms | ratio | format | conv share |" in markdown
     assert (tmp_path / "memory_formats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # the quick cases: one convolutional model (auto -> channels_last), one token model (auto -> contiguous)
+    # the quick cases: one convolutional model, one token model (auto -> contiguous)
     config = saved["config"]
     assert config["models"] == [case.key for case in bench.QUICK] and config["batches"] == [1, 2]
+    assert config["sizes"] == [32, 128]
     cases = config["cases"]
     conv, vit = (cases[case.key] for case in bench.QUICK)
-    assert conv["auto"] == "channels_last" and conv["conv_share"] >= 0.5
-    assert vit["auto"] == "contiguous" and vit["conv_share"] < 0.5
+    assert conv["conv_share"] >= 0.5 and vit["conv_share"] < 0.5
     assert all(case["cpu_s"] >= 0 for case in cases.values())
 
     groups = saved["groups"]
     titles = [conv["title"], vit["title"]]
-    assert [g["case"] for g in groups] == [title for title in titles for _ in range(4)]
-    assert [(g["params"]["mode"], g["params"]["batch"]) for g in groups[:4]] == [
-        ("no-grad", 1),
-        ("grad", 1),
-        ("no-grad", 2),
-        ("grad", 2),
+    assert [g["case"] for g in groups] == [conv["title"]] * 8 + [vit["title"]] * 4
+    assert [(g["params"]["size"], g["params"]["mode"], g["params"]["batch"]) for g in groups[:8]] == [
+        (size, mode, batch) for size in (32, 128) for batch in (1, 2) for mode in ("no-grad", "grad")
     ]
-    assert [g["params"]["size"] for g in groups] == [64] * 4 + [224] * 4  # the ViT keeps its fixed size
-    for group, case in zip(groups, [conv] * 4 + [vit] * 4):
+    assert [g["params"]["size"] for g in groups[8:]] == [224] * 4  # the ViT keeps its fixed size
+    # the rule's decisions: a graph runs NCHW; without one, channels-last only where the rule says it pays
+    decisions = [
+        (g["params"]["mode"], g["params"]["batch"], g["params"]["size"], g["params"]["auto ran"]) for g in groups[:8]
+    ]
+    for mode, batch, size, ran in decisions:
+        graph = mode == "grad"
+        expected = "contiguous" if graph else _formats.auto_format(conv["conv_share"], "cpu", (batch, 3, size, size))
+        assert ran == expected
+    assert {g["params"]["auto ran"] for g in groups[8:]} == {"contiguous"}
+    for group, case in zip(groups, [conv] * 8 + [vit] * 4):
         rows = {row["name"]: row for row in group["rows"]}
         assert list(rows) == [bench.CONTIGUOUS, bench.CHANNELS_LAST, bench.AUTO]
         assert group["baseline"] == bench.CONTIGUOUS and rows[bench.CONTIGUOUS]["ratio"] == pytest.approx(1.0)
@@ -60,7 +68,7 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
             assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"]
         assert rows[bench.CONTIGUOUS]["format"] == "contiguous"
         assert rows[bench.CHANNELS_LAST]["format"] == "channels_last"
-        assert rows[bench.AUTO]["format"] == case["auto"]
+        assert rows[bench.AUTO]["format"] == group["params"]["auto ran"]
         assert rows[bench.AUTO]["conv_share"] == case["conv_share"]
         assert rows[bench.CONTIGUOUS]["conv_share"] is None and rows[bench.CHANNELS_LAST]["conv_share"] is None
         # same tensors as NCHW: float32 rounding (features), looser for input gradients (a ReLU/max-pool tie)
@@ -68,7 +76,7 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
         bound = 1e-4 if group["params"]["mode"] == "no-grad" else 0.5
         assert rows[bench.CHANNELS_LAST]["max_rel_diff"] <= bound, rows
         # auto runs exactly the format it names: its outputs are those of that contender, bit for bit
-        twin = bench.CONTIGUOUS if case["auto"] == "contiguous" else bench.CHANNELS_LAST
+        twin = bench.CONTIGUOUS if group["params"]["auto ran"] == "contiguous" else bench.CHANNELS_LAST
         assert rows[bench.AUTO]["max_abs_diff"] == rows[twin]["max_abs_diff"]
 
     targets = saved["targets"]
