@@ -9,7 +9,7 @@ from ._base import FeatureLoss
 from .group import LossGroup
 from .matching import FeatureMatchingLoss
 from .perceptual import PerceptualLoss
-from .presets import dino_vits16, gatys2016, johnson2016, pix2pixhd
+from .presets import basicsr, dino_vits16, gatys2016, johnson2016, neural_style_tutorial, pix2pixhd
 from .style import StyleLoss
 from .variation import TotalVariationLoss
 
@@ -20,8 +20,10 @@ __all__ = [
     "PerceptualLoss",
     "StyleLoss",
     "TotalVariationLoss",
+    "basicsr",
     "dino_vits16",
     "gatys2016",
     "johnson2016",
+    "neural_style_tutorial",
     "pix2pixhd",
 ]
