@@ -169,5 +169,6 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--memory-format",
         choices=("auto", "channels_last", "contiguous"),
         default="auto",
-        help="the backbone's memory format (default: auto, channels_last for convolutional backbones on cpu/cuda)",
+        help="the backbone's memory format (default: auto, channels_last for convolutional backbones on cpu/cuda "
+        "and images large enough for it to pay, NCHW otherwise)",
     )
