@@ -22,6 +22,7 @@ from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
 from .backbones import Preprocessing
+from .backbones.base import Size
 from .errors import InvalidTypeError, InvalidValueError
 
 try:
@@ -57,15 +58,13 @@ assigning ``featurehooks.images.MAX_DECODED_PIXELS`` (before a dump starts its w
 """
 
 MAX_RESIZED_PIXELS = 2**25
-"""Most pixels the shorter-side resize may produce; checked before resizing, so a thin image cannot explode.
+"""Most pixels a resize may produce; checked before resizing, so a thin image cannot explode.
 
 33.5 million (100 MiB of RGB ``uint8``): a 1000 × 1 PNG resized to 256 would become 256000 × 256
 (65.5 million pixels) and is refused, while a 1:100 panorama at 256 (6.6 million) is far inside.
 """
 
 _HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
-_DEFAULT_CROP = 224
-_DEFAULT_RESIZE = 256
 _FROM_WEIGHTS = "weights"
 _SPECIAL_FILES = (
     (stat.S_ISDIR, "directory"),
@@ -281,27 +280,67 @@ def from_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor
 
 def resized_size(height: int, width: int, size: int) -> tuple[int, int]:
     """(H, W) after resizing the shorter side to ``size``, the longer one truncated as torchvision does."""
-    if height < 1 or width < 1:
-        raise InvalidValueError(f"cannot resize an empty image of {height}x{width} pixels")
+    _check_not_empty(height, width, "resize")
     short, long = (width, height) if width <= height else (height, width)
     longer = int(size * long / short)
     return (longer, size) if width <= height else (size, longer)
 
 
-def _resize(image: Tensor, size: int, mode: InterpolationMode) -> Tensor:
-    """Shorter side of (..., C, H, W) to ``size``, refused past ``MAX_RESIZED_PIXELS`` before any work."""
+def _check_not_empty(height: int, width: int, what: str) -> None:
+    """Refuse an image without pixels, which no resize or model can take."""
+    if height < 1 or width < 1:
+        raise InvalidValueError(f"cannot {what} an empty image of {height}x{width} pixels")
+
+
+def _pair(size: Size) -> tuple[int, int]:
+    """``(H, W)`` of a size: an int is a square."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _kept_ratio_size(height: int, width: int, target: tuple[int, int], *, inside: bool) -> tuple[int, int]:
+    """(H, W) scaled by one factor to cover ``target`` (or, ``inside``, to fit in it), each side rounded.
+
+    timm's ``ResizeKeepRatio`` (``longest`` 0 or 1), with its arithmetic, so the sizes equal timm's.
+    """
+    _check_not_empty(height, width, "resize")
+    ratio_h, ratio_w = height / target[0], width / target[1]
+    ratio = max(ratio_h, ratio_w) if inside else min(ratio_h, ratio_w)
+    return round(height / ratio), round(width / ratio)
+
+
+def _resize_target(size: Size, crop_mode: str, height: int, width: int) -> tuple[int, int]:
+    """(H, W) an image of ``height x width`` is resized to, for ``size`` in ``crop_mode`` (see ``Preprocessing``)."""
+    if crop_mode == "center" and isinstance(size, int):
+        return resized_size(height, width, size)
+    if crop_mode == "squash":
+        return _pair(size)
+    return _kept_ratio_size(height, width, _pair(size), inside=crop_mode == "border")
+
+
+def _resize(image: Tensor, new: tuple[int, int], mode: InterpolationMode) -> Tensor:
+    """(..., C, H, W) resized to ``new``, refused past ``MAX_RESIZED_PIXELS`` or at 0 pixels before any work."""
     height, width = image.shape[-2:]
-    new = resized_size(height, width, size)
-    if new[0] * new[1] > MAX_RESIZED_PIXELS:
+    if new[0] * new[1] > MAX_RESIZED_PIXELS or min(new) < 1:
+        limit = f"over MAX_RESIZED_PIXELS = {MAX_RESIZED_PIXELS}" if min(new) > 0 else "an empty image"
         raise InvalidValueError(
-            f"image of {width}x{height} pixels would be resized to {new[1]}x{new[0]}, over MAX_RESIZED_PIXELS = "
-            f"{MAX_RESIZED_PIXELS} (featurehooks.images)"
+            f"image of {width}x{height} pixels would be resized to {new[1]}x{new[0]}, {limit} (featurehooks.images)"
         )
     if new == (height, width):
         return image
     if image.dtype == torch.uint8:
         return _pillow_resize(image, new, mode)
     return F.resize(image, list(new), interpolation=mode, antialias=True)
+
+
+def _center_crop(image: Tensor, size: tuple[int, int], fill: tuple[int, ...] | None) -> Tensor:
+    """Center-crop (..., C, H, W) to ``size``; where it is smaller, pad with black (torchvision's ``CenterCrop``)
+    or with ``fill``, 0..255 per channel (timm's ``CenterCropOrPad``): both pad first, then crop the center."""
+    height, width = image.shape[-2:]
+    grow_h, grow_w = max(size[0] - height, 0), max(size[1] - width, 0)
+    if fill is not None and (grow_h or grow_w):
+        values = list(fill) if image.dtype == torch.uint8 else [v / 255 for v in fill]
+        image = F.pad(image, [grow_w // 2, grow_h // 2, (grow_w + 1) // 2, (grow_h + 1) // 2], fill=values)
+    return F.center_crop(image, list(size))
 
 
 def _pillow_resize(image: Tensor, size: tuple[int, int], mode: InterpolationMode) -> Tensor:
@@ -328,26 +367,34 @@ def _pillow_resize_one(image: Tensor, size: list[int], mode: InterpolationMode) 
 
 @dataclass(frozen=True)
 class ImageTransform:
-    """Resize the shorter side to ``resize_size``, center-crop ``crop_size``, map [0, 1] to ``input_range``.
+    """Resize, center-crop, map [0, 1] to ``input_range``: a backbone's ``Preprocessing`` applied to pixels.
 
-    Takes ``uint8`` images (0..255) or floats in [0, 1]. ``uint8`` images are resized by Pillow, so
-    their pixels equal those of torchvision's ``weights.transforms()`` applied to the PIL image (before
-    its normalization, which the extractor applies); floats are resized by torch and clamped.
+    ``resize_size``, ``crop_size``, ``crop_mode`` and ``fill`` mean what they mean in ``Preprocessing``: an
+    int ``resize_size`` with the default ``"center"`` is torchvision's shorter-side resize.
 
-    ``None`` skips that step; without a crop every image must already share one size (dumps report
-    others as invalid rows). A resize past ``MAX_RESIZED_PIXELS`` raises ``ValueError`` before any work.
+    Takes ``uint8`` images (0..255) or floats in [0, 1]. ``uint8`` images are resized by Pillow, so their
+    pixels equal those of torchvision's ``weights.transforms()`` or timm's eval transform applied to the PIL
+    image (before the normalization, which the extractor applies); floats are resized by torch and clamped.
+
+    ``None`` skips that step; without a crop every image must already share one size (dumps report others
+    as invalid rows). A resize past ``MAX_RESIZED_PIXELS``, or of an empty image, raises ``ValueError``
+    before any work.
     """
 
-    resize_size: int | None
-    crop_size: int | None
+    resize_size: Size | None
+    crop_size: Size | None
     interpolation: str
     input_range: tuple[float, float]
+    crop_mode: str = "center"
+    fill: tuple[int, ...] | None = None
 
     def __call__(self, image: Tensor) -> Tensor:
+        _check_not_empty(*image.shape[-2:], "prepare")
         if self.resize_size is not None:
-            image = _resize(image, self.resize_size, InterpolationMode(self.interpolation))
+            new = _resize_target(self.resize_size, self.crop_mode, *image.shape[-2:])
+            image = _resize(image, new, InterpolationMode(self.interpolation))
         if self.crop_size is not None:
-            image = F.center_crop(image, [self.crop_size, self.crop_size])
+            image = _center_crop(image, _pair(self.crop_size), self.fill)
         if image.is_floating_point():
             image = image.clamp(0.0, 1.0)  # bicubic overshoots on floats
         return to_input_range(image, self.input_range)  # uint8 is scaled after the resize, like torchvision
@@ -355,25 +402,34 @@ class ImageTransform:
     def prepared_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) this transform gives an image of ``height x width``."""
         if self.resize_size is not None:
-            height, width = resized_size(height, width, self.resize_size)
+            height, width = _resize_target(self.resize_size, self.crop_mode, height, width)
         if self.crop_size is not None:
-            height, width = self.crop_size, self.crop_size
+            height, width = _pair(self.crop_size)
         return height, width
 
     def output_shape(self, channels: int = 3) -> tuple[int, int, int] | None:
         """(C, H, W) of every prepared image, or ``None`` when there is no crop."""
         if self.crop_size is None:
             return None
-        return (channels, self.crop_size, self.crop_size)
+        return (channels, *_pair(self.crop_size))
 
     def describe(self) -> dict[str, object]:
-        """The JSON-able settings, for the dump manifest (compared when a dump resumes)."""
-        return {
+        """The JSON-able settings, for the dump manifest (compared when a dump resumes).
+
+        ``crop_mode`` and ``fill`` appear only when they are not the defaults, so the manifests of earlier
+        dumps, which had neither, still compare equal.
+        """
+        described: dict[str, object] = {
             "resize_size": self.resize_size,
             "crop_size": self.crop_size,
             "interpolation": self.interpolation,
             "input_range": list(self.input_range),
         }
+        if self.crop_mode != "center":
+            described["crop_mode"] = self.crop_mode
+        if self.fill is not None:
+            described["fill"] = list(self.fill)
+        return described
 
 
 def transform_for(
@@ -382,20 +438,28 @@ def transform_for(
     resize_size: int | None | str = _FROM_WEIGHTS,
     crop_size: int | None | str = _FROM_WEIGHTS,
 ) -> ImageTransform:
-    """The weights' resize and crop unless overridden (``None`` turns a step off), then ``input_range``.
+    """The backbone's own resize and crop unless overridden (an int; ``None`` turns a step off), then ``input_range``.
 
-    A backbone without preprocessing facts (a user's ``nn.Module``) gets resize 256, crop 224.
+    What the pipeline does is what ``preprocessing`` says: a backbone without preprocessing facts (a user's own
+    ``nn.Module``) has no resize and no crop, so its images keep their size unless sizes are given. A given
+    resize follows the backbone's ``crop_mode``: the shorter side for "center" (torchvision's, and most of
+    timm's), a square for timm's "squash" and "border", as an int size is in timm.
     """
-    known = preprocessing.crop_size is not None
-    if resize_size == _FROM_WEIGHTS:
-        resize_size = preprocessing.resize_size if known else _DEFAULT_RESIZE
-    if crop_size == _FROM_WEIGHTS:
-        crop_size = preprocessing.crop_size if known else _DEFAULT_CROP
-    for name, value in (("resize_size", resize_size), ("crop_size", crop_size)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise InvalidValueError(f"{name} must be a positive int or None, got {value!r}")
+    resize = preprocessing.resize_size if resize_size == _FROM_WEIGHTS else _checked_size("resize_size", resize_size)
+    crop = preprocessing.crop_size if crop_size == _FROM_WEIGHTS else _checked_size("crop_size", crop_size)
     interpolation = preprocessing.interpolation or "bilinear"
-    return ImageTransform(resize_size, crop_size, interpolation, _bounds(input_range))
+    return ImageTransform(
+        resize, crop, interpolation, _bounds(input_range), preprocessing.crop_mode, preprocessing.fill
+    )
+
+
+def _checked_size(name: str, value: object) -> int | None:
+    """A size the user gave: a positive int, or None to skip the step."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidValueError(f"{name} must be a positive int, None or {_FROM_WEIGHTS!r}, got {value!r}")
+    return value
 
 
 def prepare_image(

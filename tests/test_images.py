@@ -144,7 +144,7 @@ def test_manifest_description_is_unchanged() -> None:
         "interpolation": "bicubic",
         "input_range": [-1.0, 1.0],
     }
-    assert transform_for(Preprocessing(), (0, 1), crop_size=None).describe() == {
+    assert transform_for(Preprocessing(), (0, 1), resize_size=256, crop_size=None).describe() == {
         "resize_size": 256,
         "crop_size": None,
         "interpolation": "bilinear",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import os
+import warnings
+from dataclasses import replace
 from typing import Union
 
 from torch import nn
@@ -47,40 +49,66 @@ def load_backbone(
 ) -> Backbone:
     """Build a backbone and load its weights; ``mean``/``std`` override the weights' normalization.
 
-    A user's ``nn.Module`` is deep-copied, so freezing and hooking never touch the caller's object;
-    it keeps its own weights (or loads a local file given as ``weights``) and gets no normalization
-    unless ``mean`` and ``std`` are given.
+    A user's ``nn.Module`` is deep-copied, so freezing and hooking never touch the caller's object; it keeps
+    its own weights (or loads a local file given as ``weights``) and gets the preprocessing its own library
+    gives it, so the defaults equal the user's own pipeline:
+
+    - a timm model (built by ``timm.create_model``) gets its ``pretrained_cfg`` exactly as ``"timm/<name>"``
+      does: timm's eval transform and normalization, and its input channels;
+    - an instance of a class a torchvision classification builder returns (``ResNet``, ``VGG``, ...) gets what
+      all torchvision weights of that class share: mostly the mean and std only, since a class covers several
+      builders and weights with different resizes; where even the mean and std differ (``VGG``,
+      ``EfficientNet``), no normalization and a warning, unless ``mean`` and ``std`` are given;
+    - any other module gets nothing: no normalization, resize or crop, so its images keep their own size.
     """
+    if (mean is None) != (std is None):
+        raise InvalidValueError("give both mean and std, or neither")
     if isinstance(spec, nn.Module):
-        backbone = _own_module(spec, weights)
+        backbone = _own_module(spec, weights, explained=mean is not None)
     elif isinstance(spec, str) and spec.startswith(timm_models.PREFIX):
-        backbone = timm_models.load(spec[len(timm_models.PREFIX):], weights)
+        backbone = timm_models.load(spec[len(timm_models.PREFIX) :], weights)
     elif isinstance(spec, str):
         backbone = torchvision_models.load(spec, weights)
     else:
         raise InvalidTypeError(f"backbone must be a model name or an nn.Module, not {type(spec).__name__}")
-    if (mean is None) != (std is None):
-        raise InvalidValueError("give both mean and std, or neither")
     if mean is not None and std is not None:
-        pre = backbone.preprocessing
-        backbone.preprocessing = Preprocessing(
-            tuple(mean), tuple(std), pre.resize_size, pre.crop_size, pre.interpolation
-        )
+        backbone.preprocessing = replace(backbone.preprocessing, mean=tuple(mean), std=tuple(std))
     return backbone
 
 
-def _own_module(module: nn.Module, weights: WeightsSpec) -> Backbone:
-    """A deep copy of the user's module; ``weights`` may name a local file to load into it."""
+def _own_module(module: nn.Module, weights: WeightsSpec, *, explained: bool) -> Backbone:
+    """A deep copy of the user's module; ``weights`` may name a local file to load into it.
+
+    ``explained``: the user gave mean and std, so a warning that the instance's normalization is unknown
+    would say nothing.
+    """
     model = copy.deepcopy(module)
+    source = None
     if is_state_dict_file(weights):
         load_fitting(model, read_state_dict(weights), str(weights))  # type: ignore[arg-type]
-        return Backbone(model, type(module).__name__, str(weights), Preprocessing(), in_channels=None)
-    if weights not in ("DEFAULT", None):
+        source = str(weights)
+    elif weights not in ("DEFAULT", None):
         raise InvalidValueError(
             f"weights={weights!r} cannot apply to an nn.Module: pass a local state-dict file, or "
             "'DEFAULT'/None to use the module's own weights"
         )
-    return Backbone(model, type(module).__name__, None, Preprocessing(), in_channels=None)
+    preprocessing, channels, unknown = _instance_facts(model)
+    if unknown is not None and not explained:
+        warnings.warn(unknown, stacklevel=3)
+    return Backbone(model, type(module).__name__, source, preprocessing, channels)
+
+
+def _instance_facts(module: nn.Module) -> tuple[Preprocessing, int | None, str | None]:
+    """Preprocessing, input channels and a warning (or None) for a model given as an instance: timm's, torchvision's
+    or none (see ``load_backbone``)."""
+    if timm_models.is_timm_model(module):
+        preprocessing, channels = timm_models.model_facts(module)
+        return preprocessing, channels, None
+    shared = torchvision_models.instance_preprocessing(module)
+    if shared is not None:
+        preprocessing, unknown = shared
+        return preprocessing, torchvision_models.IN_CHANNELS, unknown
+    return Preprocessing(), None, None
 
 
 def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
@@ -91,5 +119,5 @@ def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
     name, "DEFAULT"; None or a local file mean DEFAULT's); timm architectures do not depend on ``weights``.
     """
     if spec.startswith(timm_models.PREFIX):
-        return timm_models.architecture(spec[len(timm_models.PREFIX):], weights)
+        return timm_models.architecture(spec[len(timm_models.PREFIX) :], weights)
     return torchvision_models.architecture(spec, weights)

@@ -3,23 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from torch import nn
+
+from ..errors import InvalidValueError
+
+Size = Union[int, tuple[int, int]]
+"""A side length (a square, or the shorter side for a ``"center"`` resize) or an ``(H, W)`` pair."""
+
+CROP_MODES = ("center", "squash", "border")
 
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """How images must be prepared for a backbone, as its weights define it.
+    """How images are prepared for a backbone, as its weights (or its library's config) define it.
 
-    ``mean`` and ``std`` apply to images scaled to [0, 1]; ``None`` means no normalization.
-    ``resize_size`` and ``crop_size`` are the shorter-side resize and center crop used by dumps.
+    ``mean`` and ``std`` apply to images scaled to [0, 1]; ``None`` means no normalization. ``None`` sizes
+    skip that step. The resize follows ``crop_mode``, as timm's eval transform does:
+
+    - ``"center"``: an int resizes the shorter side (torchvision's ``Resize(int)``); an ``(H, W)`` pair scales
+      the image, keeping its aspect ratio, to the smallest size that covers it, each side rounded (timm's
+      ``ResizeKeepRatio``).
+    - ``"squash"``: resize to ``(H, W)`` (an int: a square), whatever the aspect ratio.
+    - ``"border"``: scale, keeping the aspect ratio, to the largest size within ``(H, W)``, each side rounded.
+
+    ``crop_size`` (an int: a square) is then center-cropped; where the image is smaller it is padded with
+    black, as torchvision's ``CenterCrop`` pads, or with ``fill`` (0..255 per channel: timm's ``"border"`` pads
+    with the mean).
     """
 
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
-    resize_size: int | None = None
-    crop_size: int | None = None
+    resize_size: Size | None = None
+    crop_size: Size | None = None
     interpolation: str = "bilinear"
+    crop_mode: str = "center"
+    fill: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.crop_mode not in CROP_MODES:
+            raise InvalidValueError(f"crop_mode must be one of {CROP_MODES}, not {self.crop_mode!r}")
 
 
 @dataclass

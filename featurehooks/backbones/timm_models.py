@@ -8,6 +8,7 @@ huggingface_hub retries an unreachable hub with backoff for about 45 seconds.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from types import ModuleType
@@ -19,7 +20,7 @@ from torch import nn
 from ..errors import BackboneNotFoundError, MissingDependencyError, WeightsUnavailableError, did_you_mean, first_line
 from ._files import check_kinds, is_state_dict_file, read_state_dict
 from ._meta import meta_parameters
-from .base import Backbone, Preprocessing
+from .base import Backbone, Preprocessing, Size
 
 PREFIX = "timm/"
 # Values of HF_HUB_OFFLINE that mean "offline", as huggingface_hub reads them.
@@ -61,26 +62,56 @@ def _data_config(model: nn.Module) -> dict[str, Any]:
 
 
 def _preprocessing(config: dict[str, Any]) -> Preprocessing:
-    """Mean, std, resize and crop from a resolved data config."""
-    crop = int(config["input_size"][-1])
-    crop_pct = float(config.get("crop_pct", 1.0))
+    """What ``timm.data.create_transform(**config)`` does at eval: its sizes, crop mode, interpolation and Normalize.
+
+    The arithmetic is ``transforms_imagenet_eval``'s: the resize is ``floor(side / crop_pct)`` per side; a square
+    one resizes the shorter side (an int), a non-square one keeps the ratio (a pair); modes other than "squash"
+    and "border" are "center".
+    """
+    height, width = (int(side) for side in config["input_size"][-2:])
+    crop_pct = float(config["crop_pct"])  # resolve_data_config puts timm's default in place of a missing one
+    mode = config["crop_mode"] if config["crop_mode"] in ("squash", "border") else "center"  # timm's else branch
+    mean = tuple(float(v) for v in config["mean"])
     return Preprocessing(
-        mean=tuple(float(v) for v in config["mean"]),
+        mean=mean,
         std=tuple(float(v) for v in config["std"]),
-        resize_size=int(round(crop / crop_pct)),
-        crop_size=crop,
-        interpolation=str(config.get("interpolation", "bilinear")),
+        resize_size=_size(math.floor(height / crop_pct), math.floor(width / crop_pct)),
+        crop_size=_size(height, width),
+        interpolation=str(config["interpolation"]),
+        crop_mode=mode,
+        fill=tuple(round(255 * v) for v in mean) if mode == "border" else None,
     )
 
 
-def _backbone(model: nn.Module, name: str, source: str | None) -> Backbone:
-    """A Backbone with preprocessing and input channels from the model's ``pretrained_cfg``.
+def _size(height: int, width: int) -> Size:
+    """An int for a square (the shorter side, for a center resize), else ``(height, width)``."""
+    return height if height == width else (height, width)
+
+
+def is_timm_model(module: nn.Module) -> bool:
+    """Whether ``module`` was built by timm: a class from timm carrying a ``pretrained_cfg`` dict.
+
+    Told without importing timm, so it costs nothing where timm is not installed (then no module is timm's).
+    A timm class constructed directly, not by ``timm.create_model``, has no config and is not counted.
+    """
+    from_timm = any(cls.__module__.split(".")[0] == "timm" for cls in type(module).__mro__)
+    return from_timm and isinstance(getattr(module, "pretrained_cfg", None), dict)
+
+
+def model_facts(model: nn.Module) -> tuple[Preprocessing, int]:
+    """Preprocessing and input channels from a timm model's ``pretrained_cfg``, for a name or an instance alike.
 
     The channels come from the config, not the first conv: tresnet's space-to-depth stem convolves 48 channels
     of a 3-channel image.
     """
     config = _data_config(model)
-    return Backbone(model, PREFIX + name, source, _preprocessing(config), int(config["input_size"][0]))
+    return _preprocessing(config), int(config["input_size"][0])
+
+
+def _backbone(model: nn.Module, name: str, source: str | None) -> Backbone:
+    """A Backbone with preprocessing and input channels from the model's ``pretrained_cfg``."""
+    preprocessing, channels = model_facts(model)
+    return Backbone(model, PREFIX + name, source, preprocessing, channels)
 
 
 def _source(name: str, weights: str | os.PathLike[str] | None) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -82,6 +84,62 @@ def preprocessing_of(weights: WeightsEnum) -> Preprocessing:
         crop_size=int(transforms.crop_size[0]),
         interpolation=transforms.interpolation.value,
     )
+
+
+@functools.cache
+def _weights_by_class() -> dict[type, tuple[WeightsEnum, ...]]:
+    """Every weights member of the classification builders, by the class the builder returns (its annotation).
+
+    Read from the signatures, so no model is built: ``ResNet`` collects resnet18 ... wide_resnet101_2.
+    """
+    groups: dict[type, list[WeightsEnum]] = {}
+    for name in tvm.list_models(module=tvm):
+        returned = inspect.signature(tvm.get_model_builder(name)).return_annotation
+        if isinstance(returned, type):
+            groups.setdefault(returned, []).extend(tvm.get_model_weights(name))
+    return {cls: tuple(members) for cls, members in groups.items()}
+
+
+def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None] | None:
+    """What every torchvision weight for ``type(model)`` agrees on, and a warning when they disagree on normalization.
+
+    None when no classification builder returns exactly that class (a subclass, a quantizable or detection
+    model). An instance records neither its builder (``ResNet`` is resnet18 ... wide_resnet101_2) nor the
+    weights it holds (resnet50's V1 resizes to 256, V2 to 232), so a fact is kept only when all the weights
+    of the class share it: the mean and std (ImageNet's for most classes; VGG16's IMAGENET1K_FEATURES and
+    efficientnet_v2_l differ), and the resize, crop and interpolation together (AlexNet, DenseNet, ...).
+    """
+    members = _weights_by_class().get(type(model))
+    if members is None:
+        return None
+    options = {member: preprocessing_of(member) for member in members}
+    statistics = {(pre.mean, pre.std) for pre in options.values()}
+    sizes = {(pre.resize_size, pre.crop_size, pre.interpolation) for pre in options.values()}
+    mean, std = next(iter(statistics)) if len(statistics) == 1 else (None, None)
+    resize, crop, interpolation = next(iter(sizes)) if len(sizes) == 1 else (None, None, "bilinear")
+    shared = Preprocessing(mean, std, resize, crop, interpolation)
+    return shared, None if len(statistics) == 1 else _disagreement(type(model), options)
+
+
+def _disagreement(cls: type, options: dict[WeightsEnum, Preprocessing]) -> str:
+    """Why a ``cls`` instance gets no normalization: which weights use which mean/std, and what to pass."""
+    groups: dict[str, list[str]] = {}
+    for member, pre in options.items():
+        groups.setdefault(f"mean {_short(pre.mean)}, std {_short(pre.std)}", []).append(str(member))
+    described = "; ".join(
+        f"{stats} for {', '.join(names[:2])}" + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        for stats, names in groups.items()
+    )
+    return (
+        f"{cls.__name__} instances get no normalization: torchvision's weights for {cls.__name__} disagree "
+        f"({described}) and an instance does not say which it holds; pass mean= and std=, or give the model's "
+        "name and weights instead of an instance"
+    )
+
+
+def _short(values: tuple[float, ...] | None) -> str:
+    """A mean or std, four significant digits a value."""
+    return "(" + ", ".join(f"{v:.4g}" for v in values or ()) + ")"
 
 
 def builder_kwargs(name: str, member: WeightsEnum) -> dict[str, Any]:
