@@ -203,7 +203,7 @@ def test_thin_images_are_invalid_rows_with_the_reason(tmp_path: Path) -> None:
     assert result.manifest["num_valid"] == 1
     ext = tiny_extractor()
     with pytest.raises(InvalidValueError, match="MAX_RESIZED_PIXELS"):
-        prepare_image(paths[2], ext)
+        prepare_image(paths[2], ext, resize_size=256)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")

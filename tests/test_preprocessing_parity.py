@@ -191,13 +191,13 @@ def torchvision_instances() -> dict[type, nn.Module]:
     return {cls: build_architecture(name).model for cls, name in smallest.items()}
 
 
-def test_torchvision_instances_state_only_facts_true_of_every_weight_of_their_class(
+def test_torchvision_instances_state_only_what_every_name_of_their_class_gives_by_default(
     torchvision_instances: dict[type, nn.Module],
 ) -> None:
     members_of: dict[type, list[tvm.WeightsEnum]] = {}
     for name in tvm.list_models(module=tvm):
         returned = inspect.signature(tvm.get_model_builder(name)).return_annotation
-        members_of.setdefault(returned, []).extend(tvm.get_model_weights(name))
+        members_of.setdefault(returned, []).append(tvm.get_model_weights(name).DEFAULT)
     for cls, model in torchvision_instances.items():
         assert type(model) is cls  # the builder's annotation is the class it builds
         with warnings.catch_warnings(record=True):
@@ -227,8 +227,18 @@ def test_torchvision_instances_by_class(torchvision_instances: dict[type, nn.Mod
     assert (inception.resize_size, inception.crop_size) == (342, 299)
 
 
-@pytest.mark.parametrize("cls", [tvm.VGG, tvm.EfficientNet])
-def test_torchvision_classes_whose_weights_disagree_get_no_normalization_and_a_warning(
+def test_a_vgg16_instance_runs_as_its_name(vgg16_cached: object) -> None:
+    """The issue's case: torchvision.models.vgg16(weights=...) passed as an instance normalizes as "vgg16" does."""
+    model = tvm.vgg16(weights="IMAGENET1K_V1")
+    by_instance = FeatureExtractor(model, ["relu3_3"])
+    by_name = FeatureExtractor("vgg16", ["relu3_3"])
+    assert by_instance.preprocessing == by_name.preprocessing
+    images = torch.rand(1, 3, 64, 64)
+    assert torch.equal(by_instance(images)["relu3_3"], by_name(images)["relu3_3"])
+
+
+@pytest.mark.parametrize("cls", [tvm.EfficientNet])
+def test_torchvision_classes_whose_defaults_disagree_get_no_normalization_and_a_warning(
     cls: type, torchvision_instances: dict[type, nn.Module]
 ) -> None:
     with pytest.warns(UserWarning, match=f"{cls.__name__} instances get no normalization.*pass mean= and std="):

@@ -182,7 +182,8 @@ def test_nchw_matches_timm_forward_intermediates(case: str) -> None:
     model = create(name, **kwargs)
     assert getattr(model, "num_prefix_tokens", 0) == prefix
     x = images(height, width)
-    ext = fh.FeatureExtractor(model, layers, output_format="nchw", return_prefix_tokens=True)
+    # normalize=False: a timm instance normalizes as its pretrained_cfg says, and timm's reference takes x as it is
+    ext = fh.FeatureExtractor(model, layers, output_format="nchw", return_prefix_tokens=True, normalize=False)
     out = ext(x)
     with torch.no_grad():
         expected = expected_outputs(layers, timm_intermediates(model, x, indices))
@@ -403,7 +404,9 @@ def test_gradients_flow_through_nchw_views(
     name: str, kwargs: dict[str, Any], size: tuple[int, int], layers: list[str], indices: list[int]
 ) -> None:
     model = create(name, **kwargs)
-    ext = fh.FeatureExtractor(model, layers, output_format="nchw", return_prefix_tokens=True, mode="grad")
+    ext = fh.FeatureExtractor(
+        model, layers, output_format="nchw", return_prefix_tokens=True, mode="grad", normalize=False
+    )
     x = images(*size).requires_grad_(True)
     out = ext(x)
     weights = {
@@ -512,9 +515,10 @@ def test_prefix_name_clash_is_refused() -> None:
 def test_strict_size_not_a_multiple_of_the_patch() -> None:
     model = create("vit_tiny_patch16_224", img_size=(64, 69), depth=1)
     x = images(64, 69)
-    out = fh.FeatureExtractor(model, ["blocks.0"], output_format="nchw")(x)
+    ext = fh.FeatureExtractor(model, ["blocks.0"], output_format="nchw")
+    out = ext(x)
     with torch.no_grad():
-        ((expected, _),) = timm_intermediates(model, x, [0])
+        ((expected, _),) = timm_intermediates(model, ext.normalize(x), [0])  # the instance's pretrained_cfg mean/std
     assert_close(out["blocks.0"], expected)
 
 

@@ -87,29 +87,33 @@ def preprocessing_of(weights: WeightsEnum) -> Preprocessing:
 
 
 @functools.cache
-def _weights_by_class() -> dict[type, tuple[WeightsEnum, ...]]:
-    """Every weights member of the classification builders, by the class the builder returns (its annotation).
+def _defaults_by_class() -> dict[type, tuple[WeightsEnum, ...]]:
+    """The DEFAULT weights of the classification builders, by the class the builder returns (its annotation).
 
-    Read from the signatures, so no model is built: ``ResNet`` collects resnet18 ... wide_resnet101_2.
+    Read from the signatures, so no model is built: ``ResNet`` collects the DEFAULT weights of resnet18 ...
+    wide_resnet101_2.
     """
     groups: dict[type, list[WeightsEnum]] = {}
     for name in tvm.list_models(module=tvm):
         returned = inspect.signature(tvm.get_model_builder(name)).return_annotation
         if isinstance(returned, type):
-            groups.setdefault(returned, []).extend(tvm.get_model_weights(name))
+            groups.setdefault(returned, []).append(tvm.get_model_weights(name).DEFAULT)
     return {cls: tuple(members) for cls, members in groups.items()}
 
 
 def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None] | None:
-    """What every torchvision weight for ``type(model)`` agrees on, and a warning when they disagree on normalization.
+    """What the name of every builder of ``type(model)`` gives with ``weights="DEFAULT"``, where they agree, and a
+    warning when they disagree on normalization.
 
     None when no classification builder returns exactly that class (a subclass, a quantizable or detection
     model). An instance records neither its builder (``ResNet`` is resnet18 ... wide_resnet101_2) nor the
-    weights it holds (resnet50's V1 resizes to 256, V2 to 232), so a fact is kept only when all the weights
-    of the class share it: the mean and std (ImageNet's for most classes; VGG16's IMAGENET1K_FEATURES and
-    efficientnet_v2_l differ), and the resize, crop and interpolation together (AlexNet, DenseNet, ...).
+    weights it holds, so a fact is kept when the DEFAULT weights of all the builders of the class share it:
+    the mean and std (ImageNet's for every class but ``EfficientNet``, whose efficientnet_v2_l uses 0.5),
+    and the resize, crop and interpolation together (VGG, AlexNet, DenseNet...; not ResNet: resnet18's
+    DEFAULT resizes to 256, resnet50's to 232). Weights other than DEFAULT that normalize otherwise (VGG16's
+    IMAGENET1K_FEATURES) need ``mean=``/``std=``, or the name and ``weights=``.
     """
-    members = _weights_by_class().get(type(model))
+    members = _defaults_by_class().get(type(model))
     if members is None:
         return None
     options = {member: preprocessing_of(member) for member in members}
@@ -131,7 +135,7 @@ def _disagreement(cls: type, options: dict[WeightsEnum, Preprocessing]) -> str:
         for stats, names in groups.items()
     )
     return (
-        f"{cls.__name__} instances get no normalization: torchvision's weights for {cls.__name__} disagree "
+        f"{cls.__name__} instances get no normalization: the DEFAULT weights of {cls.__name__}'s builders disagree "
         f"({described}) and an instance does not say which it holds; pass mean= and std=, or give the model's "
         "name and weights instead of an instance"
     )
