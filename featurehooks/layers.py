@@ -241,7 +241,8 @@ def list_layers(
         built = build_architecture(backbone, weights)
         model, label, channels = built.model, backbone, built.in_channels
         size = input_size or built.preprocessing.crop_size or 224
-    traced_size = (size, size) if input_size is not None else fixed_input_size(model) or (size, size)
+    given = size if isinstance(size, tuple) else (size, size)  # a timm crop may be (H, W)
+    traced_size = given if input_size is not None else fixed_input_size(model) or given
     try:
         found, _ = trace_images(model, traced_size, channels)
     except Exception as exc:  # the model's own error: a wrong input size, ops without meta kernels, ...
