@@ -29,7 +29,7 @@ from ._taps import Site, Taps, call_name
 from ._trace import Trace, trace, tracing
 from .errors import LayerNotRunError
 
-__all__ = ["HookSession", "Observer", "StopForward"]
+__all__ = ["HookSession", "Observer", "StopForward", "release_inplace"]
 
 
 class StopForward(BaseException):
@@ -128,8 +128,9 @@ class Observer:
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None
 
-    def before(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> None:
+    def before(
+        self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         pass
 
     def after(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -238,8 +239,16 @@ class HookSession:
         observer: report calls to this probe instead of storing outputs.
     """
 
-    def __init__(self, model: nn.Module, taps: Taps, *, detach: bool = True, stop_early: bool = False,
-                 observer: Observer | None = None, keep: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: Taps,
+        *,
+        detach: bool = True,
+        stop_early: bool = False,
+        observer: Observer | None = None,
+        keep: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.taps = taps
         self._keep = keep
         self.detach = detach
@@ -271,15 +280,19 @@ class HookSession:
         """Whether hooks are still registered (a plain flag: torch.compile cannot trace handles)."""
         return self._active
 
-    def prepare(self, found: Trace | None, *, clone_all_untraced: bool = False) -> None:
+    def prepare(self, found: Trace | None, *, clone_all_untraced: bool = False, owns_model: bool = False) -> None:
         """Decide which taps are cloned: those the trace saw changed in place later in the forward.
 
         Without a trace, real forwards are checked instead (``run`` then repeats a forward whose
         taps were changed, cloning them from then on), or, where a forward cannot be repeated
-        (``clone_all_untraced``), every tap is cloned.
+        (``clone_all_untraced``), every tap is cloned. With ``owns_model`` (a private copy nobody
+        else runs), in-place activations that change taps are first made out of place where that
+        spares the clone (:func:`release_inplace`).
         """
         sites = self.taps.sites
         if found is not None:
+            if owns_model:
+                found = release_inplace(self._model, found, sites, self.stop_early)
             self._clone, self._check_versions = found.changed_in_place(sites, self.stop_early), False
         elif clone_all_untraced:
             self._clone, self._check_versions = frozenset(sites), False
@@ -473,6 +486,48 @@ class HookSession:
         self.__dict__.update(state)
         self._local = _ThreadForwards()
         self._tensor_lock = threading.Lock()
+
+
+# In-place modules whose out-of-place form gives bitwise the same values and first and second order
+# gradients (measured on torch 2.14: ELU, CELU and SELU differ in gradients, Mish in fp16 second order;
+# dropout, in eval, changes no values).
+_SAME_OUT_OF_PLACE = frozenset(
+    {nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Threshold, nn.RReLU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid}
+)
+
+
+def _switches(model: nn.Module, by: frozenset[str | None]) -> set[str]:
+    """The modules to switch out of place so that nothing changes a site changed ``by`` these: all of them, or
+    none where something else changes it too (a ``+=``, a functional op, a module not in ``_SAME_OUT_OF_PLACE``)."""
+    paths = {path for path in by if path is not None}
+    modules = [model.get_submodule(path) for path in paths]
+    if len(paths) < len(by) or not all(type(m) in _SAME_OUT_OF_PLACE and m.inplace is True for m in modules):
+        return set()
+    return paths
+
+
+def release_inplace(model: nn.Module, found: Trace, sites: list[Site], stop_early: bool) -> Trace:
+    """Switch out of place the in-place activations of ``model`` that change ``sites``, where that leaves a
+    site unchanged, so its tap needs no clone (one memory pass less); returns the trace of ``model`` as it
+    now runs. Only for a private copy: every call of a switched module changes.
+
+    A site changed by anything else too (``out += identity``) keeps its clone and switches nothing. The
+    switched model is traced again: the taps it still changes are cloned, and if the model reads a switched
+    module's input after the call (code relying on the in-place side effect), everything is switched back.
+    """
+    changed = found.changed_by(sites, stop_early)
+    paths = set().union(*(_switches(model, by) for by in changed.values()))
+    if not paths:
+        return found
+    modules = [model.get_submodule(path) for path in sorted(paths)]
+    for module in modules:
+        module.inplace = False
+    again = found.again(model, watch=sites, check_reads=paths)
+    if not again.reread:
+        return again
+    for module in modules:
+        module.inplace = True
+    return found
 
 
 def _try_trace(root: nn.Module, args: Iterable[Any], kwargs: dict[str, Any], sites: list[Site]) -> Trace | None:

@@ -2,22 +2,27 @@
 
 Layer listings, ``feature_info`` and hook sessions all read the same ``Trace``: no compute, no
 download. It runs on a meta copy of the model, so the caller's model is never touched (attributes and
-caches a forward fills included), also while other threads run it.
+caches a forward fills included), also while other threads run it. Each in-place change of a watched
+output is recorded with the module call it happened in, when that call was handed exactly that tensor
+(an in-place ReLU right after a tapped convolution), so an owner of the model can tell which changes
+switching such a module out of place would remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ._taps import Site
@@ -25,6 +30,7 @@ from ._taps import Site
 __all__ = [
     "STATE",
     "CallOutput",
+    "Change",
     "Trace",
     "drop_hooks",
     "fixed_input_size",
@@ -59,24 +65,51 @@ class CallOutput:
 
 
 @dataclass(frozen=True)
+class Change:
+    """One in-place change of a watched output, seen when hook number ``order`` fired; ``by`` is the path of
+    the module whose call made it, when that call's first argument was exactly that tensor (else None)."""
+
+    order: int
+    by: str | None
+
+
+@dataclass(frozen=True)
 class Trace:
     """What one meta forward of a model with input ``input_shape`` showed.
 
     ``calls``: module path -> how often it ran. ``outputs``: (path, call) -> its output, in firing
-    order. ``changed_at``: for the watched sites whose output (any tensor leaf) was changed in place
-    after the module returned, the firing order at which the change was first seen.
+    order. ``changes``: for the watched sites whose output (any tensor leaf) was changed in place
+    after the module returned, every change in the order seen. ``reread``: of the paths the trace was
+    asked to check, those whose input was read again after one of their calls returned.
+    ``inputs``: the meta arguments, to trace the model the same way again.
     """
 
     input_shape: tuple[int, ...]
     calls: Mapping[str, int]
     outputs: Mapping[Site, CallOutput]
-    changed_at: Mapping[Site, int]
+    changes: Mapping[Site, tuple[Change, ...]]
+    reread: frozenset[str]
+    inputs: tuple[tuple[Any, ...], Mapping[str, Any], bool] = field(repr=False, compare=False)
+
+    def _stop(self, sites: Collection[Site], stop_early: bool) -> float:
+        """The firing order after which the forward no longer runs (with early exit, the last of ``sites``)."""
+        return max((self.outputs[site].order for site in sites), default=-1) if stop_early else math.inf
+
+    def changed_by(self, sites: Collection[Site], stop_early: bool) -> dict[Site, frozenset[str | None]]:
+        """For each of ``sites`` changed in place before the forward stops, what changed it (``Change.by``)."""
+        stop = self._stop(sites, stop_early)
+        found = {site: frozenset(c.by for c in self.changes.get(site, ()) if c.order <= stop) for site in sites}
+        return {site: by for site, by in found.items() if by}
 
     def changed_in_place(self, sites: Collection[Site], stop_early: bool) -> frozenset[Site]:
         """Sites whose output is changed before the forward ends (or, with early exit, before the
         last of ``sites`` fires): these must be cloned when captured."""
-        stop = max((self.outputs[site].order for site in sites), default=-1) if stop_early else math.inf
-        return frozenset(site for site in sites if site in self.changed_at and self.changed_at[site] <= stop)
+        return frozenset(self.changed_by(sites, stop_early))
+
+    def again(self, model: nn.Module, *, watch: Collection[Site], check_reads: Collection[str] = ()) -> Trace:
+        """Trace ``model`` (this one, changed since) on the same inputs; ``check_reads`` as in :func:`trace`."""
+        args, kwargs, eval_mode = self.inputs
+        return trace(model, args, kwargs, watch=watch, eval_mode=eval_mode, check_reads=check_reads)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -104,14 +137,21 @@ def _attribute_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 
 class _Recorder:
-    """Forward hooks on every module that record calls, output shapes and in-place changes."""
+    """Hooks on every module that record calls, output shapes and in-place changes with the call they happened in."""
 
-    def __init__(self, watch: Collection[Site]) -> None:
+    def __init__(self, watch: Collection[Site], reads: _Reads | None) -> None:
         self.watch = set(watch)
+        self.reads = reads
         self.calls: dict[str, int] = {}
         self.outputs: dict[Site, CallOutput] = {}
-        self.changed_at: dict[Site, int] = {}
-        self._pending: list[tuple[Site, torch.Tensor, int]] = []
+        self.changes: dict[Site, list[Change]] = {}
+        self._pending: list[list[Any]] = []  # [site, leaf, version last seen] of every watched output
+        self._open: list[tuple[str, Any]] = []  # calls in progress, innermost last: (path, first argument)
+
+    def enter(self, path: str, _module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook: changes seen now happened outside this call; open it."""
+        self.note_changes(len(self.outputs))
+        self._open.append((path, args[0] if args else None))
 
     def hook(self, path: str, _module: nn.Module, _args: Any, output: Any) -> None:
         order = len(self.outputs)
@@ -119,20 +159,58 @@ class _Recorder:
         call = self.calls.get(path, 0)
         self.calls[path] = call + 1
         site = (path, call)
-        self.outputs[site] = CallOutput(tuple(output.shape) if isinstance(output, torch.Tensor) else None, order)
-        if site in self.watch:
-            leaves = (leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
-            self._pending.extend((site, leaf, leaf._version) for leaf in leaves)
+        with _unseen():
+            self.outputs[site] = CallOutput(tuple(output.shape) if isinstance(output, torch.Tensor) else None, order)
+            if site in self.watch:
+                leaves = (leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
+                self._pending.extend([site, leaf, leaf._version] for leaf in leaves)
+
+    def leave(self, path: str, _module: nn.Module, _args: Any, _output: Any) -> None:
+        """Forward hook that also runs after an exception: close the innermost call (of ``path``)."""
+        _, first = self._open.pop()
+        if self.reads is not None and path in self.reads.paths and isinstance(first, torch.Tensor):
+            self.reads.retire(first, path)
 
     def note_changes(self, order: int) -> None:
-        """Mark watched outputs whose version moved since they were recorded."""
-        still = []
-        for site, leaf, version in self._pending:
-            if leaf._version != version:
-                self.changed_at.setdefault(site, order)
-            else:
-                still.append((site, leaf, version))
-        self._pending = still
+        """Record the watched outputs whose version moved since last seen, with the innermost call in progress."""
+        path, first = self._open[-1] if self._open else (None, None)
+        with _unseen():
+            for pending in self._pending:
+                site, leaf, version = pending
+                if leaf._version != version:
+                    self.changes.setdefault(site, []).append(Change(order, path if first is leaf else None))
+                    pending[2] = leaf._version
+
+
+def _unseen() -> torch._C.DisableTorchFunction:
+    """The recorder's own reads of shapes and versions: not the model's reads, and not worth a Python mode call each."""
+    return torch._C.DisableTorchFunction()
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``tensor`` views (itself when it is no view)."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+class _Reads(TorchFunctionMode):
+    """Notes which of ``paths`` had an input read again (it, or a view of its memory) after their call returned."""
+
+    def __init__(self, paths: Collection[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+        self.reread: set[str] = set()
+        self._retired: dict[int, tuple[torch.Tensor, str]] = {}  # id of the memory's root -> (root, path)
+
+    def retire(self, tensor: torch.Tensor, path: str) -> None:
+        root = _root(tensor)
+        self._retired[id(root)] = (root, path)  # the root is held, so its id is not reused
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if self._retired and getattr(func, "__name__", "") != "__get__":  # reading .shape or ._version is no read
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and (hit := self._retired.get(id(_root(leaf)))) is not None:
+                    self.reread.add(hit[1])
+        return func(*args, **(kwargs or {}))
 
 
 def trace(
@@ -142,31 +220,39 @@ def trace(
     *,
     watch: Collection[Site] = (),
     eval_mode: bool = False,
+    check_reads: Collection[str] = (),
 ) -> Trace:
     """Run ``model`` on meta tensors shaped like ``args`` and record every module call.
 
     ``watch`` names the sites whose in-place changes matter (the taps of a session).
     ``eval_mode`` runs in eval mode, as FeatureExtractor does (on the copy: the caller's flags stay).
+    ``check_reads`` names modules whose inputs must not be read after their calls (``Trace.reread``).
     Raises whatever the model raises on meta tensors (data-dependent control flow, ops without
     meta kernels, fixed input sizes); callers decide what a failed trace means.
     """
     to_meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
+    meta_args, meta_kwargs = to_meta(tuple(args)), to_meta(dict(kwargs or {}))
     copied = meta_copy(model)
-    recorder = _Recorder(watch)
+    reads = _Reads(check_reads) if check_reads else None
+    recorder = _Recorder(watch, reads)
     for path, module in copied.named_modules():
+        module.register_forward_pre_hook(partial(recorder.enter, path))
         module.register_forward_hook(partial(recorder.hook, path))
+        module.register_forward_hook(partial(recorder.leave, path), always_call=True)
     STATE.active, was_tracing = True, STATE.active
     try:
-        with torch.inference_mode(False), torch.no_grad():  # versioned meta tensors
+        with torch.inference_mode(False), torch.no_grad(), reads or contextlib.nullcontext():  # versioned tensors
             if eval_mode:
                 copied.eval()
-            copied(*to_meta(tuple(args)), **to_meta(dict(kwargs or {})))
+            copied(*to_meta(meta_args), **to_meta(meta_kwargs))
         recorder.note_changes(len(recorder.outputs))
     finally:
         STATE.active = was_tracing
         drop_hooks(copied)
     shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
-    return Trace(shape, recorder.calls, recorder.outputs, recorder.changed_at)
+    changes = {site: tuple(found) for site, found in recorder.changes.items()}
+    reread = frozenset(reads.reread) if reads is not None else frozenset()
+    return Trace(shape, recorder.calls, recorder.outputs, changes, reread, (meta_args, meta_kwargs, eval_mode))
 
 
 def drop_hooks(copied: nn.Module) -> None:
