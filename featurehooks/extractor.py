@@ -204,7 +204,7 @@ class FeatureExtractor(nn.Module):
         self._format = memory_format if memory_format != "auto" else "contiguous"
         self._range_checked = False
         self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit)
-        self._session.prepare(found)
+        self._session.prepare(found, owns_model=True)  # the private copy: in-place ReLUs after taps run out of place
 
     @property
     def backbone(self) -> nn.Module:

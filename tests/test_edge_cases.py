@@ -69,7 +69,8 @@ def test_extractor_without_dry_run_works_under_inference_mode() -> None:
     with torch.inference_mode():
         ext(torch.rand(1, 3, 16, 16))
         built_inside = fh.FeatureExtractor(tiny(), ["0", "2"])
-        assert built_inside._session._clone == {("0", 0)}
+        assert built_inside._trace.changed_in_place(built_inside.taps.sites, stop_early=True) == {("0", 0)}
+        assert not built_inside._session._clone and not built_inside.backbone[1].inplace  # out of place instead
 
 
 def test_capture_hooks_store_nothing_between_forwards() -> None:
