@@ -13,7 +13,9 @@ backbone with the same mean/std):
 - ``contiguous (NCHW)``: ``FeatureExtractor(..., memory_format="contiguous")``, the baseline of every ratio;
 - ``channels_last``: ``memory_format="channels_last"``;
 - ``auto``: ``memory_format="auto"``; the *format* column says what it chose, the *conv share* column
-  the share of convolution FLOPs up to the requested layer that it decided by (``FeatureExtractor._conv_share``).
+  the share of convolution FLOPs up to the requested layer, the *reuse* column how often each convolution weight
+  is used in one image's forward (``FeatureExtractor._conv_work``): auto runs channels-last without a graph where
+  the share is >= 0.5 and the reuse >= ``featurehooks._formats.MIN_REUSE``, and NCHW in a graph.
 
 Modes: ``no-grad`` (``mode="detach"`` under ``torch.no_grad``) and ``grad`` (``mode="grad"``, forward,
 then ``torch.autograd.grad`` of the summed feature means back to the input, as a loss would). Batches 1
@@ -36,6 +38,7 @@ noise of the measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import time
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
 import featurehooks as fh  # noqa: E402
+from featurehooks._formats import MIN_REUSE, ConvWork  # noqa: E402
 
 CONTIGUOUS = "contiguous (NCHW)"
 CHANNELS_LAST = "channels_last"
@@ -103,7 +107,11 @@ class Built:
 
     case: Case
     extractors: dict[str, dict[str, fh.FeatureExtractor]]
-    conv_share: float | None
+    work: ConvWork | None
+
+    @property
+    def conv_share(self) -> float | None:
+        return self.work.share if self.work is not None else None
 
     def all(self) -> list[fh.FeatureExtractor]:
         return [ext for by_mode in self.extractors.values() for ext in by_mode.values()]
@@ -134,7 +142,7 @@ def build(case: Case) -> Built:
             extractors[name][mode] = fh.FeatureExtractor(first.backbone, {path: case.layer}, weights=None,
                                                          mode=ext_mode, mean=mean, std=std,
                                                          memory_format=memory_format)
-    return Built(case, extractors, extractors[AUTO]["no-grad"]._conv_share)
+    return Built(case, extractors, extractors[AUTO]["no-grad"]._conv_work)
 
 
 def _timed(ext: fh.FeatureExtractor, x: Tensor, mode: str, precision: str, device: torch.device
@@ -182,6 +190,7 @@ def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cf
     extras = {
         name: {"format": by_mode[mode].memory_format_in_use,
                "conv_share": built.conv_share if name == AUTO else None,
+               "reuse": built.work.reuse(size, size) if name == AUTO and built.work is not None else None,
                "max_abs_diff": H.max_abs_diff(kept[name], reference),
                "max_rel_diff": H.max_rel_diff(kept[name], reference)}
         for name, by_mode in built.extractors.items()
@@ -264,7 +273,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     notes = [
         f"Ratios are medians over *{CONTIGUOUS}* (FeatureExtractor with memory_format='contiguous') in the same "
         f"interleaved run; *format* is what each backbone ran in (for *{AUTO}*: its choice), *conv share* the "
-        "share of convolution FLOPs up to the requested layer that auto decided by (channels_last at >= 0.5).",
+        "share of convolution FLOPs up to the requested layer and *reuse* how often each convolution weight is "
+        "used in one image's forward, which auto decided by (channels_last without a graph at a share >= 0.5 and "
+        f"a reuse >= {MIN_REUSE}; NCHW in a graph).",
         f"*{CHANNELS_LAST}* and *{AUTO}* return the same tensors as *{CONTIGUOUS}* (max rel diff = max|out - "
         "NCHW| / max|NCHW|): float32 rounding in no-grad mode; in grad mode (the input gradient) a ReLU or "
         "max-pool near-tie can go the other way and move a gradient entry.",
@@ -281,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return H.save("memory_formats", "Memory formats: time / FeatureExtractor contiguous (NCHW)", cfg, groups,
                       targets(groups), config, [*notes, *overview(groups)], partial=partial,
                       extra_columns=[("format", "format", ""), ("conv_share", "conv share", ".2f"),
+                                     ("reuse", "reuse", ".0f"),
                                      ("max_abs_diff", "max abs diff", ".1e"),
                                      ("max_rel_diff", "max rel diff", ".1e")])
 
@@ -293,7 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             try:
                 for ext in built.all():
                     ext.to(cfg.device)
+                work = None if built.work is None else dataclasses.asdict(built.work)
                 cases[key] = {"backbone": case.backbone, "layer": case.layer, "conv_share": built.conv_share,
+                              "conv_work": work,
                               "title": built.title()}
                 for precision in precisions:
                     for side in [case.size] if case.size else sizes:

@@ -13,6 +13,7 @@ gain, so they stay as they are. On CUDA, channels-last is cuDNN's documented fas
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -31,7 +32,8 @@ __all__ = [
     "auto_format",
     "channels_last_pays",
     "check_memory_format",
-    "conv_share",
+    "ConvWork",
+    "conv_work",
     "deepest",
 ]
 
@@ -40,8 +42,10 @@ MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
 TORCH_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 # A backbone whose convolutions do at least this share of the FLOPs runs channels-last under "auto".
 CONV_SHARE = 0.5
-# Images with fewer pixels than this run NCHW under "auto": channels-last measured no faster there.
-MIN_CHANNELS_LAST_PIXELS = 96 * 96
+# Each convolution weight must be used at least this often in one image's forward for "auto" to run it
+# channels-last (benchmarks/memory_formats.py --sizes): below, ResNets and VGG16 up to relu5_3 measured up to
+# 1.9x slower in it on the CPU, since every channels-last forward converts the weights again.
+MIN_REUSE = 1000
 # Devices whose convolution kernels were measured (CPU) or are documented (cuDNN) faster in channels_last.
 CHANNELS_LAST_DEVICES = ("cpu", "cuda")
 _CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
@@ -57,10 +61,27 @@ class _Stop(BaseException):
     A BaseException, as the session's own stop: a model's ``except Exception`` must not swallow it."""
 
 
-def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | None) -> float | None:
-    """The share of FLOPs in convolutions of a channels-last forward on the meta device, up to the call
-    ``stop_at`` (the deepest requested layer); None when that forward fails in channels-last (a ``.view``
-    that needs NCHW strides) or does no FLOPs at all."""
+@dataclass(frozen=True)
+class ConvWork:
+    """What ``"auto"`` decides by, counted once on the meta device up to the deepest requested layer.
+
+    ``share``: the share of FLOPs in convolutions. ``reuse_per_pixel``: multiply-adds of the convolutions
+    per weight element, per image and per input pixel; times an image's pixels it says how often each
+    convolution weight is used in a forward of one image.
+    """
+
+    share: float
+    reuse_per_pixel: float
+
+    def reuse(self, height: int, width: int) -> float:
+        """How often a convolution weight is used, on average, in the forward of one ``height x width`` image."""
+        return self.reuse_per_pixel * height * width
+
+
+def conv_work(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | None) -> ConvWork | None:
+    """The convolution work of a channels-last forward on the meta device, up to the call ``stop_at`` (the
+    deepest requested layer); None when that forward fails in channels-last (a ``.view`` that needs NCHW
+    strides) or does no FLOPs at all."""
     copied = meta_copy(model).to(memory_format=torch.channels_last)
     dtype = next((p.dtype for p in copied.parameters() if p.is_floating_point()), torch.float32)
     images = torch.empty(input_shape, dtype=dtype, device="meta").contiguous(memory_format=torch.channels_last)
@@ -71,9 +92,15 @@ def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | N
         if stop_at is not None and (path, calls[path] - 1) == stop_at:
             raise _Stop
 
+    ran: dict[int, int] = {}  # id -> weight elements of the convolution modules that ran
+
+    def note(module: nn.Module, _args: Any, output: Any) -> Any:
+        ran[id(module)] = module.weight.numel()
+        return _channels_last_output(output)
+
     for module in copied.modules():
         if isinstance(module, nn.Conv2d):  # meta convolutions return NCHW strides; CPU and cuDNN ones do not
-            module.register_forward_hook(_channels_last_output)
+            module.register_forward_hook(note)
     if stop_at is not None:
         dict(copied.named_modules())[stop_at[0]].register_forward_hook(partial(stop, stop_at[0]))
     counter = FlopCounterMode(display=False)
@@ -91,10 +118,14 @@ def conv_share(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | N
     counts = counter.get_flop_counts().get("Global", {})
     total = sum(counts.values())
     convolutions = sum(flops for op, flops in counts.items() if _op_name(op) in _CONVOLUTIONS)
-    return convolutions / total if total else None
+    if not total:
+        return None
+    weights = sum(ran.values())
+    pixels = input_shape[0] * input_shape[-2] * input_shape[-1]
+    return ConvWork(convolutions / total, convolutions / 2 / weights / pixels if weights else 0.0)
 
 
-def _channels_last_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+def _channels_last_output(output: Any) -> Any:
     """A convolution's output with the channels-last strides the real kernels give it, so that a later
     ``.view`` that needs NCHW strides fails on the meta device as it would on the real one."""
     is_map = isinstance(output, torch.Tensor) and output.dim() == 4
@@ -106,20 +137,26 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "__name__", op)).split(".")[0]
 
 
-def auto_format(share: float | None, device_type: str, shape: tuple[int, ...]) -> str:
+def auto_format(work: ConvWork | None, device_type: str, shape: tuple[int, ...]) -> str:
     """The format ``"auto"`` runs a forward without a graph in: channels-last for a convolutional backbone
-    (``share`` at least ``CONV_SHARE``) on a device where it was measured faster, when
+    (a convolution share of at least ``CONV_SHARE``) on a device where it was measured faster, when
     ``channels_last_pays`` for images of ``shape``; NCHW otherwise."""
-    convolutional = share is not None and share >= CONV_SHARE
-    if convolutional and device_type in CHANNELS_LAST_DEVICES and channels_last_pays(shape, device_type):
+    convolutional = work is not None and work.share >= CONV_SHARE
+    if convolutional and device_type in CHANNELS_LAST_DEVICES and channels_last_pays(work, shape):  # type: ignore[arg-type]
         return "channels_last"
     return "contiguous"
 
 
-def channels_last_pays(shape: tuple[int, ...], device_type: str) -> bool:
-    """Whether images of ``shape`` (B, C, H, W) are large enough for channels-last to pay on ``device_type``."""
-    height, width = shape[-2], shape[-1]
-    return height * width >= MIN_CHANNELS_LAST_PIXELS
+def channels_last_pays(work: ConvWork, shape: tuple[int, ...]) -> bool:
+    """Whether each convolution weight is used often enough in the forward of one image of ``shape``
+    (B, C, H, W) for channels-last to pay: at least ``MIN_REUSE`` times.
+
+    A channels-last forward converts every convolution's weights again, a cost that grows with the weights,
+    while what it saves grows with the work on them. It looks at one image, not at the batch: every image of
+    a given size runs in one format whatever batch it falls in (a dump's rows do not depend on where a
+    resume cut the batches), and larger batches only favour channels-last more.
+    """
+    return work.reuse(shape[-2], shape[-1]) >= MIN_REUSE
 
 
 def deepest(sites: Collection[Site], order: dict[Site, int]) -> Site | None:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format, conv_share, deepest
+from ._formats import TORCH_FORMATS, ConvWork, MemoryFormat, auto_format, check_memory_format, conv_work, deepest
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
@@ -101,8 +101,9 @@ class FeatureExtractor(nn.Module):
             never changes what NCHW code would give beyond float32 rounding, and never in a graph:
             with ``mode="grad"`` it is always ``"contiguous"`` (NCHW), so values and input gradients
             are bitwise those of the NCHW code you port; with ``mode="detach"`` it runs a forward in
-            ``"channels_last"`` only where that was measured faster for the input's shape (see
-            ``featurehooks._formats``; values within 1e-5 of scale). ``"channels_last"`` and
+            ``"channels_last"`` for convolutional backbones where each convolution weight is used
+            often enough per image for that to pay (measured: ``featurehooks._formats``; values within
+            1e-5 of scale). ``"channels_last"`` and
             ``"contiguous"`` force a format (channels-last in a graph rounds input gradients
             differently, up to a few % of their largest element on VGG/ResNet).
             ``memory_format_in_use`` says which format the latest forward ran in.
@@ -198,7 +199,7 @@ class FeatureExtractor(nn.Module):
         self._register_normalization(self.preprocessing)
         self.memory_format: MemoryFormat = memory_format
         # auto uses channels-last only without a graph, so a grad-mode extractor needs no evidence for it
-        self._conv_share = self._measure_conv_share() if memory_format == "auto" and mode == "detach" else None
+        self._conv_work = self._measure_conv_work() if memory_format == "auto" and mode == "detach" else None
         self._auto_failed = False  # a channels-last forward under auto raised: NCHW from then on
         self._settle_format()
         self._format = memory_format if memory_format != "auto" else "contiguous"
@@ -235,11 +236,16 @@ class FeatureExtractor(nn.Module):
             return None
         return deepest(self.taps.sites, {site: out.order for site, out in self._trace.outputs.items()})
 
-    def _measure_conv_share(self) -> float | None:
-        """The share of convolution FLOPs in what the forward runs (None for an untraced model)."""
+    def _measure_conv_work(self) -> ConvWork | None:
+        """The convolution work of what the forward runs (None for an untraced model)."""
         if self._trace is None:
             return None
-        return conv_share(self._model, self._trace.input_shape, self._stop_site)
+        return conv_work(self._model, self._trace.input_shape, self._stop_site)
+
+    @property
+    def _conv_share(self) -> float | None:
+        """The share of convolution FLOPs in what the forward runs, as ``"auto"`` counted it (None: not counted)."""
+        return self._conv_work.share if self._conv_work is not None else None
 
     def _settle_format(self) -> None:
         """Convert the backbone to a forced memory format: at construction, and after every ``.to()``/``.half()``,
@@ -261,7 +267,7 @@ class FeatureExtractor(nn.Module):
         graph = self.mode == "grad" if graph is None else graph
         if graph or self._auto_failed:
             return "contiguous"
-        return auto_format(self._conv_share, self.mean.device.type, tuple(shape))
+        return auto_format(self._conv_work, self.mean.device.type, tuple(shape))
 
     def activation_bytes(self, height: int, width: int) -> int | None:
         """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to

@@ -34,7 +34,7 @@ def seeded_extractor(backbone: str, layers: list[str], **kwargs: object) -> fh.F
         return fh.FeatureExtractor(backbone, layers, weights=None, **kwargs)
 
 
-LARGE = (8, 3, 224, 224)  # images for which channels-last pays on every convolutional backbone measured
+LARGE = (1, 3, 2048, 2048)  # images for which channels-last pays on every convolutional backbone here
 
 
 def conv_weights(extractor: fh.FeatureExtractor) -> list[Tensor]:
@@ -129,10 +129,10 @@ def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: 
 
 
 def test_features_keep_their_shape_and_say_their_strides() -> None:
-    images = torch.rand(2, 3, 128, 128)
-    last = seeded_extractor("resnet18", ["layer2"])(images)["layer2"]
-    nchw = seeded_extractor("resnet18", ["layer2"], memory_format="contiguous")(images)["layer2"]
-    assert last.shape == nchw.shape == (2, 128, 16, 16)
+    images = torch.rand(2, 3, 64, 64)
+    last = seeded_extractor("vgg16", ["relu2_2"])(images)["relu2_2"]
+    nchw = seeded_extractor("vgg16", ["relu2_2"], memory_format="contiguous")(images)["relu2_2"]
+    assert last.shape == nchw.shape == (2, 128, 32, 32)
     assert last.is_contiguous(memory_format=torch.channels_last) and not last.is_contiguous()
     assert nchw.is_contiguous()
 
@@ -213,20 +213,42 @@ def test_untraceable_models_stay_nchw_under_auto() -> None:
 
 
 @pytest.mark.parametrize(
-    ("share", "device", "shape", "expected"),
+    ("work", "device", "shape", "expected"),
     [
-        (0.9, "cpu", LARGE, "channels_last"),
-        (0.9, "cuda", LARGE, "channels_last"),
-        (0.9, "mps", LARGE, "contiguous"),  # not measured: NCHW
-        (0.3, "cpu", LARGE, "contiguous"),
-        (None, "cpu", LARGE, "contiguous"),
-        (0.9, "cpu", (8, 3, 32, 32), "contiguous"),  # too small to pay
+        (_formats.ConvWork(0.9, 0.1), "cpu", LARGE, "channels_last"),
+        (_formats.ConvWork(0.9, 0.1), "cuda", LARGE, "channels_last"),
+        (_formats.ConvWork(0.9, 0.1), "mps", LARGE, "contiguous"),  # not measured: NCHW
+        (_formats.ConvWork(0.3, 0.1), "cpu", LARGE, "contiguous"),  # not convolutional enough
+        (None, "cpu", LARGE, "contiguous"),  # no evidence
+        (_formats.ConvWork(0.9, 0.1), "cpu", (64, 3, 32, 32), "contiguous"),  # each weight used 102 times per image
+        (_formats.ConvWork(0.9, 0.1), "cpu", (1, 3, 100, 100), "channels_last"),  # 1000 times
     ],
 )
-def test_auto_decides_by_share_device_and_shape(
-    share: float | None, device: str, shape: tuple[int, ...], expected: str
+def test_auto_decides_by_share_device_and_the_work_per_weight_of_one_image(
+    work: _formats.ConvWork | None, device: str, shape: tuple[int, ...], expected: str
 ) -> None:
-    assert _formats.auto_format(share, device, shape) == expected
+    assert _formats.auto_format(work, device, shape) == expected
+
+
+def test_the_work_per_weight_is_counted_up_to_the_deepest_layer() -> None:
+    """VGG16 up to relu3_3 at 64x64: multiply-adds of its seven convolutions over their weight elements."""
+    extractor = seeded_extractor("vgg16", ["relu3_3"])
+    channels = [
+        (3, 64, 64),
+        (64, 64, 64),
+        (64, 128, 32),
+        (128, 128, 32),
+        (128, 256, 16),
+        (256, 256, 16),
+        (256, 256, 16),
+    ]
+    macs = sum(c_in * c_out * 9 * side * side for c_in, c_out, side in channels)
+    weights = sum(c_in * c_out * 9 for c_in, c_out, _ in channels)
+    assert extractor._conv_work is not None
+    assert extractor._conv_work.reuse(64, 64) == pytest.approx(macs / weights)
+    resnet = seeded_extractor("resnet50", ["layer4"])  # big weights on small maps: NCHW at 224, channels-last at 640
+    assert resnet.memory_format_for((8, 3, 224, 224)) == "contiguous"
+    assert resnet.memory_format_for((1, 3, 640, 640)) == "channels_last"
 
 
 def test_forced_formats_are_kept_whatever_the_mode_or_shape() -> None:
@@ -237,12 +259,12 @@ def test_forced_formats_are_kept_whatever_the_mode_or_shape() -> None:
 
 
 def test_a_device_type_not_measured_runs_nchw(monkeypatch: pytest.MonkeyPatch) -> None:
-    extractor = seeded_extractor("resnet18", ["layer2"])
-    images = torch.rand(2, 3, 128, 128)
-    before = extractor(images)["layer2"]
+    extractor = seeded_extractor("vgg16", ["relu2_2"])
+    images = torch.rand(2, 3, 64, 64)
+    before = extractor(images)["relu2_2"]
     assert extractor.memory_format_in_use == "channels_last"
     monkeypatch.setattr(_formats, "CHANNELS_LAST_DEVICES", ("cuda",))  # as if the CPU were a device not measured
-    after = extractor(images)["layer2"]
+    after = extractor(images)["relu2_2"]
     assert extractor.memory_format_in_use == "contiguous" and after.is_contiguous()
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5 * float(before.abs().max()))
 
