@@ -1,9 +1,10 @@
-"""Question: does ``memory_format="auto"`` ever run slower than NCHW, and does it pick the faster format?
+"""Question: does ``memory_format="auto"`` ever run slower than NCHW, at any size, and does it pick the faster format?
 
-``FeatureExtractor(..., memory_format="auto")`` (the default) runs a backbone ``channels_last`` on CPUs and
-CUDA devices when 2-D convolutions do at least half of the FLOPs up to the deepest requested layer, and
-``contiguous`` (NCHW) otherwise (``featurehooks/_formats.py``). This sweep is the evidence for that rule:
-the claim is *no case slower than NCHW by more than 3% under auto*.
+``FeatureExtractor(..., memory_format="auto")`` (the default) runs a forward that builds a graph in NCHW, and one
+without a graph ``channels_last`` on CPUs and CUDA devices when 2-D convolutions do at least half of the FLOPs up
+to the deepest requested layer and each convolution weight is used at least ``MIN_REUSE`` times in one image's
+forward, ``contiguous`` (NCHW) otherwise (``featurehooks/_formats.py``). This sweep is the evidence for that rule:
+the claim is *no case slower than NCHW by more than 3% under auto*, at every size (``--sizes``).
 
 For each model (a spread of torchvision families and three timm models), one deep layer or the last stage
 (picked with ``featurehooks.list_layers``), three contenders on one seeded random init (``weights=None``
@@ -31,6 +32,7 @@ Where ``auto`` chose contiguous, ``auto / contiguous`` compares two identical co
 noise of the measurement.
 
     python benchmarks/memory_formats.py --threads 1 --clock cpu   # CPU, ~6 min of CPU time on a shared machine
+    python benchmarks/memory_formats.py --models vgg16,resnet50,efficientnet_b0 --sizes 32,64,128,224 --tag _sizes
     python benchmarks/memory_formats.py --device cuda --tag _cuda # adds batch 64 and bf16 autocast groups
     python benchmarks/memory_formats.py --quick                   # seconds: checks the script, not speed
     python benchmarks/memory_formats.py --models resnet50,swin_t  # a subset (keys as in CASES)
@@ -76,7 +78,7 @@ class Case:
 
 # One layer per model: the last stage where that is affordable, else a deep one (CPU time of the sweep).
 CASES: tuple[Case, ...] = (
-    Case("vgg16", "vgg16", "relu2_2"),
+    Case("vgg16", "vgg16", "relu3_3"),
     Case("resnet18", "resnet18", "layer4"),
     Case("resnet50", "resnet50", "layer4"),
     Case("densenet121", "densenet121", "features.transition2"),
