@@ -131,8 +131,8 @@ def _check_one_size(names: list[str], transform: ImageTransform) -> None:
         elif size != first[1]:
             raise InvalidValueError(
                 f"images of different sizes cannot share one array of feature maps: {first[0]} is "
-                f"{first[1][1]}x{first[1][0]} and {name} is {size[1]}x{size[0]} once prepared; set a crop "
-                "(crop_size=, --crop) or pool the features (pool='avg', --pool avg)"
+                f"{first[1][1]}x{first[1][0]} and {name} is {size[1]}x{size[0]} once prepared; set a resize "
+                "and a crop (resize_size=, crop_size=; --resize, --crop) or pool the features (pool='avg', --pool avg)"
             )
 
 
