@@ -1,13 +1,27 @@
-"""Memory formats: which one a backbone runs in, and the evidence ``"auto"`` decides by.
+"""Memory formats: which one a forward runs in, and the evidence ``"auto"`` decides by.
 
-``"auto"`` picks ``channels_last`` on CPUs and CUDA devices for a backbone whose 2-D convolutions do
-most of the work up to the deepest requested layer (counted in FLOPs on the meta device, where the
-channels-last forward must also run), and ``contiguous`` (NCHW) otherwise. The rule comes from
-``benchmarks/memory_formats.py``: on the CPU, NCHW time / channels-last time measured 0.99–2.13x for VGG,
-ResNet, DenseNet, SqueezeNet, ShuffleNet, MNASNet, MobileNet, EfficientNet and RegNet (convolution share
-1.00), and 0.91–1.04x for ViT, Swin and ConvNeXt (0.01–0.09), whose work is in matrix products: nothing to
-gain, so they stay as they are. On CUDA, channels-last is cuDNN's documented fast path for convolutions;
-``benchmarks/run_gpu.sh`` measures both formats there.
+``"auto"`` never changes what NCHW code would give beyond float32 rounding, and never in a graph:
+
+- A forward that builds a graph runs NCHW, so input gradients are bitwise those of the NCHW code a user
+  ports. Channels-last convolutions round differently, and ReLU/max-pool ties and L1 signs turn that into
+  input gradients a few % of their largest element apart (VGG, ResNet): a speed-up that changes numbers is
+  opt-in (``memory_format="channels_last"``).
+- A forward without a graph runs channels-last on CPUs and CUDA devices for a backbone whose 2-D
+  convolutions do most of the work up to the deepest requested layer (``ConvWork.share``, counted in FLOPs
+  on the meta device, where the channels-last forward must also run) when each convolution weight is used
+  at least ``MIN_REUSE`` times in one image's forward (``ConvWork.reuse``). Only the images are converted:
+  a channels-last forward then converts each weight again, a cost that grows with the weights while the
+  gain grows with the work done on them. ``benchmarks/memory_formats.py --sizes`` measured channels-last
+  1.1–1.9x *slower* than NCHW on the CPU for ResNet-18/50 at small images (each weight used 10–500 times),
+  and 0.65–0.92x NCHW's time from about 1000 uses per weight on (VGG16, ResNets at >= 540 px, DenseNet,
+  EfficientNet, RegNet, MobileNet). ViT, Swin and ConvNeXt (share 0.01–0.09) stay NCHW: their work is in
+  matrix products.
+
+A rule rather than a timed probe: it is decided the same way in every process and rank, costs nothing at
+call time, and depends on one image's size, not on the batch, so every image of a size runs in one format
+whatever batch it falls in (a resumed dump writes the bytes an uninterrupted one would). On CUDA,
+channels-last is cuDNN's documented fast path for convolutions; ``benchmarks/run_gpu.sh`` measures both
+formats there.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_
 from ._taps import Site
 from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
-from .errors import InvalidTypeError, InvalidValueError
+from .errors import FeatureHooksError, InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
 __all__ = ["FeatureExtractor", "LayerSpec", "MemoryFormat", "OutputFormat", "capture"]
@@ -248,11 +248,11 @@ class FeatureExtractor(nn.Module):
         return self._conv_work.share if self._conv_work is not None else None
 
     def _settle_format(self) -> None:
-        """Convert the backbone to a forced memory format: at construction, and after every ``.to()``/``.half()``,
-        which could change it. Under ``"auto"`` the backbone keeps its weights as they are and each forward
-        decides by the format of the images it hands the backbone."""
-        if self.memory_format != "auto":
-            self._model.to(memory_format=TORCH_FORMATS[self.memory_format])
+        """Convert the backbone's weights to the forced memory format, NCHW under ``"auto"``: at construction
+        and after every ``.to()``/``.half()``, which could change it. Each forward hands the backbone its
+        images in the format chosen for them (under ``"auto"``, by ``memory_format_for``)."""
+        weights = "contiguous" if self.memory_format == "auto" else self.memory_format
+        self._model.to(memory_format=TORCH_FORMATS[weights])
 
     def memory_format_for(self, shape: Sequence[int], *, graph: bool | None = None) -> str:
         """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in.
@@ -407,9 +407,9 @@ class FeatureExtractor(nn.Module):
         self._check_input(images)
         grad = self.mode == "grad" and torch.is_grad_enabled()
         x = self.normalize(images.to(self.mean.dtype))
-        self._format = self.memory_format_for(x.shape, graph=grad)
+        chosen = self.memory_format_for(x.shape, graph=grad)  # a local: threads sharing the extractor decide apart
         with torch.set_grad_enabled(grad):
-            features = self._run(x, grad)
+            features, self._format = self._run(x, chosen)
         if self._layouts is None:  # an untraced model: layouts from its first real forward
             shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
             self._set_layouts(shapes, tuple(images.shape))
@@ -417,20 +417,27 @@ class FeatureExtractor(nn.Module):
             return self._as_maps(features, (images.shape[-2], images.shape[-1]))
         return features
 
-    def _run(self, x: Tensor, grad: bool) -> dict[str, Any]:
-        """The session's forward in the chosen format; under ``"auto"``, a channels-last forward that fails
-        (a ``.view`` that needs NCHW strides, which no meta check sees for every op) runs again in NCHW,
-        which the extractor keeps from then on: a default never crashes a model that runs in NCHW."""
-        if self._format != "channels_last" or x.is_contiguous(memory_format=torch.channels_last):
-            return self._session.run(self._model, x)
-        converted = _AsChannelsLast.apply(x) if grad else x.contiguous(memory_format=torch.channels_last)
-        if self.memory_format != "auto":
-            return self._session.run(self._model, converted)
+    def _run(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
+        """The session's forward with the images in the ``chosen`` format (the weights are in it already:
+        NCHW under ``"auto"``), and the format it ran in.
+
+        Under ``"auto"``, a channels-last forward that fails (a ``.view`` that needs NCHW strides, which no
+        meta check sees for every op) runs again in NCHW; when that succeeds, the extractor stays NCHW from
+        then on: a default never crashes a model that runs in NCHW. Out-of-memory and featurehooks' own
+        errors are raised as they are.
+        """
+        converted = _in_format(x, chosen)
+        if chosen != "channels_last" or self.memory_format != "auto":
+            return self._session.run(self._model, converted), chosen
         try:
-            return self._session.run(self._model, converted)
+            return self._session.run(self._model, converted), chosen
+        except (torch.cuda.OutOfMemoryError, FeatureHooksError):
+            raise
         except RuntimeError:
-            self._auto_failed, self._format = True, "contiguous"
-            return self._session.run(self._model, x)
+            del converted
+            features = self._session.run(self._model, _in_format(x, "contiguous"))
+            self._auto_failed = True
+            return features, "contiguous"
 
     def _as_maps(self, features: dict[str, Any], image_hw: tuple[int, int]) -> dict[str, Any]:
         """Token and channels-last outputs as ``(B, C, H, W)`` views; prefix tokens kept on request."""
@@ -466,17 +473,28 @@ class FeatureExtractor(nn.Module):
         )
 
 
-class _AsChannelsLast(torch.autograd.Function):
-    """Images in channels-last memory, whose gradient comes back in the images' own (NCHW) memory: code that
+def _in_format(images: Tensor, memory_format: str) -> Tensor:
+    """``images`` laid out in ``memory_format`` (no copy when they are), their gradient in their own layout."""
+    layout = TORCH_FORMATS[memory_format]
+    if images.is_contiguous(memory_format=layout):
+        return images
+    if images.requires_grad and torch.is_grad_enabled():
+        return _AsFormat.apply(images, layout)
+    return images.contiguous(memory_format=layout)
+
+
+class _AsFormat(torch.autograd.Function):
+    """Images in another memory layout whose gradient comes back in the images' own layout: code that
     ``.view``s an input gradient (gradient penalties) must not see the backbone's format."""
 
     @staticmethod
-    def forward(ctx: Any, images: Tensor) -> Tensor:
-        return images.contiguous(memory_format=torch.channels_last)
+    def forward(ctx: Any, images: Tensor, layout: torch.memory_format) -> Tensor:
+        ctx.own = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else None
+        return images.contiguous(memory_format=layout)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.contiguous(memory_format=ctx.own or torch.contiguous_format), None
 
 
 @contextmanager

@@ -58,8 +58,9 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
         is_vit, is_vgg = group["case"] == vit, group["case"] == vgg
         tail = [e.NO_EE, e.FULL, e.FX] if is_vgg else [e.FE_NCHW, e.FX, e.TIMM] if is_vit else [e.FX, e.TIMM]
         assert list(rows) == [*formats, *tail] and group["baseline"] == e.FLOOR
-        # the memory format each backbone ran in: "auto" picks channels_last for the convolutional VGG only
-        assert rows[e.FE]["format"] == ("channels_last" if is_vgg else "contiguous")
+        # the memory format each backbone ran in: "auto" runs NCHW in a graph, and at 32 px without one too (each
+        # of VGG16's weights is used ~110 times per image there: too few for channels-last to pay)
+        assert rows[e.FE]["format"] == "contiguous"
         assert rows[e.FE_CONTIGUOUS]["format"] == rows[e.FLOOR]["format"] == rows[e.FX]["format"] == "contiguous"
         assert rows[e.FE_CHANNELS_LAST]["format"] == rows[e.FLOOR_CL]["format"] == "channels_last"
         for row in rows.values():

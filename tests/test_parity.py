@@ -157,3 +157,43 @@ def test_normalize_false_feeds_the_images_as_they_are() -> None:
         fh.FeatureExtractor("vgg19", ["relu1_1"], weights=None, normalize=False, mean=(0.5,) * 3, std=(0.5,) * 3)
     with pytest.raises(InvalidTypeError, match="normalize must be"):
         fh.FeatureExtractor("vgg19", ["relu1_1"], weights=None, normalize="no")  # type: ignore[arg-type]
+
+
+class UpAndConcat(nn.Module):
+    """Runs in either format; a size the stride-2 branch cannot match fails in both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.up = nn.Upsample(scale_factor=2)
+        self.c = nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.a(x)
+        return self.c(torch.cat([a, self.up(self.b(a))], 1))
+
+
+def test_an_error_of_the_users_own_does_not_turn_channels_last_off() -> None:
+    extractor = fh.FeatureExtractor(UpAndConcat(), ["c"])
+    extractor(torch.rand(1, 3, 64, 64))
+    assert extractor.memory_format_in_use == "channels_last"
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):  # the model's own error, in NCHW too
+        extractor(torch.rand(1, 3, 63, 63))
+    extractor(torch.rand(1, 3, 64, 64))
+    assert extractor.memory_format_in_use == "channels_last"
+
+
+def test_a_graph_runs_nchw_even_for_a_channels_last_model_and_channels_last_images() -> None:
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    reference = copy.deepcopy(model)
+    extractor = fh.FeatureExtractor(model.to(memory_format=torch.channels_last), ["2"], mode="grad")
+    images = torch.rand(2, 3, SIDE, SIDE).contiguous(memory_format=torch.channels_last)
+    ours_input, theirs_input = images.clone().requires_grad_(), images.contiguous().requires_grad_()
+    ours, theirs = extractor(ours_input)["2"], reference(theirs_input)
+    assert extractor.memory_format_in_use == "contiguous" and ours.is_contiguous() and torch.equal(ours, theirs)
+    (ours_grad,) = torch.autograd.grad(ours.sum(), ours_input)
+    (theirs_grad,) = torch.autograd.grad(theirs.sum(), theirs_input)
+    assert ours_grad.is_contiguous(memory_format=torch.channels_last)  # the images' own layout
+    assert torch.equal(ours_grad, theirs_grad)

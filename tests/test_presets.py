@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from featurehooks.errors import InvalidValueError
 from featurehooks.losses import presets
 
 VGG19_STYLE_CHANNELS = (64, 128, 256, 512, 512)
@@ -112,3 +113,16 @@ def test_basicsr_refuses_contradictions(kwargs: dict, match: str) -> None:
 def test_presets_are_exported_from_their_module() -> None:
     for name in ("basicsr", "dino_vits16", "gatys2016", "johnson2016", "neural_style_tutorial", "pix2pixhd"):
         assert name in presets.__all__ and callable(getattr(presets, name))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: presets.johnson2016(weights=None, mode="detach"),
+        lambda: presets.pix2pixhd(weights=None, mode="detach"),
+        lambda: presets.basicsr({"conv1_2": 1.0}, weights=None, mode="detach"),
+    ],
+)
+def test_presets_refuse_a_mode_clearly(build: Callable[[], object]) -> None:
+    with pytest.raises(InvalidValueError, match="always runs in mode='grad'"):
+        build()

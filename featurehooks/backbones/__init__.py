@@ -56,9 +56,10 @@ def load_backbone(
     - a timm model (built by ``timm.create_model``) gets its ``pretrained_cfg`` exactly as ``"timm/<name>"``
       does: timm's eval transform and normalization, and its input channels;
     - an instance of a class a torchvision classification builder returns (``ResNet``, ``VGG``, ...) gets what
-      all torchvision weights of that class share: mostly the mean and std only, since a class covers several
-      builders and weights with different resizes; where even the mean and std differ (``VGG``,
-      ``EfficientNet``), no normalization and a warning, unless ``mean`` and ``std`` are given;
+      the names of that class give with ``weights="DEFAULT"`` where they all agree: ImageNet's mean and std,
+      and the resize and crop too where those agree (VGG, AlexNet...; not ResNet: resnet18 and resnet50
+      resize differently); where even the mean and std differ (``EfficientNet``), no normalization and a
+      warning, unless ``mean`` and ``std`` are given;
     - any other module gets nothing: no normalization, resize or crop, so its images keep their own size.
     """
     if (mean is None) != (std is None):

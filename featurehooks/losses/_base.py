@@ -104,6 +104,13 @@ def as_layer_list(layers: str | Sequence[str]) -> list[str]:
     return names
 
 
+def grad_extractor(backbone: BackboneSpec, layers: Sequence[str], options: Mapping[str, Any]) -> FeatureExtractor:
+    """The ``mode="grad"`` extractor a loss runs on, built with the user's ``FeatureExtractor`` options."""
+    if "mode" in options:
+        raise InvalidValueError("a loss's extractor always runs in mode='grad' (gradients reach the input); drop mode")
+    return FeatureExtractor(backbone, list(layers), mode="grad", **options)
+
+
 class FeatureLoss(nn.Module):
     """Base class of losses computed on features of a frozen backbone (see PerceptualLoss, StyleLoss).
 
@@ -133,8 +140,6 @@ class FeatureLoss(nn.Module):
         super().__init__()
         if layers is None and isinstance(layer_weights, Mapping):
             layers = list(layer_weights)  # BasicSR/KAIR configs: one dict of layer -> weight
-        if "mode" in extractor_options:
-            raise InvalidValueError("a loss's extractor always runs in mode='grad'; do not pass mode")
         if isinstance(backbone, FeatureExtractor):
             if backbone.mode != "grad":
                 raise InvalidValueError("a shared FeatureExtractor must use mode='grad' so gradients reach the input")
@@ -152,7 +157,7 @@ class FeatureLoss(nn.Module):
             self.extractor = backbone
         else:
             names = as_layer_list(layers if layers is not None else self.default_layers)
-            self.extractor = FeatureExtractor(backbone, names, mode="grad", **extractor_options)
+            self.extractor = grad_extractor(backbone, names, extractor_options)
         self.layers: list[str] = names
         self.layer_weights = resolve_layer_weights(layer_weights, names)
         self.distance = distance

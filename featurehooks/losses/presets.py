@@ -16,6 +16,7 @@ from torch import Tensor
 from ..errors import InvalidValueError
 from ..extractor import FeatureExtractor
 from ..functional import GramNormalization, Reduction
+from ._base import grad_extractor
 from .group import LossGroup
 from .perceptual import PerceptualLoss
 from .style import StyleLoss
@@ -59,7 +60,7 @@ def _shared_extractor(
 ) -> FeatureExtractor:
     """One extractor (``mode="grad"``) over the union of the layers of every term, in first-seen order."""
     layers = list(dict.fromkeys(name for group in layer_groups for name in group))
-    return FeatureExtractor(backbone, layers, mode="grad", **options)
+    return grad_extractor(backbone, layers, options)
 
 
 def _content_and_style(
@@ -393,7 +394,7 @@ def dino_vits16(
         Self-Supervised Vision Transformers. ICCV. https://arxiv.org/abs/2104.14294
     """
     options = {"output_format": "nchw", **extractor_options}
-    extractor = FeatureExtractor(DINO_VITS16, list(layers), mode="grad", **options)
+    extractor = grad_extractor(DINO_VITS16, list(layers), options)
     return PerceptualLoss(
         extractor,
         list(layers),
