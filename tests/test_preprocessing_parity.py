@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -178,53 +177,24 @@ def test_torchvision_pixels_equal_the_weights_transforms_of_each_kind(photos: li
             assert torch.equal(ours(read_image(photo)), theirs), (str(member), photo.name)
 
 
-@pytest.fixture(scope="module")
-def torchvision_instances() -> dict[type, nn.Module]:
-    """The smallest architecture of each class a torchvision classification builder returns, on the meta device."""
-    groups: dict[type, list[str]] = {}
-    for name in tvm.list_models(module=tvm):
-        groups.setdefault(inspect.signature(tvm.get_model_builder(name)).return_annotation, []).append(name)
-    smallest = {
-        cls: min(names, key=lambda n: tvm.get_model_weights(n).DEFAULT.meta["num_params"])
-        for cls, names in groups.items()
-    }
-    return {cls: build_architecture(name).model for cls, name in smallest.items()}
+@pytest.mark.parametrize("name", sorted(tvm.list_models(module=tvm)))
+def test_every_torchvision_instance_gets_the_preprocessing_of_its_name(name: str) -> None:
+    """An instance (on the meta device: its architecture is all that counts) prepares images as its name does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stated = load_backbone(build_architecture(name).model).preprocessing
+    assert stated == preprocessing_of(tvm.get_model_weights(name).DEFAULT)
 
 
-def test_torchvision_instances_state_only_what_every_name_of_their_class_gives_by_default(
-    torchvision_instances: dict[type, nn.Module],
-) -> None:
-    members_of: dict[type, list[tvm.WeightsEnum]] = {}
-    for name in tvm.list_models(module=tvm):
-        returned = inspect.signature(tvm.get_model_builder(name)).return_annotation
-        members_of.setdefault(returned, []).append(tvm.get_model_weights(name).DEFAULT)
-    for cls, model in torchvision_instances.items():
-        assert type(model) is cls  # the builder's annotation is the class it builds
-        with warnings.catch_warnings(record=True):
-            stated = load_backbone(model).preprocessing
-        for member in members_of[cls]:
-            truth = preprocessing_of(member)
-            if stated.mean is not None:
-                assert (stated.mean, stated.std) == (truth.mean, truth.std), str(member)
-            if stated.resize_size is not None or stated.crop_size is not None:
-                assert (stated.resize_size, stated.crop_size, stated.interpolation) == (
-                    truth.resize_size,
-                    truth.crop_size,
-                    truth.interpolation,
-                ), str(member)
-
-
-def test_torchvision_instances_by_class(torchvision_instances: dict[type, nn.Module]) -> None:
-    imagenet = tvm.ResNet50_Weights.IMAGENET1K_V2.transforms()
-    stats = (tuple(imagenet.mean), tuple(imagenet.std))
-    resnet = load_backbone(torchvision_instances[tvm.ResNet]).preprocessing
-    assert (resnet.mean, resnet.std) == stats == IMAGENET
-    assert (resnet.resize_size, resnet.crop_size) == (None, None)  # resnet18 resizes to 256, resnet50 V2 to 232
-    alexnet = load_backbone(torchvision_instances[tvm.AlexNet])
-    assert alexnet.preprocessing == preprocessing_of(tvm.AlexNet_Weights.IMAGENET1K_V1)
-    assert alexnet.in_channels == 3
-    inception = load_backbone(torchvision_instances[tvm.Inception3]).preprocessing
-    assert (inception.resize_size, inception.crop_size) == (342, 299)
+def test_an_instance_no_builder_matches_gets_what_its_class_shares() -> None:
+    with torch.device("meta"):
+        resnet = tvm.resnet50(num_classes=10)  # another head: no builder's DEFAULT architecture
+    pre = load_backbone(resnet).preprocessing
+    assert (pre.mean, pre.std) == IMAGENET
+    assert (pre.resize_size, pre.crop_size) == (None, None)  # resnet18 resizes to 256, resnet50 V2 to 232
+    with torch.device("meta"):
+        alexnet = tvm.alexnet(num_classes=10)
+    assert load_backbone(alexnet).preprocessing == preprocessing_of(tvm.AlexNet_Weights.IMAGENET1K_V1)
 
 
 def test_a_vgg16_instance_runs_as_its_name(vgg16_cached: object) -> None:
@@ -237,16 +207,15 @@ def test_a_vgg16_instance_runs_as_its_name(vgg16_cached: object) -> None:
     assert torch.equal(by_instance(images)["relu3_3"], by_name(images)["relu3_3"])
 
 
-@pytest.mark.parametrize("cls", [tvm.EfficientNet])
-def test_torchvision_classes_whose_defaults_disagree_get_no_normalization_and_a_warning(
-    cls: type, torchvision_instances: dict[type, nn.Module]
-) -> None:
-    with pytest.warns(UserWarning, match=f"{cls.__name__} instances get no normalization.*pass mean= and std="):
-        backbone = load_backbone(torchvision_instances[cls])
+def test_an_efficientnet_no_builder_matches_gets_no_normalization_and_a_warning() -> None:
+    with torch.device("meta"):
+        model = tvm.efficientnet_b0(num_classes=10)  # efficientnet_v2_l's DEFAULT uses mean 0.5: no shared mean
+    with pytest.warns(UserWarning, match="EfficientNet instances get no normalization.*pass mean= and std="):
+        backbone = load_backbone(model)
     assert backbone.preprocessing.mean is None and backbone.preprocessing.std is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        given = load_backbone(torchvision_instances[cls], mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))
+        given = load_backbone(model, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))
     assert (given.preprocessing.mean, given.preprocessing.std) == ((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
 
 

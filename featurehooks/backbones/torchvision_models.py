@@ -87,35 +87,51 @@ def preprocessing_of(weights: WeightsEnum) -> Preprocessing:
 
 
 @functools.cache
-def _defaults_by_class() -> dict[type, tuple[WeightsEnum, ...]]:
-    """The DEFAULT weights of the classification builders, by the class the builder returns (its annotation).
+def _builders_by_class() -> dict[type, tuple[str, ...]]:
+    """The classification builders' names, by the class the builder returns (its annotation).
 
-    Read from the signatures, so no model is built: ``ResNet`` collects the DEFAULT weights of resnet18 ...
-    wide_resnet101_2.
+    Read from the signatures, so no model is built: ``ResNet`` collects resnet18 ... wide_resnet101_2.
     """
-    groups: dict[type, list[WeightsEnum]] = {}
+    groups: dict[type, list[str]] = {}
     for name in tvm.list_models(module=tvm):
         returned = inspect.signature(tvm.get_model_builder(name)).return_annotation
         if isinstance(returned, type):
-            groups.setdefault(returned, []).append(tvm.get_model_weights(name).DEFAULT)
-    return {cls: tuple(members) for cls, members in groups.items()}
+            groups.setdefault(returned, []).append(name)
+    return {cls: tuple(names) for cls, names in groups.items()}
+
+
+@functools.cache
+def _layout(name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The names and shapes of the state of builder ``name`` with its DEFAULT weights' arguments (meta, no init)."""
+    model = build(name, tvm.get_model_weights(name).DEFAULT, meta=True)
+    return tuple((key, tuple(value.shape)) for key, value in model.state_dict().items())
+
+
+def _builders_of(model: nn.Module) -> tuple[str, ...]:
+    """The builders of ``type(model)`` whose architecture ``model`` has (its state's names and shapes), or, when
+    none has it (another ``num_classes``, a changed layer), every builder of the class."""
+    names = _builders_by_class().get(type(model), ())
+    layout = tuple((key, tuple(value.shape)) for key, value in model.state_dict().items())
+    same = tuple(name for name in names if _layout(name) == layout)
+    return same or names
 
 
 def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None] | None:
-    """What the name of every builder of ``type(model)`` gives with ``weights="DEFAULT"``, where they agree, and a
-    warning when they disagree on normalization.
+    """What the name of the instance's builder gives with ``weights="DEFAULT"``, and a warning when that cannot
+    be told for its normalization.
 
     None when no classification builder returns exactly that class (a subclass, a quantizable or detection
-    model). An instance records neither its builder (``ResNet`` is resnet18 ... wide_resnet101_2) nor the
-    weights it holds, so a fact is kept when the DEFAULT weights of all the builders of the class share it:
-    the mean and std (ImageNet's for every class but ``EfficientNet``, whose efficientnet_v2_l uses 0.5),
-    and the resize, crop and interpolation together (VGG, AlexNet, DenseNet...; not ResNet: resnet18's
-    DEFAULT resizes to 256, resnet50's to 232). Weights other than DEFAULT that normalize otherwise (VGG16's
-    IMAGENET1K_FEATURES) need ``mean=``/``std=``, or the name and ``weights=``.
+    model). An instance records neither its builder nor its weights, but its architecture tells the builder:
+    ``tvm.resnet50()`` has the state names and shapes of resnet50 alone among the ``ResNet`` builders, so it
+    gets resnet50's DEFAULT preprocessing, exactly as the name ``"resnet50"`` does. An instance no builder
+    matches (another ``num_classes``) gets what the DEFAULT weights of all the builders of its class share: the
+    mean and std (ImageNet's for every class but ``EfficientNet``, whose efficientnet_v2_l uses 0.5, hence a
+    warning), and the resize, crop and interpolation where those agree too. Weights other than DEFAULT that
+    normalize otherwise (VGG16's IMAGENET1K_FEATURES) need ``mean=``/``std=``, or the name and ``weights=``.
     """
-    members = _defaults_by_class().get(type(model))
-    if members is None:
+    if type(model) not in _builders_by_class():
         return None
+    members = [tvm.get_model_weights(name).DEFAULT for name in _builders_of(model)]
     options = {member: preprocessing_of(member) for member in members}
     statistics = {(pre.mean, pre.std) for pre in options.values()}
     sizes = {(pre.resize_size, pre.crop_size, pre.interpolation) for pre in options.values()}
