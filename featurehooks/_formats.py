@@ -155,10 +155,9 @@ def auto_format(work: ConvWork | None, device_type: str, shape: tuple[int, ...])
     """The format ``"auto"`` runs a forward without a graph in: channels-last for a convolutional backbone
     (a convolution share of at least ``CONV_SHARE``) on a device where it was measured faster, when
     ``channels_last_pays`` for images of ``shape``; NCHW otherwise."""
-    convolutional = work is not None and work.share >= CONV_SHARE
-    if convolutional and device_type in CHANNELS_LAST_DEVICES and channels_last_pays(work, shape):  # type: ignore[arg-type]
-        return "channels_last"
-    return "contiguous"
+    if work is None or work.share < CONV_SHARE or device_type not in CHANNELS_LAST_DEVICES:
+        return "contiguous"
+    return "channels_last" if channels_last_pays(work, shape) else "contiguous"
 
 
 def channels_last_pays(work: ConvWork, shape: tuple[int, ...]) -> bool:
