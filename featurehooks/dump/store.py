@@ -32,6 +32,8 @@ import mmap
 import os
 import shutil
 import socket
+import stat
+import tempfile
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -65,6 +67,7 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _LOCK_TRIES = 100
 _RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
 _START_OVER = "pass overwrite=True (--overwrite) to start over"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks opens a file is not followed
 
 
 class NoSpaceError(OSError):
@@ -118,9 +121,30 @@ def _space_for(folder: Path, what: str, needed: int) -> Iterator[None]:
         ) from exc
 
 
-def _temporary(path: Path) -> Path:
-    """Where ``path`` is built before it is renamed into place (hidden, one per process)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _umask() -> int:
+    """The process umask (read once, at import: reading it means setting it, which is not thread-safe)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_MODE = 0o666 & ~_umask()  # what open(path, "w") gives a new file; mkstemp makes 0600, which other users cannot read
+
+
+def _set_mode(fd: int) -> None:
+    """Give a file made by ``mkstemp`` the permissions a plainly created one would have."""
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, _MODE)
+
+
+def _temporary(path: Path) -> tuple[int, Path]:
+    """A new file ``path`` is built in before it is renamed into place, opened for writing: ``(fd, its path)``.
+
+    Hidden, beside ``path``, with an unpredictable name created exclusively (``tempfile.mkstemp``: ``O_EXCL``,
+    mode 0600), so nothing planted there in advance (a symlink to another file) is ever opened or truncated.
+    """
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    return fd, Path(name)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -137,13 +161,15 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     holds as lone surrogates) is written as its own bytes and reads back unchanged with the same handler.
     """
     data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
-    tmp = _temporary(path)
     with _space_for(path.parent, f"write {path.name}", len(data)):
+        fd, tmp = _temporary(path)
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            try:
+                _write_all(fd, data)
+                _set_mode(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -337,10 +363,11 @@ def _reserve(fd: int, size: int) -> bool:
     return True
 
 
-def _create_npy(path: Path, header: bytes, size: int) -> int:
-    """Write a zero-filled ``.npy`` of ``size`` bytes at ``path``; returns how many are not reserved on disk."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+def _create_npy(fd: int, header: bytes, size: int) -> int:
+    """Make the new file ``fd`` a zero-filled ``.npy`` of ``size`` bytes and close it; returns how many bytes
+    are not reserved on disk."""
     try:
+        _set_mode(fd)
         os.ftruncate(fd, size)
         reserved = _reserve(fd, size)
         _write_all(fd, header)
@@ -364,9 +391,22 @@ def _take_lock(path: Path) -> int:
     for _ in range(_LOCK_TRIES):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o666)
         except FileNotFoundError:  # a releasing holder removed the folder it had made: make it again
             continue
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise DumpLockedError(
+                f"{path} is a symbolic link, not a lock file featurehooks made: it is neither followed nor "
+                "written; remove it and run the dump again"
+            ) from None
+        if not _is_plain_file(fd):
+            os.close(fd)
+            raise DumpLockedError(
+                f"{path} is not a plain file of its own (a hard link to another file, or a device): it is not "
+                "written; remove it and run the dump again"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -382,6 +422,12 @@ def _take_lock(path: Path) -> int:
             return fd
         os.close(fd)  # the holder released it between our open and our flock: lock the file there now
     raise DumpLockedError(f"{path.parent} keeps changing hands: other dumps are starting and ending there")
+
+
+def _is_plain_file(fd: int) -> bool:
+    """Whether ``fd`` is a regular file with no other name (so truncating it cannot touch another file)."""
+    info = os.fstat(fd)
+    return stat.S_ISREG(info.st_mode) and info.st_nlink <= 1
 
 
 def _is_linked(fd: int, path: Path) -> bool:
@@ -489,10 +535,13 @@ class DumpStore:
         """
         headers = {layer: _npy_header(shape, dtype) for layer, shape in shapes.items()}
         sizes = {layer: len(headers[layer]) + _data_bytes(shape, dtype) for layer, shape in shapes.items()}
-        temps = {layer: _temporary(self.layer_path(layer)) for layer in shapes}
+        temps: dict[str, Path] = {}
         with _space_for(self.root, f"create {len(shapes)} array file(s)", sum(sizes.values())):
             try:
-                unreserved = sum(_create_npy(temps[layer], headers[layer], sizes[layer]) for layer in shapes)
+                unreserved = 0
+                for layer in shapes:
+                    fd, temps[layer] = _temporary(self.layer_path(layer))
+                    unreserved += _create_npy(fd, headers[layer], sizes[layer])
                 if unreserved > shutil.disk_usage(self.root).free:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 for layer, temp in temps.items():
@@ -574,7 +623,7 @@ class DumpStore:
         self._journal_tag = (rank, _digest(self._require_manifest()))
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         path = self.journal_dir / f"rank-{rank}.jsonl"
-        self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        self._journal = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
         if _ends_torn(path):  # a kill cut the last line short: end it, so the next record starts on a line of its own
             self._append(b"\n", "end a torn journal line")
 

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import re
 import warnings
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +57,12 @@ ArrayLike = Union[Tensor, np.ndarray]
 _STRICT = ("backbone", "layer", "pool", "weights")  # fields that must match for two statistics to be compared
 _NAMED_SKIPS = 3  # unreadable inputs named in the warning; the rest are counted
 _DUMP_CHUNK_ROWS = 8192
+_ARRAYS = ("mu", "sigma", "features", "meta")
+_MAX_META_BYTES = 1 << 20  # meta is a short JSON text (format, counts, sampling state, origin)
+_MAX_META_DEPTH = 32  # nesting of meta's lists and objects (what save writes is 4 deep)
+_MAX_COUNT = 2**53  # counts beyond this are not exact in float64, and overflow the moment arithmetic
+_MAX_DEFLATE_RATIO = 1100  # deflate cannot expand data more than ~1032 times: a member declaring more lies
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -393,31 +403,29 @@ class FeatureStatistics:
         if not os.path.isfile(where):
             raise InputNotFoundError(f"no statistics file {where}")
         try:
-            archive = np.load(where, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise InvalidValueError("it holds a single array, not an .npz archive")
-            with archive as data:
-                missing = {"mu", "sigma", "features", "meta"} - set(data.files)
-                if missing:
-                    raise InvalidValueError(f"no {', '.join(sorted(missing))} arrays")
-                arrays = {name: data[name] for name in ("mu", "sigma", "features", "meta")}
-            return cls._from_arrays(arrays)
+            return cls._from_arrays(_read_archive(where))
         except InvalidValueError as exc:
             raise InvalidValueError(f"{where} is not a featurehooks statistics file: {exc}") from None
-        except (ValueError, OSError, KeyError, TypeError, EOFError) as exc:  # pickles, corrupt archives
-            raise InvalidValueError(f"{where} is not a featurehooks statistics file ({exc})") from exc
+        except (  # pickles, corrupt archives
+            ValueError,
+            OSError,
+            KeyError,
+            TypeError,
+            EOFError,
+            OverflowError,
+            RecursionError,
+            MemoryError,
+            NotImplementedError,
+            zipfile.BadZipFile,
+            zlib.error,
+        ) as exc:
+            raise InvalidValueError(f"{where} is not a featurehooks statistics file ({exc})") from None
 
     @classmethod
-    def _from_arrays(cls, arrays: dict[str, np.ndarray]) -> FeatureStatistics:
-        meta_text = arrays["meta"]
-        if meta_text.shape != () or meta_text.dtype.kind != "U":
-            raise InvalidValueError("its meta is not a JSON string")
-        meta = json.loads(str(meta_text[()]))
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else None
-            raise InvalidValueError(f"format {found!r}, expected {FORMAT!r}")
-        count, dim = _check_count(meta.get("count"), "count"), _check_count(meta.get("dim"), "dim", least=1)
-        keep = _check_count(meta.get("keep"), "keep")
+    def _from_arrays(cls, arrays: dict[str, Any]) -> FeatureStatistics:
+        """Statistics from the checked ``meta`` and the members of an archive (read once their shapes fit it)."""
+        meta = arrays["meta"]
+        count, dim, keep = meta["count"], meta["dim"], meta["keep"]
         mu, sigma, kept = (np.asarray(arrays[name], dtype=np.float64) for name in ("mu", "sigma", "features"))
         if mu.shape != (dim,) or sigma.shape != (dim, dim) or kept.shape != (min(keep, count), dim):
             raise InvalidValueError(
@@ -436,7 +444,7 @@ class FeatureStatistics:
             )
             if "rng_state" in meta:
                 stats._rng.bit_generator.state = meta["rng_state"]
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise InvalidValueError(f"its meta is malformed ({exc})") from None
         stats._count = count
         stats._mean = torch.from_numpy(mu.copy())
@@ -451,6 +459,117 @@ class FeatureStatistics:
             self.origin.check_matches(other.origin, what)
         if self._dim is not None and other._dim is not None and self._dim != other._dim:
             raise InvalidValueError(f"{what} have different feature dimensions: {self._dim} vs {other._dim}")
+
+
+def _read_archive(where: str) -> dict[str, Any]:
+    """``meta`` (checked) and the arrays ``mu``, ``sigma`` and ``features`` of the statistics file ``where``.
+
+    Nothing is decompressed before its size is known to be what ``meta`` says: each member's ``.npy`` header
+    is read first and its shape checked against ``meta``'s ``dim``, ``count`` and ``keep``, its declared size
+    against the member's, and the member's against the bytes stored for it. A small file declaring a huge
+    array is refused without allocating it.
+    """
+    if not zipfile.is_zipfile(where):
+        raise InvalidValueError("it is not an .npz archive (a pickle, a single .npy array, or a damaged file)")
+    with zipfile.ZipFile(where) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        missing = [name for name in _ARRAYS if f"{name}.npy" not in members]
+        if missing:
+            raise InvalidValueError(f"no {', '.join(sorted(missing))} arrays")
+        size = os.path.getsize(where)
+        headers = {name: _member_header(archive, members[f"{name}.npy"], size) for name in _ARRAYS}
+        meta = _read_meta(archive, members["meta.npy"], headers["meta"])
+        count, dim, keep = meta["count"], meta["dim"], meta["keep"]
+        expected = {"mu": (dim,), "sigma": (dim, dim), "features": (min(keep, count), dim)}
+        shapes = {name: headers[name][0] for name in expected}
+        if shapes != expected:
+            raise InvalidValueError(
+                f"shapes mu {shapes['mu']}, sigma {shapes['sigma']}, features {shapes['features']} do not fit "
+                f"count {count}, dim {dim}, keep {keep}"
+            )
+        for name in expected:
+            if headers[name][1].kind not in "fiu":
+                raise InvalidValueError(f"its {name} holds {headers[name][1]}, not real numbers")
+        arrays: dict[str, Any] = {name: _read_member(archive, members[f"{name}.npy"]) for name in expected}
+    arrays["meta"] = meta
+    return arrays
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+    """The checked member ``info`` as an array (never a pickle)."""
+    with archive.open(info) as handle:
+        return np.lib.format.read_array(handle, allow_pickle=False)
+
+
+def _member_header(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, archive_size: int
+) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` from the ``.npy`` header of ``info``, once its sizes are known to be consistent."""
+    name = info.filename
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.file_size != info.compress_size or info.compress_size > archive_size:
+            raise InvalidValueError(f"its {name} declares {info.file_size:,} bytes but stores {info.compress_size:,}")
+    elif info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 4096:
+        raise InvalidValueError(
+            f"its {name} declares {info.file_size:,} bytes, more than {info.compress_size:,} compressed bytes can hold"
+        )
+    with archive.open(info) as handle:
+        version = np.lib.format.read_magic(handle)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+        else:
+            raise InvalidValueError(f"its {name} is an .npy of version {version}, not 1.0 or 2.0")
+        header_size = handle.tell()
+    if dtype.hasobject:
+        raise InvalidValueError(f"its {name} holds Python objects (a pickle), which are never read")
+    declared = header_size + math.prod(shape) * dtype.itemsize
+    if declared != info.file_size:
+        raise InvalidValueError(
+            f"its {name} declares shape {shape} of {dtype} ({declared:,} bytes) in a member of {info.file_size:,}"
+        )
+    return tuple(shape), dtype
+
+
+def _read_meta(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, header: tuple[tuple[int, ...], np.dtype]
+) -> dict[str, Any]:
+    """``meta`` parsed, its size, nesting and numbers bounded, its format, count, dim and keep checked."""
+    shape, dtype = header
+    if shape != () or dtype.kind != "U":
+        raise InvalidValueError("its meta is not a JSON string")
+    if info.file_size > _MAX_META_BYTES:
+        raise InvalidValueError(f"its meta is {info.file_size:,} bytes, more than {_MAX_META_BYTES:,}")
+    text = str(_read_member(archive, info)[()])
+    depth = _json_depth(text)
+    if depth > _MAX_META_DEPTH:
+        raise InvalidValueError(f"its meta nests {depth} levels deep, more than {_MAX_META_DEPTH}")
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise InvalidValueError(f"its meta is not JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise InvalidValueError(f"format {found!r}, expected {FORMAT!r}")
+    for name, least in (("count", 0), ("dim", 1), ("keep", 0), ("seed", 0)):
+        value = meta.get(name, 0) if name == "seed" else meta.get(name)
+        _check_count(value, name, least)
+        if value > _MAX_COUNT:
+            raise InvalidValueError(f"its {name} {value} is out of range (at most 2**53)")
+    return meta
+
+
+def _json_depth(text: str) -> int:
+    """How deep the lists and objects of JSON ``text`` nest (strings, whose brackets do not count, skipped)."""
+    depth = deepest = 0
+    for char in _JSON_STRING.sub('""', text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 # -- from images ---------------------------------------------------------------------------------------
