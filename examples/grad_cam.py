@@ -8,6 +8,9 @@ of its gradient; the map is ``relu(sum_c weight_c * activation_c)``, upsampled t
     python examples/grad_cam.py --weights none         # offline: seeded random weights
     python examples/grad_cam.py --images a.jpg b.jpg --layer layer3 --out cams.png
 
+The picture goes to ``demo-output/grad_cam.png`` (ignored by git); ``--out docs/grad_cam.png``
+redraws the one in the docs.
+
 With random weights the maps show the mechanics only, not what a trained network looks at; the
 picture's caption says which weights drew it.
 
@@ -31,9 +34,10 @@ from PIL import Image, ImageDraw, ImageFont
 import featurehooks as fh
 
 HERE = Path(__file__).parent
-DEFAULT_IMAGES = [HERE / "images" / name for name in (
-    "sample_00_shapes.png", "sample_03_stripes.png", "sample_05_texture.png", "sample_07_shapes.png"
-)]
+DEFAULT_IMAGES = [
+    HERE / "images" / name
+    for name in ("sample_00_shapes.png", "sample_03_stripes.png", "sample_05_texture.png", "sample_07_shapes.png")
+]
 # A few anchors of a black-red-yellow-white heat colormap, interpolated linearly.
 HEAT = np.array([[0, 0, 4], [87, 16, 110], [188, 55, 84], [249, 142, 9], [252, 255, 164]], dtype=np.float32)
 TILE = 160
@@ -42,13 +46,18 @@ CAPTION = 30
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="DEFAULT",
-                        help="'DEFAULT', a weights name such as IMAGENET1K_V1, or 'none' for seeded random weights")
+    parser.add_argument(
+        "--weights",
+        default="DEFAULT",
+        help="'DEFAULT', a weights name such as IMAGENET1K_V1, or 'none' for seeded random weights",
+    )
     parser.add_argument("--model", default="resnet18", help="torchvision classifier (default resnet18)")
     parser.add_argument("--layer", default="layer4", help="layer whose activations are weighted (default layer4)")
     parser.add_argument("--images", type=Path, nargs="+", default=DEFAULT_IMAGES, help="image files")
     parser.add_argument("--size", type=int, default=224, help="images are resized to size x size (default 224)")
-    parser.add_argument("--out", type=Path, default=Path("docs/grad_cam.png"), help="output PNG")
+    parser.add_argument(
+        "--out", type=Path, default=Path("demo-output/grad_cam.png"), help="output PNG (default: %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     return parser.parse_args(argv)
 
@@ -59,8 +68,11 @@ def load_images(paths: list[Path], size: int, pre: fh.Preprocessing) -> tuple[to
     for path in paths:
         image = fh.read_image(path)
         image = image.float().div(255) if image.dtype == torch.uint8 else image
-        pictures.append(F.interpolate(image[None], size=(size, size), mode="bilinear", antialias=True,
-                                      align_corners=False).clamp(0, 1))
+        pictures.append(
+            F.interpolate(image[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False).clamp(
+                0, 1
+            )
+        )
     batch = torch.cat(pictures)
     if pre.mean is None or pre.std is None:
         return batch, batch
@@ -138,8 +150,10 @@ def main(argv: list[str] | None = None) -> Path:
     draw(images, cams, labels, caption).save(args.out, optimize=True)
 
     if not loaded.weights:
-        print("note: random weights; the maps show how Grad-CAM works, not what a trained network looks at",
-              file=sys.stderr)
+        print(
+            "note: random weights; the maps show how Grad-CAM works, not what a trained network looks at",
+            file=sys.stderr,
+        )
     for label in labels:
         print(label)
     print(f"forward + backward + maps for {len(images)} images in {elapsed:.2f} s; wrote {args.out}")

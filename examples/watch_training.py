@@ -6,9 +6,12 @@ the device; every ``--every`` steps the window is read once (``summary``), store
 plot shows the standard deviation of each layer's output and of its gradient, the fraction of
 exact zeros after each ReLU (dead units), and the loss.
 
-    python examples/watch_training.py                          # about 10 s on 2 CPU cores
+    python examples/watch_training.py                          # about 10 s on 2 CPU cores: demo-output/watch.png
     python examples/watch_training.py --lr 0.3 --out big_lr.png  # too large a step: watch the zeros grow
     python examples/watch_training.py --csv watch.csv          # also every window's rows as CSV
+
+The plot goes to ``demo-output/watch.png`` (ignored by git); ``--out docs/watch.png`` redraws the
+picture in the docs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from torch import Tensor, nn
 
 from featurehooks.probes.watch import watch
 
-HERE = Path(__file__).parent
 ANGLES = (0.0, math.pi / 2, math.pi / 4, -math.pi / 4)  # one class per stripe orientation
 NOISE = 2.0  # noise std, against stripes of amplitude 1
 
@@ -89,8 +91,13 @@ def train(args: argparse.Namespace) -> tuple[list[int], dict[tuple[str, str], di
     return windows, series, losses
 
 
-def plot(path: Path, windows: list[int], series: dict[tuple[str, str], dict[str, list[float]]],
-         losses: list[float], title: str) -> None:
+def plot(
+    path: Path,
+    windows: list[int],
+    series: dict[tuple[str, str], dict[str, list[float]]],
+    losses: list[float],
+    title: str,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +125,7 @@ def plot(path: Path, windows: list[int], series: dict[tuple[str, str], dict[str,
     ax = axes[1, 1]
     ax.plot(range(1, len(losses) + 1), losses, color="0.6", lw=0.8, label="per step")
     window = windows[0] if windows else 1
-    smooth = [sum(losses[i - window:i]) / window for i in windows]
+    smooth = [sum(losses[i - window : i]) / window for i in windows]
     ax.plot(windows, smooth, color="black", label=f"mean of {window}")
     ax.set(title="loss", xlabel="step")
     ax.legend(fontsize=7)
@@ -129,7 +136,7 @@ def plot(path: Path, windows: list[int], series: dict[tuple[str, str], dict[str,
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=10, help="steps per statistics window")
@@ -138,15 +145,25 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", type=Path, default=None, help="also append every window's rows to this CSV file")
-    p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "watch.png")
-    args = p.parse_args()
+    p.add_argument(
+        "--out", type=Path, default=Path("demo-output") / "watch.png", help="output PNG (default: %(default)s)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     start = time.perf_counter()
     windows, series, losses = train(args)
-    title = (f"watch on a small CNN learning stripe orientations (SGD lr={args.lr:g}, batch {args.batch}, "
-             f"windows of {args.every} steps)")
+    title = (
+        f"watch on a small CNN learning stripe orientations (SGD lr={args.lr:g}, batch {args.batch}, "
+        f"windows of {args.every} steps)"
+    )
     plot(args.out, windows, series, losses, title)
-    print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, final loss {sum(losses[-20:]) / 20:.3f}; "
-          f"plot: {args.out}")
+    print(
+        f"{args.steps} steps in {time.perf_counter() - start:.1f} s, final loss {sum(losses[-20:]) / 20:.3f}; "
+        f"plot: {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ def _library_stats(folder: Path, keep: int = 0) -> FeatureStatistics:
 
 def test_fd_prints_the_libraries_distance_and_kid(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     a, b = sets
-    assert main(["fd", str(a), str(b), *MODEL, *RUN, "--kid"]) == 0
+    assert main(["fd", str(a), str(b), *MODEL, *RUN, "--kid", "--kid-subset-size", "6"]) == 0
     out = capsys.readouterr().out
     expected_a, expected_b = _library_stats(a, keep=10_000), _library_stats(b, keep=10_000)
     fd = frechet_distance(expected_a, expected_b)
-    kid, _ = kernel_inception_distance(expected_a, expected_b)
+    kid, _ = kernel_inception_distance(expected_a, expected_b, subset_size=6)
     assert out.startswith("layer4: FD ") and "(A: 6 images, B: 6 images)" in out
     printed_fd = float(out.split("FD ")[1].split(",")[0])
     printed_kid = float(out.split("KID ")[1].split(" ")[0])

@@ -23,6 +23,7 @@ from ._common import (
     add_model_options,
     at_least,
     build_extractor,
+    cli_message,
     non_negative,
     positive,
     sizes,
@@ -84,7 +85,7 @@ def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
             args.out,
             batch_size=args.batch_size,
             num_workers=args.workers,
-            pool=args.pool,
+            pool=None if args.pool == "none" else args.pool,
             dtype=args.dtype,
             resume=args.resume,
             overwrite=args.overwrite,
@@ -167,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument(
         "--pool",
-        choices=("avg", "max", "cls"),
+        choices=("avg", "max", "cls", "none"),
         default=None,
         help="avg/max over each layer's positions (patch tokens, never class tokens), or the class token (cls) "
-        "of token layers (default: keep maps)",
+        "of token layers; none (the default) keeps maps",
     )
     extract.add_argument(
         "--output-format",
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _error(message: object) -> None:
     text = str(message).strip().splitlines()
+    if isinstance(message, FeatureHooksError):  # the library's hints name Python arguments: name the flags
+        text = [cli_message(line) for line in text]
     print(f"featurehooks: error: {text[0] if text else type(message).__name__}", file=sys.stderr)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,38 @@ __all__ = [
 
 class UserError(Exception):
     """A mistake in the command line, reported in one line."""
+
+
+# The library's hints name Python arguments; on the command line each is a flag. Exact phrases first
+# (messages that already name both), then the general forms.
+_PHRASES = (
+    ("(resize_size=, crop_size=; --resize, --crop)", "(--resize, --crop)"),
+    ("(pool='avg', --pool avg)", "(--pool avg)"),
+    ("overwrite=True (--overwrite)", "--overwrite"),
+    ("dump_features(..., resume=True)", "`featurehooks extract ... --resume`"),
+    ("pool='avg' (or 'max', 'cls')", "--pool avg (or max, cls)"),
+    ("(pool='avg', 'max' or 'cls')", "(--pool avg, max or cls)"),
+    ("compute them with keep=N", "compute them with `featurehooks stats --keep N`"),
+)
+_FORMS = (
+    (re.compile(r"\bweights=None\b"), "--weights none"),
+    (re.compile(r"\bweights='([^']*)'"), r"--weights \1"),
+    (re.compile(r"\bpool=None\b"), "--pool none"),
+    (re.compile(r"\bpool='(\w+)'"), r"--pool \1"),
+    (re.compile(r"\bresume=True\b"), "--resume"),
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bkeep=(\w+)"), r"--keep \1"),
+    (re.compile(r"featurehooks\.list_layers\([^)]*\)"), "`featurehooks layers`"),
+)
+
+
+def cli_message(text: str) -> str:
+    """A library error's message with its Python arguments (``weights=None``) as CLI flags (``--weights none``)."""
+    for phrase, flags in _PHRASES:
+        text = text.replace(phrase, flags)
+    for pattern, flags in _FORMS:
+        text = pattern.sub(flags, text)
+    return text
 
 
 def weights_from(text: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from ._common import (
     UserError,
     add_model_options,
+    at_least,
     build_extractor,
     check_output_file,
     device_from,
@@ -113,6 +115,13 @@ def add_metric_commands(commands: Any) -> None:
     fd.add_argument(
         "--kid-keep", type=positive, default=10_000, metavar="N", help="vectors kept per set for KID (default: 10000)"
     )
+    fd.add_argument(
+        "--kid-subset-size",
+        type=at_least(2),
+        default=1000,
+        metavar="N",
+        help="vectors per KID subset; each set needs at least N (default: 1000)",
+    )
     fd.set_defaults(run=_fd)
 
     stats = commands.add_parser(
@@ -173,8 +182,10 @@ def _lpips(args: argparse.Namespace) -> int:
         _write_scores(args.out, [pair.name for pair in pairs], scores)
     spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
     kind = "uncalibrated" if args.uncalibrated else "calibrated"
-    print(f"LPIPS ({args.net}, v{args.version}, {kind}): {statistics.fmean(scores):.6g} ± {spread:.3g} "
-          f"over {len(scores)} pairs")
+    print(
+        f"LPIPS ({args.net}, v{args.version}, {kind}): {statistics.fmean(scores):.6g} ± {spread:.3g} "
+        f"over {len(scores)} pairs"
+    )
     return 0
 
 
@@ -227,12 +238,29 @@ def _fd(args: argparse.Namespace) -> int:
     sides = [_side(args, source, model, keep) for source in (args.set_a, args.set_b)]
     for layer in args.layers:
         a, b = sides[0][layer], sides[1][layer]
-        line = f"{layer}: FD {frechet_distance(a, b):.6g}"
+        with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
+            warnings.simplefilter("always")
+            line = f"{layer}: FD {frechet_distance(a, b):.6g}"
+        for warning in caught:
+            print(f"featurehooks: warning: {layer}: {warning.message}", file=sys.stderr)
         if args.kid:
-            mean, std = kernel_inception_distance(a, b)
+            kept = min(_kept(a), _kept(b))
+            if kept < args.kid_subset_size:
+                raise UserError(
+                    f"KID of {layer}: a set has {kept} feature vectors for KID, fewer than --kid-subset-size "
+                    f"{args.kid_subset_size}; each set needs at least that many (see --kid-keep): pass "
+                    f"--kid-subset-size {max(kept, 2)} or less for sets this small"
+                )
+            mean, std = kernel_inception_distance(a, b, subset_size=args.kid_subset_size)
             line += f", KID {mean:.6g} ± {std:.3g}"
         print(f"{line} (A: {a.count} images, B: {b.count} images)")
     return 0
+
+
+def _kept(stats: Any) -> int:
+    """How many feature vectors a set keeps for KID (0: none)."""
+    features = getattr(stats, "features", None)
+    return 0 if features is None else int(features.shape[0])
 
 
 def _side(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:

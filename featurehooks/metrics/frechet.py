@@ -9,6 +9,7 @@ with numbers computed in the same one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -35,16 +36,31 @@ def _check_pair(a: Any, b: Any) -> None:
 _NEGATIVE = 1e-6
 
 
+def _warn_if_singular(count: int, dim: int, side: str) -> None:
+    """Warn when ``count`` vectors in ``dim`` dimensions give a singular covariance (``count <= dim``)."""
+    if count <= dim:
+        warnings.warn(
+            f"{side} holds {count} feature vectors in {dim} dimensions: fewer than dimensions + 1, so its covariance "
+            f"is singular (rank {count - 1} at most) and the Fréchet distance is dominated by the estimate's bias; "
+            f"use at least {dim + 1} vectors (FID is usually reported on 10,000 or more) and compare only "
+            "distances computed from equal numbers of vectors",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _moments(value: Moments, side: str) -> tuple[Tensor, Tensor]:
     """``(mean (D,), covariance (D, D))`` in float64 on the CPU, from any accepted input."""
     if isinstance(value, FeatureStatistics):
         if value.count < 2:
             raise InvalidValueError(f"{side} holds {value.count} feature vector(s); a covariance needs 2 or more")
+        _warn_if_singular(value.count, value.dim, side)
         return value.mean, value.covariance
     if isinstance(value, (Tensor, np.ndarray)):
         features = _as_matrix(value, side)
         if features.shape[0] < 2:
             raise InvalidValueError(f"{side} holds {features.shape[0]} feature vectors; a covariance needs 2 or more")
+        _warn_if_singular(features.shape[0], features.shape[1], side)
         return features.mean(dim=0), torch.cov(features.T).reshape(features.shape[1], features.shape[1])
     if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
         mean = _as_matrix(_as_array(value[0], side)[None], f"the mean of {side}")[0]
@@ -104,8 +120,10 @@ def frechet_distance(a: Moments, b: Moments) -> float:
     the largest) are zeros of the matrix, and dropping them keeps the result accurate where the square
     roots of rounding noise would not be.
 
-    Singular covariances (fewer vectors than dimensions: rank ``N - 1 < D``) are handled exactly: the
-    distance is still well-defined, and the factors simply have fewer columns. scipy's ``sqrtm``
+    Singular covariances (no more vectors than dimensions: rank ``N - 1 < D``) are handled exactly: the
+    distance is still well-defined, and the factors simply have fewer columns; but such a small set
+    says little about its distribution, so features or statistics of ``N <= D`` vectors give a
+    ``UserWarning`` naming the minimum, ``D + 1`` (a ``(mean, covariance)`` pair carries no ``N``). scipy's ``sqrtm``
     (used by pytorch-fid) is ill-conditioned there and pytorch-fid then adds ``1e-6`` to both
     diagonals, which changes the value, so the two disagree in that case; with ``N > D`` they agree to
     rounding. An estimate from ``N`` vectors is biased upward, less so as ``N`` grows, so compare only
@@ -191,11 +209,13 @@ def kernel_inception_distance(
 ) -> tuple[float, float]:
     """Kernel inception distance: the unbiased MMD² under a polynomial kernel, averaged over random subsets.
 
-    Each of ``subsets`` rounds draws ``m = min(subset_size, N_a, N_b)`` vectors from each set (without
-    replacement) and computes the unbiased estimate of the squared maximum mean discrepancy with
+    Each of ``subsets`` rounds draws ``subset_size`` vectors from each set (without replacement) and
+    computes the unbiased estimate of the squared maximum mean discrepancy with
     ``k(x, y) = (gamma x·y + coef0) ** degree``, ``gamma = 1 / D`` by default: the standard KID. Its
-    expectation does not depend on ``m``; smaller subsets only make it noisier. When both sets have
-    exactly ``m`` vectors every subset is the whole set, so one round is computed (std 0). The
+    expectation does not depend on the subset size; smaller subsets only make it noisier. A set with
+    fewer than ``subset_size`` vectors is refused, naming the minimum (as torchmetrics does): pass a
+    smaller ``subset_size`` for small sets. When both sets have exactly ``subset_size`` vectors every
+    subset is the whole set, so one round is computed (std 0). The
     estimate is unbiased, so it can be slightly negative for sets from one distribution.
 
     Computed in float64 on the CPU. ``FeatureStatistics`` take part with the sample they kept
@@ -205,7 +225,7 @@ def kernel_inception_distance(
         a: ``(N_a, D)`` features, or ``FeatureStatistics`` built with ``keep > 0``.
         b: the same, for the other set.
         subsets: how many random subsets to average over.
-        subset_size: vectors per subset and set, at most (1000 as in Bińkowski et al.).
+        subset_size: vectors per subset and set (1000 as in Bińkowski et al.); each set needs at least as many.
         degree: the polynomial kernel's degree.
         gamma: the kernel's scale of ``x·y``; ``None`` for ``1 / D``.
         coef0: the kernel's constant.
@@ -216,8 +236,8 @@ def kernel_inception_distance(
         (``std`` over subsets, ddof 0).
 
     Raises:
-        InvalidValueError: different ``D``, fewer than 2 vectors, NaN/infinite values, statistics that
-            kept no vectors or come from other features, or bad options.
+        InvalidValueError: different ``D``, fewer than 2 vectors or fewer than ``subset_size``, NaN/infinite
+            values, statistics that kept no vectors or come from other features, or bad options.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -242,9 +262,16 @@ def kernel_inception_distance(
     x, y = _features(a, "a"), _features(b, "b")
     if x.shape[1] != y.shape[1]:
         raise InvalidValueError(f"a has {x.shape[1]} features per vector and b {y.shape[1]}")
-    size = min(subset_size, x.shape[0], y.shape[0])
-    if size < 2:
+    if min(x.shape[0], y.shape[0]) < 2:
         raise InvalidValueError(f"KID needs at least 2 feature vectors in each set, got {x.shape[0]} and {y.shape[0]}")
+    side, count = min((("a", x.shape[0]), ("b", y.shape[0])), key=lambda item: item[1])
+    if count < subset_size:
+        raise InvalidValueError(
+            f"{side} holds {count} feature vectors, fewer than subset_size={subset_size}: KID draws subsets of "
+            f"subset_size vectors from each set, so each needs at least {subset_size}; pass "
+            f"subset_size={count} or less (at least 2) for sets this small"
+        )
+    size = subset_size
     scale = float(gamma) if gamma is not None else 1.0 / x.shape[1]
     if size == x.shape[0] == y.shape[0]:
         return _unbiased_mmd2(x, y, degree, scale, float(coef0)), 0.0

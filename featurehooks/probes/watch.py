@@ -10,13 +10,15 @@ Definitions (per layer, call and kind; ``n`` counts the finite values):
 - ``mean``, ``std``, ``min``, ``max``, ``absmax``: over the finite values only, so one NaN does
   not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n - K)**2, 0))``
   from the sum ``S1`` and the sum of squares ``S2`` of the values shifted by ``K``, the first value of
-  the layer's first call (each call summed in float32 with pairwise summation, accumulated across calls
+  the layer's first call (each call summed in float64 with pairwise summation, accumulated across calls
   in float64); the shift keeps a large mean from cancelling the variance (``1000 ± 0.01`` is exact);
 - ``zeros``: the fraction of values that are exactly 0.
 
-Counts are exact up to 2**24 values per call. Tensors in bfloat16 or float16 (autocast) are
-summed in float32. The statistics of a call with non-finite values are those of its finite values
-(the non-finite ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
+Tensors of every floating dtype are summed in float64, so every finite input gives finite, correct
+statistics, up to the largest float32 values (``3e38``: squares up to ``1.2e77``); on MPS, which has
+no float64, in float32, where values beyond about ``1e19`` overflow the sums of squares.
+The statistics of a call with non-finite values are those of its finite values (the non-finite
+ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
 
 Cost: on a ResNet50 training step (CPU, batch 8), every statistic of the 16 blocks' outputs and
 gradients adds about 4% (``benchmarks/probes.py``).
@@ -46,7 +48,6 @@ __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
 STATS = ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
 KINDS = ("output", "grad")
-_F32 = torch.float32
 # Slots of the per-call vector and of the running sums: additive ones first, then maxima.
 _NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX, _SHIFT = range(7)
 _ADDITIVE = 4
@@ -113,13 +114,15 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Ten
     Slots: number of non-finite values, sum of the finite values and sum of their squared distances
     to ``shift`` (a 0-d tensor), number of non-zero finite values, minus the minimum and the maximum
     of the finite values (NaN: none).
-    Computed in float32 (float64 for float64 tensors) over the elements in memory order. On the
+    Computed in float64 (float32 on MPS, which has no float64) over the elements in memory order. On the
     CPU the tensor is taken in chunks of ``_CHUNK`` values through small scratch buffers, so the
     passes after the first read it from the cache instead of memory (half the time of whole-tensor
     passes on ResNet50's activations).
     """
-    dtype = torch.float64 if x.dtype == torch.float64 else _F32
+    # float64 wherever the device has it: the squares of finite float32 values (up to 1.2e77), their sums and
+    # differences (3e38 - -3e38) are all finite there, so every finite input gives finite statistics
     accumulate = _accumulator_dtype(x.device)
+    dtype = accumulate
     if not need.flags:
         return torch.zeros(6, dtype=accumulate, device=x.device)
     source = _flat(x)
@@ -131,9 +134,9 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Ten
     shift = shift.to(dtype)
     parts: list[Tensor] = []
     for start in range(0, n, chunk):
-        part = source[start:start + chunk]
+        part = source[start : start + chunk]
         size = part.numel()
-        if low_precision:  # bfloat16/float16: one conversion, then everything in float32
+        if low_precision:  # float32/bfloat16/float16: one conversion, then everything in float64
             part = third[:size].copy_(part) if third is not None else part.to(dtype)
         total = squares = nonzero = low = high = zero
         if need.moments or need.zeros:
@@ -381,9 +384,11 @@ class Watch(Observer):
             if row_key in merged:  # the same layer call on several devices (nn.DataParallel replicas)
                 old, old_calls, old_count = merged[row_key]
                 values = _moved_to_shift(values, count, old[_SHIFT])
-                values = [a + b for a, b in zip(old[:_ADDITIVE], values[:_ADDITIVE])] + [
-                    max(a, b) for a, b in zip(old[_ADDITIVE:_SHIFT], values[_ADDITIVE:_SHIFT])
-                ] + [old[_SHIFT]]
+                values = (
+                    [a + b for a, b in zip(old[:_ADDITIVE], values[:_ADDITIVE])]
+                    + [max(a, b) for a, b in zip(old[_ADDITIVE:_SHIFT], values[_ADDITIVE:_SHIFT])]
+                    + [old[_SHIFT]]
+                )
                 calls, count = calls + old_calls, count + old_count
             merged[row_key] = (values, calls, count)
         ordered = sorted(merged, key=lambda k: (self._order[k[0]], k[1], KINDS.index(k[2])))
@@ -507,7 +512,8 @@ def _check_stats(stats: Sequence[str]) -> frozenset[str]:
 
 def _leaves_with_parameters(model: nn.Module) -> list[str]:
     return [
-        path for path, module in model.named_modules()
+        path
+        for path, module in model.named_modules()
         if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None
     ]
 
@@ -550,5 +556,7 @@ def select_modules(
     if not chosen:
         raise InvalidValueError("no layers requested; pick some from featurehooks.list_layers(model)")
     order = {path: k for k, path in enumerate(path for path, _ in model.named_modules())}
-    return {path: None if calls is None else frozenset(calls) for path, calls in sorted(
-        chosen.items(), key=lambda item: order[item[0]])}
+    return {
+        path: None if calls is None else frozenset(calls)
+        for path, calls in sorted(chosen.items(), key=lambda item: order[item[0]])
+    }
