@@ -210,7 +210,15 @@ def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
                 continue
             rows.append(
                 FeatureInfo(
-                    name, alias, path, kind, layout.channels, layout.stride, calls, call, layout.kind,
+                    name,
+                    alias,
+                    path,
+                    kind,
+                    layout.channels,
+                    layout.stride,
+                    calls,
+                    call,
+                    layout.kind,
                     layout.prefix_tokens,
                 )
             )

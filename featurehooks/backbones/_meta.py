@@ -25,8 +25,25 @@ _users = 0  # meta_parameters() blocks open, across all threads
 # In-place tensor ops that only write values. On a meta parameter there is nothing to write, and running them
 # anyway costs half of a build: torch traces the meta ``normal_`` through its Python reference kernels.
 _VALUE_ONLY_OPS = frozenset(
-    {"normal_", "uniform_", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "random_",
-     "erfinv_", "fill_", "zero_", "copy_", "add_", "sub_", "mul_", "div_", "clamp_"}
+    {
+        "normal_",
+        "uniform_",
+        "bernoulli_",
+        "cauchy_",
+        "exponential_",
+        "geometric_",
+        "log_normal_",
+        "random_",
+        "erfinv_",
+        "fill_",
+        "zero_",
+        "copy_",
+        "add_",
+        "sub_",
+        "mul_",
+        "div_",
+        "clamp_",
+    }
 )
 
 

@@ -106,9 +106,13 @@ class _PairImages(Dataset):
         a, b = images
         if a.shape != b.shape:
             a_path, b_path = self.pairs[index]
-            return None, None, (
-                f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
-                f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)"
+            return (
+                None,
+                None,
+                (
+                    f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
+                    f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)"
+                ),
             )
         return a, b, ""
 
@@ -181,8 +185,9 @@ def score_pairs(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
-                                    or num_workers < 0):
+    if num_workers is not None and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+    ):
         raise InvalidValueError(f"num_workers must be a non-negative int or None, got {num_workers!r}")
     if not callable(metric):
         raise InvalidTypeError(f"metric must be callable as metric(a, b), got {type(metric).__name__}")
@@ -221,8 +226,9 @@ def score_pairs(
     return scores
 
 
-def _score_batch(metric: PairMetric, batch: list[tuple[Tensor | None, Tensor | None, str]],
-                 reference: Tensor) -> list[float]:
+def _score_batch(
+    metric: PairMetric, batch: list[tuple[Tensor | None, Tensor | None, str]], reference: Tensor
+) -> list[float]:
     """Scores of one batch, in order: one ``metric`` call per image size found in it."""
     by_size: dict[tuple[int, ...], list[int]] = {}
     for index, (a, _, reason) in enumerate(batch):

@@ -143,12 +143,13 @@ def _parameters(target: Tensor | Iterable[Any]) -> list[Tensor]:
     found: dict[int, Tensor] = {}
     for index, item in enumerate(items):
         if not isinstance(item, Tensor):
-            hint = " (named_parameters() yields (name, parameter) pairs: pass parameters())" if isinstance(
-                item, tuple
-            ) else ""
+            hint = (
+                " (named_parameters() yields (name, parameter) pairs: pass parameters())"
+                if isinstance(item, tuple)
+                else ""
+            )
             raise InvalidTypeError(
-                f"expected an nn.Module or an iterable of parameters; item {index} is a "
-                f"{type(item).__name__}{hint}"
+                f"expected an nn.Module or an iterable of parameters; item {index} is a {type(item).__name__}{hint}"
             )
         if not item.is_leaf:
             raise InvalidValueError(
@@ -268,9 +269,7 @@ def clip_grad(target: GradTarget, value: float) -> GradModifier:
     bound = _check_factor(value, "value")
     if bound <= 0:
         raise InvalidValueError(f"value must be > 0 (gradients are clamped to [-value, value]), not {bound}")
-    return _install(
-        target, lambda grad: grad.clamp(-bound, bound), f"clip_grad({_describe(target)}, value={bound})"
-    )
+    return _install(target, lambda grad: grad.clamp(-bound, bound), f"clip_grad({_describe(target)}, value={bound})")
 
 
 def reverse_grad(target: GradTarget, factor: float = 1.0) -> GradModifier:
@@ -309,4 +308,3 @@ def reverse_grad(target: GradTarget, factor: float = 1.0) -> GradModifier:
         )
     negated = -scale
     return _install(target, lambda grad: grad * negated, f"reverse_grad({_describe(target)}, factor={scale})")
-

@@ -89,7 +89,8 @@ class _Forward:
 
 def _float_leaves(*values: Any) -> list[Tensor]:
     return [
-        t for t in tree_leaves(values)
+        t
+        for t in tree_leaves(values)
         if isinstance(t, Tensor) and t.is_floating_point() and t.layout == torch.strided and t.numel()
     ]
 
@@ -140,8 +141,9 @@ class NonFiniteDetector(Observer):
         calls = self._calls[path]
         return calls is None or call in calls
 
-    def _check(self, forward: _Forward, path: str, call: int, kind: str, values: tuple[Any, ...],
-               is_output: bool) -> list[Entry]:
+    def _check(
+        self, forward: _Forward, path: str, call: int, kind: str, values: tuple[Any, ...], is_output: bool
+    ) -> list[Entry]:
         """Record device flags for the floating tensors in ``values``; hook their gradients."""
         tensors = _float_leaves(*values)
         entries = []
@@ -172,13 +174,15 @@ class NonFiniteDetector(Observer):
         forward.root_inputs = self._check(forward, "", 0, "input", (args, kwargs), is_output=False)
         return forward
 
-    def before(self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> None:
+    def before(
+        self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         if self._wanted(path, call):
             state.inputs[(path, call)] = self._check(state, path, call, "input", (args, kwargs), is_output=False)
 
-    def after(self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...],
-              output: Any) -> None:
+    def after(
+        self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
         if self._wanted(path, call):
             inputs = state.inputs.pop((path, call), [])
             state.calls.append((path, call, inputs, self._check(state, path, call, "output", (output,), True)))
@@ -196,7 +200,10 @@ class NonFiniteDetector(Observer):
             label = bad(forward.root_inputs)[0]
             raise NonFiniteError(
                 f"the {label} of {self._label} already holds NaN or inf before any module runs",
-                path=INPUT, call=0, phase="forward", tensor=label,
+                path=INPUT,
+                call=0,
+                phase="forward",
+                tensor=label,
             )
         for path, call, inputs, outs in forward.calls:
             if bad(outs) and not bad(inputs):
@@ -204,14 +211,20 @@ class NonFiniteDetector(Observer):
                 raise NonFiniteError(
                     f"NaN or inf first appears in the forward pass in the {label} of {self._where(path, call)}: "
                     "its inputs were finite",
-                    path=path, call=call, phase="forward", tensor=label,
+                    path=path,
+                    call=call,
+                    phase="forward",
+                    tensor=label,
                 )
         if bad(outputs):
             label = bad(outputs)[0]
             raise NonFiniteError(
                 f"NaN or inf first appears in the forward pass in the {label} of {self._label} itself: code of "
                 "its own forward outside the checked modules made it from finite values",
-                path="", call=0, phase="forward", tensor=label,
+                path="",
+                call=0,
+                phase="forward",
+                tensor=label,
             )
         for path, call, inputs, _outs in forward.calls:
             if bad(inputs):
@@ -219,7 +232,10 @@ class NonFiniteDetector(Observer):
                 raise NonFiniteError(
                     f"NaN or inf first reaches the {label} of {self._where(path, call)} in the forward pass; it was "
                     "made by code outside the checked modules",
-                    path=path, call=call, phase="forward", tensor=label,
+                    path=path,
+                    call=call,
+                    phase="forward",
+                    tensor=label,
                 )
 
     # backward ------------------------------------------------------------------------------------
@@ -267,14 +283,20 @@ class NonFiniteDetector(Observer):
             raise NonFiniteError(
                 f"the gradient reaching the output of {self._label} is already NaN or inf: it comes from the loss "
                 "or from code after the model",
-                path=OUTPUT, call=0, phase="backward", tensor="grad_output",
+                path=OUTPUT,
+                call=0,
+                phase="backward",
+                tensor="grad_output",
             )
         _forward_id, path, call, label, is_output = next((r for r in first_bad if r[4]), first_bad[0])
         tensor = "grad_output" if is_output else f"grad_{label}"
         raise NonFiniteError(
             f"a NaN or inf gradient first reaches the {tensor} of {self._where(path, call)} in the backward pass; "
             "it was made by code outside the checked modules",
-            path=path, call=call, phase="backward", tensor=tensor,
+            path=path,
+            call=call,
+            phase="backward",
+            tensor=tensor,
         )
 
     def _blame(self, blamed: list[Role]) -> None:
@@ -285,7 +307,10 @@ class NonFiniteDetector(Observer):
         raise NonFiniteError(
             f"NaN or inf first appears in the backward pass in the gradient with respect to the {label} of "
             f"{self._where(path, call)}: the gradient with respect to its output was finite{shared}",
-            path=path, call=call, phase="backward", tensor=f"grad_{label}",
+            path=path,
+            call=call,
+            phase="backward",
+            tensor=f"grad_{label}",
         )
 
     def _where(self, path: str, call: int) -> str:
