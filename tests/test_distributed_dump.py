@@ -108,7 +108,7 @@ def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resne
     shutil.copytree(tmp_path / "one", out)
     # what a killed single-process run leaves: status running, chunks 0 and 4 committed, other rows garbage
     store = mark_unfinished(out, [(chunk, *chunk_rows(chunk, 2, 13)) for chunk in (0, 4)])
-    for layer in store.read_manifest()["layers"]:
+    for layer in store.read_manifest().settings.layers:
         store._arrays[layer][2:8] = 9.0
         store._arrays[layer][10:] = -1.0
     store.close_arrays()

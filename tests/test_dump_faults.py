@@ -219,7 +219,7 @@ def test_resume_recomputes_only_uncommitted_chunks(tmp_path: Path) -> None:
     # an unfinished dump: chunks 0 and 2 committed, a torn line after them, the rest never written
     dump(ext, items, out)
     store = mark_unfinished(out, [(chunk, chunk * BATCH, (chunk + 1) * BATCH) for chunk in (0, 2)])
-    for layer in store.read_manifest()["layers"]:
+    for layer in store.read_manifest().settings.layers:
         store._arrays[layer][BATCH : 2 * BATCH] = 7.0  # chunk 1: garbage that resume must overwrite
     store.close_arrays()
     with open(out / ".journal" / "rank-0.jsonl", "a") as journal:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import errno
 import json
 import multiprocessing
@@ -206,8 +207,10 @@ def test_a_failed_manifest_write_leaves_the_old_manifest_and_no_temporary(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
+    store = DumpStore(out)
+    running = dataclasses.replace(store.read_manifest(), status="running")
     with pytest.raises(NoSpaceError, match="manifest.json"):
-        DumpStore(out).write_manifest({**read_manifest(out), "status": "running"})
+        store.write_manifest(running)
     assert (out / "manifest.json").read_bytes() == before
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
 
@@ -251,7 +254,7 @@ def unfinished(tmp_path: Path, committed: tuple[int, ...] = (0,)) -> Path:
     out = tmp_path / "out"
     dump(rows(), out)
     store = mark_unfinished(out, [(c, c * BATCH, (c + 1) * BATCH) for c in committed])
-    for layer in store.read_manifest()["layers"]:
+    for layer in store.read_manifest().settings.layers:
         for chunk in set(range(ROWS // BATCH)) - set(committed):
             store._arrays[layer][chunk * BATCH : (chunk + 1) * BATCH] = 0
     store.close_arrays()

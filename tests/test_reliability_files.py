@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from featurehooks.dump import store as store_module
+from featurehooks.dump.manifest import InputsRecord, Manifest, Settings
 from featurehooks.dump.store import DumpLockedError, DumpStore, write_atomic
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics.frechet import frechet_distance
@@ -82,17 +83,9 @@ def test_a_symlink_planted_at_a_journal_is_not_followed(tmp_path: Path, victim: 
     out = tmp_path / "out"
     out.mkdir()
     store = DumpStore(out)
-    manifest = {
-        "format": store_module.FORMAT,
-        "status": "running",
-        "chunk_size": 2,
-        "inputs": {"count": 2},
-        "layers": ["conv"],
-        "shapes": {"conv": [2, 3]},
-        "files": {"conv": "conv.npy"},
-        "dtype": "float32",
-    }
-    store.write_manifest(manifest)
+    inputs = InputsRecord("files", 2, "0" * 64)
+    settings = Settings("net", None, None, {"conv": (2, 3)}, "float32", None, {}, inputs)
+    store.write_manifest(Manifest(settings, chunk_size=2, versions={}))
     store.reset_journal()
     (store.journal_dir / "rank-0.jsonl").symlink_to(victim)
     with pytest.raises(OSError):

@@ -22,13 +22,12 @@ from torch.utils.data import Dataset, TensorDataset
 from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, RunFailedError
 from ..images import ImageTransform, image_size, read_image, transform_for
 from .forward import device_of, features_as_arrays
+from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
 from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
-from .store import FORMAT, INDEX, LABELS, DumpStore, layer_file_name, write_npy_atomic
+from .store import DumpStore, write_npy_atomic
 
 __all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
 
-# Settings that must match for a resume to continue an earlier run.
-RESUME_KEYS = ("backbone", "weights", "weights_sha256", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
 IDENTITY = "inputs.npy"  # (N, 2) int64: size in bytes and modification time in ns of every input file
 _NAMED = 5  # changed inputs named in an error; the rest are counted
 
@@ -67,11 +66,14 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Plan:
-    """What every rank follows: the manifest as written, the chunks still to compute, and their size."""
+    """What every rank follows: the manifest as written and the chunks still to compute."""
 
-    manifest: dict[str, Any]
+    manifest: Manifest
     pending: tuple[int, ...]
-    chunk_size: int
+
+    @property
+    def chunk_size(self) -> int:
+        return self.manifest.chunk_size
 
 
 def file_identity(names: list[str]) -> np.ndarray:
@@ -152,13 +154,13 @@ def weights_digest(extractor: Any) -> str | None:
     return digest.hexdigest()
 
 
-def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: str) -> dict[str, Any]:
-    """The manifest fields that describe what is computed (compared on resume)."""
+def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: str) -> Settings:
+    """What the dump computes, as its manifest records it (compared on resume)."""
     probe = torch.zeros((1, *inputs.image_shape), device=device_of(extractor))
     low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
     range_checked = getattr(extractor, "_range_checked", None)
     shapes = {
-        name: [len(inputs.names), *value.shape[1:]]
+        name: (len(inputs.names), *value.shape[1:])
         for name, value in features_as_arrays(extractor, probe + low, pool, dtype).items()
     }
     if range_checked is False:  # the probe is in range by construction: let the first real batch be checked
@@ -175,55 +177,41 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
             resize_size=None, crop_size=None, interpolation=None, input_range=list(extractor.input_range)
         )
     preprocessing["image_shape"] = list(inputs.image_shape)
-    settings = {
-        "backbone": extractor.backbone_name,
-        "weights": extractor.weights,
-        "weights_sha256": weights_digest(extractor),
-        "layers": list(shapes),
-        "shapes": shapes,
-        "dtype": dtype,
-        "pool": pool,
-        "preprocessing": preprocessing,
-        "inputs": {
-            "kind": "dataset" if inputs.dataset is not None else "files",
-            "count": len(inputs.names),
-            "sha256": inputs_digest(inputs.names),
-        },
-    }
-    if inputs.labelled:  # only then: manifests of unlabelled dumps compare equal to earlier ones
-        settings["inputs"]["labels"] = True
-    if inputs.identity is not None:
-        settings["inputs"]["identity_sha256"] = hashlib.sha256(inputs.identity.tobytes()).hexdigest()
-    return json.loads(json.dumps(settings))  # tuples -> lists, as they come back from disk
+    identity = inputs.identity
+    return Settings(
+        backbone=extractor.backbone_name,
+        weights=extractor.weights,
+        weights_sha256=weights_digest(extractor),
+        shapes=shapes,
+        dtype=dtype,
+        pool=pool,
+        preprocessing=json.loads(json.dumps(preprocessing)),  # tuples -> lists, as they come back from disk
+        inputs=InputsRecord(
+            kind="dataset" if inputs.dataset is not None else "files",
+            count=len(inputs.names),
+            sha256=inputs_digest(inputs.names),
+            labelled=inputs.labelled,
+            identity_sha256=None if identity is None else hashlib.sha256(identity.tobytes()).hexdigest(),
+        ),
+    )
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    # weights_sha256 and the inputs' identity are newer than the format: a dump started without them
-    # is compared on the rest
-    old_inputs = old.get("inputs")
-    if isinstance(old_inputs, dict) and "identity_sha256" not in old_inputs:
-        new = {**new, "inputs": {k: v for k, v in new["inputs"].items() if k != "identity_sha256"}}
-    return [key for key in RESUME_KEYS if old.get(key) != new.get(key) and (key in old or key != "weights_sha256")]
-
-
-def _check_identity(store: DumpStore, old: dict[str, Any], inputs: Inputs) -> None:
+def _check_identity(store: DumpStore, earlier: InputsRecord, now: InputsRecord, inputs: Inputs) -> None:
     """Refuse a resume whose input files changed (size or mtime) since the dump began, naming them."""
-    old_digest = (old.get("inputs") or {}).get("identity_sha256")
-    if inputs.identity is None or old_digest is None:
-        return
-    if old_digest == hashlib.sha256(inputs.identity.tobytes()).hexdigest():
+    identity = inputs.identity
+    if identity is None or earlier.identity_sha256 is None or earlier.identity_sha256 == now.identity_sha256:
         return
     try:
-        earlier = np.load(store.root / IDENTITY)
+        earlier_identity = np.load(store.root / IDENTITY)
     except (OSError, ValueError) as exc:
         raise InvalidValueError(
             f"cannot resume the dump in {store.root}: the input files changed since it began, and {IDENTITY} "
             f"({type(exc).__name__}) cannot tell which; overwrite=True (--overwrite) starts over"
         ) from exc
-    if earlier.shape != inputs.identity.shape:
+    if earlier_identity.shape != identity.shape:
         changed = list(range(len(inputs.names)))
     else:
-        changed = np.flatnonzero((earlier != inputs.identity).any(axis=1)).tolist()
+        changed = np.flatnonzero((earlier_identity != identity).any(axis=1)).tolist()
     named = ", ".join(inputs.names[row] for row in changed[:_NAMED])
     more = f" and {len(changed) - _NAMED} more" if len(changed) > _NAMED else ""
     raise InvalidValueError(
@@ -242,12 +230,13 @@ def _save_identity(store: DumpStore, identity: np.ndarray | None) -> None:
 
 
 def plan_dump(
-    store: DumpStore, settings: dict[str, Any], inputs: Inputs, batch_size: int, resume: bool, overwrite: bool
+    store: DumpStore, settings: Settings, inputs: Inputs, batch_size: int, resume: bool, overwrite: bool
 ) -> Plan:
     """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
     out = store.root
-    files: dict[str, str] = {LABELS: "the labels"} if settings["inputs"].get("labels") else {}
-    for layer in settings["layers"]:  # "a/b" and "a_b" (or "A" and "a" on macOS) would share one file
+    labelled = settings.inputs.labelled
+    files: dict[str, str] = {LABELS: "the labels"} if labelled else {}
+    for layer in settings.layers:  # "a/b" and "a_b" (or "A" and "a" on macOS) would share one file
         other = files.setdefault(layer_file_name(layer).lower(), layer)
         if other != layer:
             raise InvalidValueError(
@@ -255,13 +244,12 @@ def plan_dump(
                 "(FeatureExtractor(..., layers={'module.path': 'output_name'}))"
             )
     existing = store.read_manifest() if not overwrite else _read_quietly(store)
-    num_rows = settings["inputs"]["count"]
+    num_rows = settings.inputs.count
     if existing is not None and not overwrite:
-        differ = _differences(existing, settings)
-        status = existing.get("status")
-        if status == "complete" and not resume:
+        differ = settings.differences(existing.settings)
+        if existing.status == "complete" and not resume:
             raise OutputExistsError(
-                f"{out} already holds a complete dump ({existing.get('num_rows')} rows); "
+                f"{out} already holds a complete dump ({existing.num_rows} rows); "
                 "pass overwrite=True (--overwrite) to replace it"
             )
         if not resume:
@@ -269,24 +257,22 @@ def plan_dump(
                 f"{out} holds an unfinished dump; pass resume=True (--resume) to finish it "
                 "or overwrite=True (--overwrite) to start over"
             )
-        if differ == ["inputs"] and existing["inputs"].get("sha256") == settings["inputs"]["sha256"]:
-            _check_identity(store, existing, inputs)
+        if differ == ["inputs"] and existing.settings.inputs.sha256 == settings.inputs.sha256:
+            _check_identity(store, existing.settings.inputs, settings.inputs, inputs)
         if differ:
             raise InvalidValueError(
                 f"cannot resume the dump in {out}: {', '.join(differ)} differ from the earlier run; "
                 "use the same settings and inputs, or overwrite=True (--overwrite) to start over"
             )
-        if status == "complete":
-            return Plan(existing, (), int(existing["chunk_size"]))
-        chunk_size = int(existing["chunk_size"])
-        labelled = bool(settings["inputs"].get("labels"))
-        if store.arrays_match(settings["shapes"], settings["dtype"]) and (not labelled or store.labels_match(num_rows)):
-            num_chunks = -(-num_rows // chunk_size)
+        if existing.status == "complete":
+            return Plan(existing, ())
+        if store.arrays_match(settings.shapes, settings.dtype) and (not labelled or store.labels_match(num_rows)):
+            num_chunks = -(-num_rows // existing.chunk_size)
             done = store.committed()
-            return Plan(existing, tuple(c for c in range(num_chunks) if c not in done), chunk_size)
-        batch_size = chunk_size  # the arrays were never fully created: start over with the same chunks
+            return Plan(existing, tuple(c for c in range(num_chunks) if c not in done))
+        batch_size = existing.chunk_size  # the arrays were never fully created: start over with the same chunks
     elif existing is None and not overwrite:
-        clash = [p.name for p in (store.layer_path(n) for n in settings["layers"]) if p.exists()]
+        clash = [p.name for p in (store.layer_path(n) for n in settings.layers) if p.exists()]
         if (out / INDEX).exists():
             clash.append(INDEX)
         if clash:
@@ -294,46 +280,36 @@ def plan_dump(
                 f"{out} already has {', '.join(clash)} but no manifest; "
                 "pass overwrite=True (--overwrite) to replace them"
             )
-    manifest = {"format": FORMAT, "status": "running", **settings, "chunk_size": batch_size}
-    manifest["files"] = {name: layer_file_name(name) for name in settings["layers"]}
-    if settings["inputs"].get("labels"):
-        manifest["labels"] = LABELS
-    manifest["index"] = INDEX
-    manifest["versions"] = _versions()
+    manifest = Manifest(settings, chunk_size=batch_size, versions=_versions())
     out.mkdir(parents=True, exist_ok=True)
     store.reset_journal()  # before the new manifest: a kill in between must not pair it with an old journal
     store.write_manifest(manifest)  # "running" before any array exists
-    old_layers = existing.get("layers", []) if existing else []
-    store.remove_outputs([*old_layers, *settings["layers"]])
+    old_layers = existing.settings.layers if existing else ()
+    store.remove_outputs([*old_layers, *settings.layers])
     _save_identity(store, inputs.identity)
-    store.create_arrays(settings["shapes"], settings["dtype"])
-    if settings["inputs"].get("labels"):
+    store.create_arrays(settings.shapes, settings.dtype)
+    if labelled:
         store.create_labels(num_rows)
-    return Plan(manifest, tuple(range(-(-num_rows // batch_size))), batch_size)
+    return Plan(manifest, tuple(range(-(-num_rows // batch_size))))
 
 
-def _read_quietly(store: DumpStore) -> dict[str, Any] | None:
+def _read_quietly(store: DumpStore) -> Manifest | None:
     try:
         return store.read_manifest()
     except ValueError:
         return None
 
 
-def finish_dump(store: DumpStore, manifest: dict[str, Any], names: list[str]) -> dict[str, Any]:
+def finish_dump(store: DumpStore, manifest: Manifest, names: list[str]) -> Manifest:
     """Rank 0, after every rank wrote its rows: index, skipped list, then the atomic "complete"."""
     num_rows = len(names)
-    chunk_size = int(manifest["chunk_size"])
     done = store.committed()
-    missing = [c for c in range(-(-num_rows // chunk_size)) if c not in done]
+    missing = [c for c in range(-(-num_rows // manifest.chunk_size)) if c not in done]
     if missing:
         raise RunFailedError(f"chunks {missing[:5]} of {store.root} were not committed; rerun with resume=True")
     invalid = {row: reason for skipped in done.values() for row, reason in skipped}
     store.write_index(names, invalid)
-    manifest = dict(manifest)
-    manifest["status"] = "complete"
-    manifest["num_rows"] = num_rows
-    manifest["num_valid"] = num_rows - len(invalid)
-    manifest["skipped"] = [{"row": row, "path": names[row], "reason": invalid[row]} for row in sorted(invalid)]
-    store.write_manifest(manifest)
+    final = manifest.completed(SkippedRow(row, names[row], invalid[row]) for row in sorted(invalid))
+    store.write_manifest(final)
     store.remove_journal()
-    return manifest
+    return final

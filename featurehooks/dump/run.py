@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..errors import InvalidValueError, RunFailedError
 from .forward import device_of, features_as_arrays
+from .manifest import Manifest
 from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
 from .sources import ImageFiles, SourceSpec, TensorRows, collate_batch
@@ -223,8 +224,8 @@ def dump_features(
             dist, store, extractor, source, pool, dtype, batch_size, resume, overwrite, resize_size, crop_size
         )
         manifest = plan.manifest
-        if manifest.get("status") == "complete":
-            return DumpResult(store.root, manifest)
+        if manifest.status == "complete":
+            return DumpResult(store.root, manifest.to_dict())
         mine = split_contiguous(plan.pending, dist.world_size, dist.rank)
         workers = loader_workers(num_workers, len(mine))
         failure: Exception | None = None
@@ -246,7 +247,7 @@ def dump_features(
         dist.barrier()
         num_rows = len(inputs.names)
         computed = sum(min(plan.chunk_size, num_rows - chunk * plan.chunk_size) for chunk in plan.pending)
-        return DumpResult(store.root, final, computed)
+        return DumpResult(store.root, final.to_dict(), computed)
     finally:
         store.close_journal()
         store.close_arrays()
@@ -337,7 +338,7 @@ def _compute(
     store: DumpStore,
     chunks: Sequence[int],
     chunk_size: int,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     dist: Distributed,
     workers: int,
     device: torch.device,
@@ -346,7 +347,7 @@ def _compute(
     """Write and commit this rank's chunks."""
     num_rows = len(inputs.names)
     ranges = [chunk_rows(c, chunk_size, num_rows) for c in chunks]
-    store.open_arrays(manifest["layers"])
+    store.open_arrays(manifest.settings.layers)
     store.open_journal(dist.rank)
     if not ranges:
         store.close_journal()
@@ -360,7 +361,7 @@ def _compute(
         for chunk, (start, stop), batch in zip(chunks, ranges, loader):
             images, reasons = batch.images, batch.reasons
             arrays = batch_features(
-                extractor, images, device, manifest["pool"], manifest["dtype"], micro_batches=workers == 0
+                extractor, images, device, manifest.settings.pool, manifest.settings.dtype, micro_batches=workers == 0
             )
             skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
             for row, _ in skipped:

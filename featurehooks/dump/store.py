@@ -45,28 +45,23 @@ from numpy.lib import format as npy
 from numpy.lib.format import open_memmap
 
 from ..errors import FeatureHooksError
+from .manifest import INDEX, LABELS, MANIFEST, START_OVER, CorruptDumpError, Manifest, is_count, layer_file_name
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock, so a second writer into the same folder is not stopped there
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["CorruptDumpError", "DumpLockedError", "DumpStore", "NoSpaceError", "layer_file_name", "read_manifest"]
+__all__ = ["CorruptDumpError", "DumpLockedError", "DumpStore", "NoSpaceError", "read_manifest"]
 
-MANIFEST = "manifest.json"
-INDEX = "index.csv"
 JOURNAL = ".journal"
 LOCK = ".lock"
-LABELS = "labels.npy"  # (N,) int64 labels of an (image, label) dataset; -1 for a row without one
-_LABELS_KEY = "\0labels"  # its key among the open arrays: no layer can have it
-FORMAT = "featurehooks.dump/1"
-_DTYPES = ("float16", "float32")
+_LABELS_KEY = "\0labels"  # the key of labels.npy among the open arrays: no layer can have it
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _LOCK_TRIES = 100
 _RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
-_START_OVER = "pass overwrite=True (--overwrite) to start over"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks opens a file is not followed
 
 
@@ -78,18 +73,8 @@ class NoSpaceError(OSError):
     """
 
 
-class CorruptDumpError(FeatureHooksError, ValueError):
-    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump."""
-
-
 class DumpLockedError(FeatureHooksError, OSError):
     """Another process is writing a dump into the same folder (its pid and host are in the message)."""
-
-
-def layer_file_name(layer: str) -> str:
-    """File name of a layer's array: ``relu3_3.npy``, ``layer4.1.npy`` (path separators replaced)."""
-    safe = "".join("_" if ch in '/\\:*?"<>|' else ch for ch in layer)
-    return f"{safe}.npy"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -177,26 +162,14 @@ def write_atomic(path: Path, text: str | bytes) -> None:
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of the dump in ``out_dir``, or ``None`` when there is none.
+    """The manifest of the dump in ``out_dir``, as the dict its ``manifest.json`` holds, or ``None`` when there is none.
 
     Raises:
-        CorruptDumpError: the file exists but is not a featurehooks manifest, or a field its files depend on
-            (status, chunk_size, inputs.count, layers, shapes, files, dtype, and once complete the row
-            counts and skipped rows) is missing, mistyped or inconsistent.
+        CorruptDumpError: the file exists but is not a featurehooks manifest, or a field is missing, unknown,
+            mistyped or inconsistent (see ``Manifest.from_dict``).
     """
-    path = Path(out_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CorruptDumpError(f"{path} is not a readable manifest ({exc}); {_START_OVER}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptDumpError(f"{path} is not a featurehooks dump manifest; {_START_OVER}")
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise CorruptDumpError(f"{path}: {problem} (edited by hand?); {_START_OVER}")
-    return manifest
+    manifest = Manifest.read(Path(out_dir) / MANIFEST)
+    return None if manifest is None else manifest.to_dict()
 
 
 def write_npy_atomic(path: Path, array: np.ndarray) -> None:
@@ -206,76 +179,9 @@ def write_npy_atomic(path: Path, array: np.ndarray) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def _is_count(value: Any, least: int = 0) -> bool:
-    """Whether ``value`` is an int (not a bool) of at least ``least``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _manifest_problem(manifest: dict[str, Any]) -> str | None:
-    """What makes ``manifest`` unfit to describe its files, or ``None``."""
-    status, chunk_size = manifest.get("status"), manifest.get("chunk_size")
-    if status not in ("running", "complete"):
-        return f"status {status!r} is neither 'running' nor 'complete'"
-    if not _is_count(chunk_size, 1):
-        return f"chunk_size {chunk_size!r} is not a positive integer"
-    inputs = manifest.get("inputs")
-    count = inputs.get("count") if isinstance(inputs, dict) else None
-    if not _is_count(count, 1):
-        return f"inputs.count {count!r} is not a positive integer"
-    problem = _layout_problem(manifest, count)
-    if problem is None and status == "complete":
-        problem = _completion_problem(manifest, count)
-    return problem
-
-
-def _layout_problem(manifest: dict[str, Any], count: int) -> str | None:
-    """What is wrong with the layers, their shapes and files, and the dtype, or ``None``."""
-    layers = manifest.get("layers")
-    if not isinstance(layers, list) or not layers or not all(isinstance(name, str) for name in layers):
-        return f"layers {layers!r} is not a list of names"
-    if len(set(layers)) < len(layers):
-        return f"layers {layers!r} repeats a name"
-    shapes = manifest.get("shapes")
-    if not isinstance(shapes, dict) or list(shapes) != layers:
-        return f"shapes does not list the layers {layers}"
-    for layer, shape in shapes.items():
-        if not isinstance(shape, list) or not shape or shape[0] != count or not all(_is_count(n) for n in shape):
-            return f"shapes[{layer!r}] {shape!r} is not [{count}, ...] (inputs.count rows, then sizes)"
-    if manifest.get("files") != {layer: layer_file_name(layer) for layer in layers}:
-        return "files does not map each layer to its <layer>.npy"
-    if manifest.get("dtype") not in _DTYPES:
-        return f"dtype {manifest.get('dtype')!r} is not one of {', '.join(_DTYPES)}"
-    return None
-
-
-def _completion_problem(manifest: dict[str, Any], count: int) -> str | None:
-    """What is wrong with the row accounting of a complete manifest, or ``None``."""
-    num_rows, skipped = manifest.get("num_rows"), manifest.get("skipped")
-    if not _is_count(num_rows) or num_rows != count:
-        return f"num_rows {num_rows!r} is not inputs.count ({count})"
-    if not isinstance(skipped, list) or not all(_is_skipped_row(entry, count) for entry in skipped):
-        return "skipped is not a list of {row, path, reason} within the rows"
-    if len({entry["row"] for entry in skipped}) < len(skipped):
-        return "skipped lists a row twice"
-    if manifest.get("num_valid") != count - len(skipped):
-        return f"num_valid {manifest.get('num_valid')!r} is not num_rows minus the skipped rows"
-    return None
-
-
-def _is_skipped_row(entry: Any, count: int) -> bool:
-    """Whether ``entry`` is a ``{row, path, reason}`` of one of ``count`` rows."""
-    return (
-        isinstance(entry, dict)
-        and _is_count(entry.get("row"))
-        and entry["row"] < count
-        and isinstance(entry.get("path"), str)
-        and isinstance(entry.get("reason"), str)
-    )
-
-
-def _digest(manifest: Mapping[str, Any]) -> str:
+def _digest(manifest: Manifest) -> str:
     """A fingerprint of a manifest's content (not its formatting): journal lines name the manifest they belong to."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(manifest.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _checksum(body: Mapping[str, Any]) -> int:
@@ -304,7 +210,7 @@ def _record_problem(record: Any, rank: int, digest: str, chunk_size: int, num_ro
     if record["rank"] != rank:
         return f"it names rank {record['rank']!r} in the journal of rank {rank}"
     chunk, last = record["chunk"], -(-num_rows // chunk_size) - 1
-    if not _is_count(chunk) or chunk > last:
+    if not is_count(chunk) or chunk > last:
         return f"chunk {chunk!r} is not one of 0..{last}"
     start, stop = chunk * chunk_size, min((chunk + 1) * chunk_size, num_rows)
     if record["rows"] not in ([start, stop], [start, start + chunk_size]):  # the last chunk's end may run past
@@ -332,7 +238,7 @@ def _skipped_fit(skipped: Any, start: int, stop: int) -> bool:
     if not isinstance(skipped, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in skipped):
         return False
     rows = [row for row, _ in skipped]
-    fit = all(_is_count(row) and start <= row < stop and isinstance(why, str) and why for row, why in skipped)
+    fit = all(is_count(row) and start <= row < stop and isinstance(why, str) and why for row, why in skipped)
     return fit and len(set(rows)) == len(rows)
 
 
@@ -504,18 +410,19 @@ class DumpStore:
                 self.root.rmdir()
 
     # -- manifest ---------------------------------------------------------------------------------
-    def write_manifest(self, manifest: Mapping[str, Any]) -> None:
+    def write_manifest(self, manifest: Manifest) -> None:
         """Atomically replace ``manifest.json`` (rank 0 only)."""
-        write_atomic(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        write_atomic(self.manifest_path, manifest.to_json())
 
-    def read_manifest(self) -> dict[str, Any] | None:
-        return read_manifest(self.root)
+    def read_manifest(self) -> Manifest | None:
+        """The manifest of this dump, or ``None`` when there is none (``CorruptDumpError`` when it is unfit)."""
+        return Manifest.read(self.manifest_path)
 
-    def _require_manifest(self) -> dict[str, Any]:
+    def _require_manifest(self) -> Manifest:
         """The manifest, which a journal cannot be read or written without."""
         manifest = self.read_manifest()
         if manifest is None:
-            raise CorruptDumpError(f"{self.manifest_path} is missing, so its journal means nothing; {_START_OVER}")
+            raise CorruptDumpError(f"{self.manifest_path} is missing, so its journal means nothing; {START_OVER}")
         return manifest
 
     # -- arrays -----------------------------------------------------------------------------------
@@ -664,7 +571,7 @@ class DumpStore:
                 the dump is refused rather than rows never computed taken for done.
         """
         manifest = self._require_manifest()
-        expected = (_digest(manifest), manifest["chunk_size"], manifest["inputs"]["count"])
+        expected = (_digest(manifest), manifest.chunk_size, manifest.num_rows)
         done: dict[int, list[tuple[int, str]]] = {}
         for path in sorted(self.journal_dir.glob("rank-*.jsonl")):
             rank = path.name[len("rank-") : -len(".jsonl")]
@@ -675,7 +582,7 @@ class DumpStore:
                 if problem:
                     raise CorruptDumpError(
                         f"{path} line {number}: {problem}; the journal does not fit {MANIFEST} "
-                        f"(edited by hand, or left by another dump): {_START_OVER}"
+                        f"(edited by hand, or left by another dump): {START_OVER}"
                     )
                 done[record["chunk"]] = _skipped_of(record)
         return done

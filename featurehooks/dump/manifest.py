@@ -1,0 +1,398 @@
+"""The manifest of a dump (``manifest.json``) as a typed value: what it records, how it is checked, how it is written.
+
+A dump's files are only as trustworthy as the manifest that describes them, so ``Manifest.from_dict`` checks every
+field and refuses a manifest that is not fit, with a ``CorruptDumpError`` that names the field. ``to_dict`` gives
+back the very dict a manifest was read from, keys in the order dumps have always written them: a resumed dump
+writes the bytes an uninterrupted one would, and journal lines keep naming the manifest they were written for.
+
+Schema ``featurehooks.dump/1``. Fields newer than it are optional: ``weights_sha256`` (``UNRECORDED`` when absent),
+``inputs.identity_sha256``, ``inputs.labels`` and ``labels``, so dumps begun before them still read and resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import json
+import os
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import FeatureHooksError
+
+__all__ = [
+    "DTYPES",
+    "INDEX",
+    "LABELS",
+    "MANIFEST",
+    "SCHEMA",
+    "START_OVER",
+    "UNRECORDED",
+    "CorruptDumpError",
+    "InputsRecord",
+    "Manifest",
+    "Settings",
+    "SkippedRow",
+    "is_count",
+    "layer_file_name",
+]
+
+SCHEMA = "featurehooks.dump/1"  # the manifest's "format"
+MANIFEST = "manifest.json"
+INDEX = "index.csv"
+LABELS = "labels.npy"  # (N,) int64 labels of an (image, label) dataset; -1 for a row without one
+DTYPES = ("float16", "float32")
+START_OVER = "pass overwrite=True (--overwrite) to start over"
+_KINDS = ("files", "dataset")
+_STATUSES = ("running", "complete")
+_INPUTS_FIELDS = ("kind", "count", "sha256", "labels", "identity_sha256")
+_ACCOUNT = ("num_rows", "num_valid", "skipped")  # how a complete dump accounts for its rows
+# what a resume must match (``layers`` too: ``shapes`` compare equal in any order)
+_COMPARED = ("backbone", "weights", "weights_sha256", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
+_FIELDS = (
+    "format",
+    "status",
+    "backbone",
+    "weights",
+    "weights_sha256",
+    "layers",
+    "shapes",
+    "dtype",
+    "pool",
+    "preprocessing",
+    "inputs",
+    "chunk_size",
+    "files",
+    "labels",
+    "index",
+    "versions",
+    *_ACCOUNT,
+)
+
+
+class CorruptDumpError(FeatureHooksError, ValueError):
+    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump."""
+
+
+class Unrecorded(enum.Enum):
+    """The type of ``UNRECORDED``: a field that a dump begun before the field existed does not have."""
+
+    UNRECORDED = "unrecorded"
+
+
+UNRECORDED = Unrecorded.UNRECORDED
+
+
+def layer_file_name(layer: str) -> str:
+    """File name of a layer's array: ``relu3_3.npy``, ``layer4.1.npy`` (path separators replaced)."""
+    safe = "".join("_" if ch in '/\\:*?"<>|' else ch for ch in layer)
+    return f"{safe}.npy"
+
+
+def is_count(value: Any, least: int = 0) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+@dataclass(frozen=True)
+class InputsRecord:
+    """What a dump's rows are: ``"files"`` or a ``"dataset"``, how many, and the SHA-256 of their names; whether
+    the items carried labels; for files, the SHA-256 of ``inputs.npy`` (their sizes and modification times), which
+    is ``None`` for a dataset and in dumps begun before it was recorded."""
+
+    kind: Literal["files", "dataset"]
+    count: int
+    sha256: str
+    labelled: bool = False
+    identity_sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``"inputs"`` object of ``manifest.json`` (``labels`` and ``identity_sha256`` only when set)."""
+        record: dict[str, Any] = {"kind": self.kind, "count": self.count, "sha256": self.sha256}
+        if self.labelled:  # only then: manifests of unlabelled dumps compare equal to earlier ones
+            record["labels"] = True
+        if self.identity_sha256 is not None:
+            record["identity_sha256"] = self.identity_sha256
+        return record
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a dump computes; a resume must match it field by field (``differences``).
+
+    ``shapes``: per layer, in request order, ``(rows, *feature shape)``. ``weights_sha256``: the backbone's
+    state dict hashed, ``None`` without an ``nn.Module``, ``UNRECORDED`` in dumps begun before it was recorded.
+    ``preprocessing``: the JSON values the image transform describes itself with.
+    """
+
+    backbone: str
+    weights: str | None
+    weights_sha256: str | None | Literal[Unrecorded.UNRECORDED]
+    shapes: Mapping[str, tuple[int, ...]]
+    dtype: str
+    pool: str | None
+    preprocessing: Mapping[str, Any]
+    inputs: InputsRecord
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(self.shapes)
+
+    def differences(self, earlier: Settings) -> list[str]:
+        """The fields, named as in ``manifest.json``, in which these settings differ from ``earlier`` ones.
+
+        A field ``earlier`` did not record (``weights_sha256``, ``inputs.identity_sha256``) is left out, so a
+        dump begun before it existed is compared on the rest.
+        """
+        mine = self
+        if earlier.weights_sha256 is UNRECORDED:
+            mine = replace(mine, weights_sha256=UNRECORDED)
+        if earlier.inputs.identity_sha256 is None:
+            mine = replace(mine, inputs=replace(mine.inputs, identity_sha256=None))
+        return [name for name in _COMPARED if getattr(earlier, name) != getattr(mine, name)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields of ``manifest.json`` these settings fill, in its order."""
+        fields: dict[str, Any] = {"backbone": self.backbone, "weights": self.weights}
+        if self.weights_sha256 is not UNRECORDED:
+            fields["weights_sha256"] = self.weights_sha256
+        fields["layers"] = list(self.layers)
+        fields["shapes"] = {layer: list(shape) for layer, shape in self.shapes.items()}
+        fields["dtype"] = self.dtype
+        fields["pool"] = self.pool
+        fields["preprocessing"] = copy.deepcopy(dict(self.preprocessing))
+        fields["inputs"] = self.inputs.to_dict()
+        return fields
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """An input that could not be read: its row (zero-filled, ``valid=0`` in ``index.csv``), its path, and why."""
+
+    row: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` says about a dump: its settings, its rows per commit, the library versions that
+    began it, and its ``status``: ``"running"`` until every row is committed, then ``"complete"``.
+
+    ``skipped`` lists the rows that could not be read once the dump is complete (``num_rows`` and ``num_valid``
+    follow from it and from the settings); it is ``None`` before.
+    """
+
+    settings: Settings
+    chunk_size: int
+    versions: Mapping[str, str]
+    status: Literal["running", "complete"] = "running"
+    skipped: tuple[SkippedRow, ...] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.settings.inputs.count
+
+    @property
+    def files(self) -> dict[str, str]:
+        """Each layer's array file, relative to the dump's folder."""
+        return {layer: layer_file_name(layer) for layer in self.settings.layers}
+
+    def completed(self, skipped: Iterable[SkippedRow]) -> Manifest:
+        """This manifest once every row is committed, ``skipped`` being the rows that could not be read."""
+        return replace(self, status="complete", skipped=tuple(skipped))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``manifest.json``: equal to the dict ``from_dict`` was given, keys in the written order."""
+        data: dict[str, Any] = {"format": SCHEMA, "status": self.status, **self.settings.to_dict()}
+        data["chunk_size"] = self.chunk_size
+        data["files"] = self.files
+        if self.settings.inputs.labelled:
+            data["labels"] = LABELS
+        data["index"] = INDEX
+        data["versions"] = dict(self.versions)
+        if self.skipped is not None:
+            data["num_rows"] = self.num_rows
+            data["num_valid"] = self.num_rows - len(self.skipped)
+            data["skipped"] = [{"row": s.row, "path": s.path, "reason": s.reason} for s in self.skipped]
+        return data
+
+    def to_json(self) -> str:
+        """The text of ``manifest.json`` (two-space indent, ASCII, a final newline)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Manifest | None:
+        """The manifest in the file ``path``, or ``None`` when there is no such file.
+
+        Raises:
+            CorruptDumpError: the file cannot be read or parsed, or ``from_dict`` refuses its content.
+        """
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CorruptDumpError(f"{path} is not a readable manifest ({exc}); {START_OVER}") from exc
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | os.PathLike[str] = MANIFEST) -> Manifest:
+        """Check ``data``, a parsed ``manifest.json``, and build the manifest it describes.
+
+        Raises:
+            CorruptDumpError: ``data`` is not a manifest of this schema, or a field is missing, unknown, mistyped
+                or inconsistent with the others (rows per layer and ``inputs.count``, ``files`` and ``layers``,
+                the row accounting of a complete dump); the message names ``source`` and the field.
+        """
+        schema = data.get("format") if isinstance(data, dict) else None
+        if isinstance(schema, str) and schema != SCHEMA and schema.startswith("featurehooks.dump/"):
+            raise CorruptDumpError(
+                f"{os.fspath(source)} is a dump manifest of schema {schema!r}, but this featurehooks reads {SCHEMA!r}; "
+                f"use the featurehooks that wrote it, or {START_OVER}"
+            )
+        if schema != SCHEMA:
+            raise CorruptDumpError(f"{os.fspath(source)} is not a featurehooks dump manifest; {START_OVER}")
+        try:
+            return _parse(data)
+        except _Unfit as exc:
+            raise CorruptDumpError(f"{os.fspath(source)}: {exc} (edited by hand?); {START_OVER}") from None
+
+
+class _Unfit(Exception):
+    """Why a manifest's content is unfit; ``Manifest.from_dict`` turns it into a ``CorruptDumpError``."""
+
+
+def _field(data: Mapping[str, Any], key: str, where: str = "") -> Any:
+    """``data[key]``, which must be there (``where`` prefixes the field's name in the message)."""
+    if key not in data:
+        raise _Unfit(f"{where}{key} is missing")
+    return data[key]
+
+
+def _text(data: Mapping[str, Any], key: str, *, nullable: bool = False, where: str = "") -> Any:
+    """``data[key]``, which must be a string (or ``None`` when ``nullable``)."""
+    value = _field(data, key, where)
+    if not isinstance(value, str) and not (nullable and value is None):
+        raise _Unfit(f"{where}{key} {value!r} is not a string{' or null' if nullable else ''}")
+    return value
+
+
+def _known(data: Mapping[str, Any], known: Collection[str], where: str = "") -> None:
+    """Refuse fields this schema does not have: ``to_dict`` could not give them back."""
+    unknown = [f"{where}{key}" for key in data if key not in known]
+    if unknown:
+        raise _Unfit(f"unknown field(s) {', '.join(map(repr, unknown))}")
+
+
+def _parse(data: dict[str, Any]) -> Manifest:
+    """The manifest ``data`` describes (its ``format`` checked), or ``_Unfit``."""
+    status = _field(data, "status")
+    if status not in _STATUSES:
+        raise _Unfit(f"status {status!r} is neither 'running' nor 'complete'")
+    chunk_size = _field(data, "chunk_size")
+    if not is_count(chunk_size, 1):
+        raise _Unfit(f"chunk_size {chunk_size!r} is not a positive integer")
+    raw_inputs = _field(data, "inputs")
+    count = raw_inputs.get("count") if isinstance(raw_inputs, dict) else None
+    if not is_count(count, 1):
+        raise _Unfit(f"inputs.count {count!r} is not a positive integer")
+    shapes = _shapes(data, count)
+    if _field(data, "files") != {layer: layer_file_name(layer) for layer in shapes}:
+        raise _Unfit("files does not map each layer to its <layer>.npy")
+    dtype = _field(data, "dtype")
+    if dtype not in DTYPES:
+        raise _Unfit(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    accounted = status == "complete" or any(key in data for key in _ACCOUNT)  # kept when marked running again
+    skipped = _skipped(data, count) if accounted else None
+    inputs = _inputs(raw_inputs, count)
+    weights_sha256 = data.get("weights_sha256", UNRECORDED)
+    if weights_sha256 is not UNRECORDED:
+        _text(data, "weights_sha256", nullable=True)
+    preprocessing = _field(data, "preprocessing")
+    if not isinstance(preprocessing, dict):
+        raise _Unfit(f"preprocessing is a {type(preprocessing).__name__}, not an object")
+    settings = Settings(
+        backbone=_text(data, "backbone"),
+        weights=_text(data, "weights", nullable=True),
+        weights_sha256=weights_sha256,
+        shapes=shapes,
+        dtype=dtype,
+        pool=_text(data, "pool", nullable=True),
+        preprocessing=copy.deepcopy(preprocessing),
+        inputs=inputs,
+    )
+    labels = data.get("labels")
+    if inputs.labelled and labels != LABELS:
+        raise _Unfit(f"labels {labels!r} is not {LABELS!r}, though inputs.labels is true")
+    if not inputs.labelled and "labels" in data:
+        raise _Unfit(f"labels {labels!r} is set, though inputs.labels is not")
+    if _field(data, "index") != INDEX:
+        raise _Unfit(f"index {data['index']!r} is not {INDEX!r}")
+    versions = _field(data, "versions")
+    if not isinstance(versions, dict) or not all(isinstance(value, str) for value in versions.values()):
+        raise _Unfit("versions is not an object of version strings")
+    _known(data, _FIELDS)
+    return Manifest(settings, chunk_size, dict(versions), status, skipped)
+
+
+def _shapes(data: Mapping[str, Any], count: int) -> dict[str, tuple[int, ...]]:
+    """Each layer's shape, ``layers`` and ``shapes`` checked against each other and ``count`` rows."""
+    layers = _field(data, "layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(name, str) for name in layers):
+        raise _Unfit(f"layers {layers!r} is not a list of names")
+    if len(set(layers)) < len(layers):
+        raise _Unfit(f"layers {layers!r} repeats a name")
+    shapes = _field(data, "shapes")
+    if not isinstance(shapes, dict) or list(shapes) != layers:
+        raise _Unfit(f"shapes does not list the layers {layers}")
+    for layer, shape in shapes.items():
+        if not isinstance(shape, list) or not shape or shape[0] != count or not all(is_count(n) for n in shape):
+            raise _Unfit(f"shapes[{layer!r}] {shape!r} is not [{count}, ...] (inputs.count rows, then sizes)")
+    return {layer: tuple(shape) for layer, shape in shapes.items()}
+
+
+def _inputs(raw: dict[str, Any], count: int) -> InputsRecord:
+    """The ``"inputs"`` object, its ``count`` already checked."""
+    kind = _field(raw, "kind", "inputs.")
+    if kind not in _KINDS:
+        raise _Unfit(f"inputs.kind {kind!r} is neither 'files' nor 'dataset'")
+    digest = _text(raw, "sha256", where="inputs.")
+    labelled = raw.get("labels", False)
+    if "labels" in raw and labelled is not True:
+        raise _Unfit(f"inputs.labels {labelled!r} is not true (the field is written only for labelled items)")
+    identity = raw.get("identity_sha256")
+    if "identity_sha256" in raw:
+        _text(raw, "identity_sha256", where="inputs.")
+    _known(raw, _INPUTS_FIELDS, "inputs.")
+    return InputsRecord(kind, count, digest, labelled, identity)
+
+
+def _skipped(data: Mapping[str, Any], count: int) -> tuple[SkippedRow, ...]:
+    """The skipped rows, ``num_rows`` and ``num_valid`` checked against them and ``count``."""
+    num_rows, skipped = data.get("num_rows"), data.get("skipped")
+    if not is_count(num_rows) or num_rows != count:
+        raise _Unfit(f"num_rows {num_rows!r} is not inputs.count ({count})")
+    if not isinstance(skipped, list) or not all(_is_skipped_row(entry, count) for entry in skipped):
+        raise _Unfit("skipped is not a list of {row, path, reason} within the rows")
+    if len({entry["row"] for entry in skipped}) < len(skipped):
+        raise _Unfit("skipped lists a row twice")
+    num_valid = data.get("num_valid")
+    if not is_count(num_valid) or num_valid != count - len(skipped):
+        raise _Unfit(f"num_valid {num_valid!r} is not num_rows minus the skipped rows")
+    return tuple(SkippedRow(entry["row"], entry["path"], entry["reason"]) for entry in skipped)
+
+
+def _is_skipped_row(entry: Any, count: int) -> bool:
+    """Whether ``entry`` is a ``{row, path, reason}`` of one of ``count`` rows (and nothing else)."""
+    return (
+        isinstance(entry, dict)
+        and set(entry) == {"row", "path", "reason"}
+        and is_count(entry["row"])
+        and entry["row"] < count
+        and isinstance(entry["path"], str)
+        and isinstance(entry["reason"], str)
+    )
