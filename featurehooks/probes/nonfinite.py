@@ -1,33 +1,51 @@
 """``detect_nonfinite``: name the module call where a NaN or an infinity starts, in forward or in backward.
 
-Forward: every checked module call records, on the device, whether its inputs (before it runs)
-and its outputs are finite. When the model's forward returns, the flags are read in one transfer
-and the origin is the first call, in the order calls finish, whose output is non-finite while its
-inputs were finite: the module that made the value, not the ones it then flowed through (a child
-finishes before its parent, so the innermost module is named). A NaN or inf already in the model's
-input is reported as the input: path ``"<input>"``. One made by code of the model's own
-``forward`` outside any checked module is reported at the model itself, path ``""``.
+Forward: every checked module call records, on the device, the minimum and maximum of its inputs
+(before it runs) and of its outputs. When the model's forward returns, the flags are read in one
+transfer. A forward is reported only when the model's input (masks aside) or its output holds a NaN or
+an infinity: non-finite values a model uses on purpose and that never reach its output (``-inf``
+attention masks, ``masked_fill(-inf)`` before a softmax, a module that builds such a mask, ``-inf``
+padding before a max pool) are not errors. The origin is, in this order:
+
+- the model's input (path ``"<input>"``) when one of its tensors, masks aside, is non-finite;
+- the first module call, in the order calls finish, whose output is non-finite and leads on to the
+  model's output while its inputs, masks aside, were finite: the module that made the value, not the
+  ones it then flowed through (a child finishes before its parent, so the innermost module is named);
+- the model itself, path ``""``: code of its own ``forward`` outside the checked modules.
+
+A *mask* is a tensor whose only non-finite values are ``-inf`` and which the model or a checked module
+receives as an argument other than its first (``attn_mask``, ``key_padding_mask``, ``src_mask``), never
+as its first. A non-finite output *leads on* when the model returns it, when a module that received it
+later returned a non-finite output that leads on, or, where no checked module received it later, when
+the call it was made in has a non-finite output that leads on (that call's code used it).
 
 Backward: tensor hooks on the checked modules' outputs and inputs record whether the gradient with
 respect to each is finite. When the backward pass ends (a callback queued on the autograd engine by
-the first of those hooks), the flags are read in one transfer; the origin is the first module call,
-in backward order, whose gradient with respect to an input is non-finite while the gradient with
-respect to its output was finite. A gradient already non-finite when it reaches the model's output
-(from the loss) is reported with path ``"<output>"``.
+the first of those hooks), the flags are read in one transfer; any non-finite gradient is reported. The
+origin is the first module call, in backward order, whose gradient with respect to an input is
+non-finite while the gradient with respect to its output was finite. A gradient already non-finite when
+it reaches the model's output (from the loss) is reported with path ``"<output>"``.
 
-Limits: a tensor feeding several modules has one gradient, the sum over them, so when it turns
-non-finite every consumer qualifies; the one reported is a leaf module if any, else the first to run,
-and the message lists the others. A module whose inputs need no gradient (the first layer) can only be
-blamed through its output. Gradients of parameters are not checked.
+Limits: modules are seen from outside. A NaN a module makes from one of its masks (a row masked
+entirely) is blamed on that module, which is where it appears. A ``-inf`` mask passed as the model's
+first argument is reported as a non-finite input; a tensor that overflowed to ``-inf`` only and is
+passed only as a later argument (cross-attention memory) is taken for a mask. A non-finite value the
+model absorbs before its output (``tanh`` of an overflow, ``nan_to_num``) is not reported in forward;
+its gradient may be. In backward, a tensor feeding several modules has one gradient, the sum over
+them, so when it turns non-finite every consumer qualifies; the one reported is a leaf module if any,
+else the first to run, and the message lists the others. A module whose inputs need no gradient (the
+first layer) can only be blamed through its output. Gradients of parameters are not checked. Nested
+tensors (the fast path of ``nn.TransformerEncoder``) are checked through their packed values.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +64,8 @@ OUTPUT = "<output>"  # path reported for a non-finite gradient arriving at the m
 
 Role = tuple[int, str, int, str, bool]  # (forward id, module path, call, tensor label, is an output)
 Entry = tuple[str, int]  # (tensor label, flag index) of one checked tensor of one call
+
+FINITE, MINUS_INF, NONFINITE = 0, 1, 2  # what a tensor's (min, max) says about its values
 
 
 class _GradFlag:
@@ -73,44 +93,128 @@ class _Seen:
         self.grad = grad
 
 
-class _Forward:
-    """One forward: the device flags (min and max of every checked tensor) and which call saw which."""
+class _Call:
+    """One checked module call, or the forward itself: the flags of its tensors and the call it ran inside."""
 
-    __slots__ = ("calls", "flags", "id", "inputs", "root_inputs", "seen")
+    __slots__ = ("call", "inputs", "main", "outputs", "parent", "path")
+
+    def __init__(self, path: str, call: int, inputs: list[Entry], main: int, parent: _Call | None) -> None:
+        self.path = path
+        self.call = call
+        self.inputs = inputs
+        self.main = main  # how many of ``inputs`` come from its first argument
+        self.outputs: list[Entry] = []
+        self.parent = parent
+
+
+class _Forward:
+    """One forward: the device flags (min and max of every checked tensor) and the calls that saw them."""
+
+    __slots__ = ("calls", "flags", "id", "root", "running", "seen")
 
     def __init__(self, forward_id: int) -> None:
         self.id = forward_id
         self.flags: list[Tensor] = []
         self.seen: dict[int, _Seen] = {}
-        self.calls: list[tuple[str, int, list[Entry], list[Entry]]] = []  # in the order calls finished
-        self.inputs: dict[tuple[str, int], list[Entry]] = {}
-        self.root_inputs: list[Entry] = []
+        self.root = _Call("", 0, [], 0, None)  # the forward itself: the model's arguments and output
+        self.running: list[_Call] = []  # checked calls begun and not yet ended, innermost last
+        self.calls: list[_Call] = []  # in the order calls finished
 
 
 def _float_leaves(*values: Any) -> list[Tensor]:
     return [
         t
         for t in tree_leaves(values)
-        if isinstance(t, Tensor) and t.is_floating_point() and t.layout == torch.strided and t.numel()
+        if isinstance(t, Tensor) and t.is_floating_point() and (t.is_nested or t.layout == torch.strided) and t.numel()
     ]
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Tensor], int]:
+    """The floating tensors among a call's arguments, and how many of them, first, come from its first argument."""
+    values = (*args, *kwargs.values())
+    main = _float_leaves(values[:1])
+    return main + (_float_leaves(values[1:]) if len(values) > 1 else []), len(main)
+
+
+def _aminmax(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """Minimum and maximum of a tensor's elements (a nested tensor's packed values), without a graph."""
+    with torch.no_grad():
+        values = tensor.detach()
+        return tuple(torch.aminmax(values.values() if values.is_nested else values))  # type: ignore[return-value]
 
 
 def _labels(kind: str, count: int) -> list[str]:
     return [kind] if count == 1 else [f"{kind}[{k}]" for k in range(count)]
 
 
-def _finite(flags: list[Tensor]) -> list[bool]:
-    """Whether each (min, max) pair in ``flags`` is finite: one transfer per device."""
+def _read(flags: list[Tensor]) -> list[tuple[float, float]]:
+    """The (min, max) pairs in ``flags`` on the host: one transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
     for k, flag in enumerate(flags):
         by_device.setdefault(flag.device, []).append(k)
-    good = [True] * len(flags)
+    values = [0.0] * len(flags)
     for indices in by_device.values():
         with torch.no_grad():
-            finite = torch.isfinite(torch.stack([flags[k].float() for k in indices])).tolist()
-        for k, value in zip(indices, finite):
-            good[k] = value
-    return [good[2 * k] and good[2 * k + 1] for k in range(len(flags) // 2)]
+            read = torch.stack([flags[k].float() for k in indices]).tolist()
+        for k, value in zip(indices, read):
+            values[k] = value
+    return list(zip(values[::2], values[1::2]))
+
+
+def _kind(low: float, high: float) -> int:
+    """FINITE, MINUS_INF (-inf the only non-finite value, all -inf included) or NONFINITE (NaN or +inf)."""
+    if math.isfinite(low) and math.isfinite(high):
+        return FINITE
+    return MINUS_INF if low == -math.inf and high < math.inf else NONFINITE  # NaN fails both comparisons
+
+
+def _ending(forward: _Forward, path: str, call: int) -> _Call:
+    """The record of the call ending now, taken off the running calls with any left above it (calls that raised)."""
+    running = forward.running
+    for k in range(len(running) - 1, -1, -1):
+        if running[k].path == path and running[k].call == call:
+            record = running[k]
+            del running[k:]
+            return record
+    return _Call(path, call, [], 0, running[-1] if running else forward.root)  # its pre-hook never ran
+
+
+def _masks(forward: _Forward, kinds: list[int]) -> set[int]:
+    """The flags of masks: -inf is their only non-finite value, and they are passed as a later argument, never
+    as a first one (nor returned by the model)."""
+    first = {flag for _label, flag in forward.root.outputs}
+    later: set[int] = set()
+    for record in (forward.root, *forward.calls):
+        for k, (_label, flag) in enumerate(record.inputs):
+            (first if k < record.main else later).add(flag)
+    return {flag for flag in later - first if kinds[flag] == MINUS_INF}
+
+
+def _leading(forward: _Forward, nonfinite: Callable[[int], bool]) -> set[_Call]:
+    """The calls whose non-finite output leads on to the model's output (which is non-finite).
+
+    It leads on when the model returns it, when a module that received it later returned a non-finite output
+    that leads on, or, where no checked module received it later, when the call it was made in leads on (that
+    call's code used it). Calls are visited from the last to finish, so every answer needed is already known.
+    """
+    calls = forward.calls
+    final = {flag for _label, flag in forward.root.outputs}
+    receivers: dict[int, list[int]] = {}  # flag -> finish indices of the calls that received it
+    for k, record in enumerate(calls):
+        for _label, flag in record.inputs:
+            if nonfinite(flag):
+                receivers.setdefault(flag, []).append(k)
+    leading = {forward.root}
+    for k in range(len(calls) - 1, -1, -1):
+        flags = [flag for _label, flag in calls[k].outputs if nonfinite(flag)]
+        later = [calls[j] for flag in flags for j in receivers.get(flag, ()) if j > k]
+        if (
+            any(flag in final for flag in flags)
+            or any(record in leading for record in later)
+            or (flags and not later and calls[k].parent in leading)
+        ):
+            leading.add(calls[k])
+    return leading
 
 
 class NonFiniteDetector(Observer):
@@ -142,10 +246,9 @@ class NonFiniteDetector(Observer):
         return calls is None or call in calls
 
     def _check(
-        self, forward: _Forward, path: str, call: int, kind: str, values: tuple[Any, ...], is_output: bool
+        self, forward: _Forward, path: str, call: int, kind: str, tensors: list[Tensor], is_output: bool
     ) -> list[Entry]:
-        """Record device flags for the floating tensors in ``values``; hook their gradients."""
-        tensors = _float_leaves(*values)
+        """Record device flags for ``tensors``; hook their gradients."""
         entries = []
         for label, tensor in zip(_labels(kind, len(tensors)), tensors):
             seen = self._seen(forward, tensor)
@@ -160,8 +263,7 @@ class NonFiniteDetector(Observer):
         seen = forward.seen.get(id(tensor))
         if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
             return seen
-        with torch.no_grad():
-            forward.flags.extend(torch.aminmax(tensor.detach()))
+        forward.flags.extend(_aminmax(tensor))
         grad = None
         if tensor.requires_grad and torch.is_grad_enabled():
             grad = _GradFlag(self)
@@ -171,33 +273,49 @@ class NonFiniteDetector(Observer):
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         forward = _Forward(next(self._ids))
-        forward.root_inputs = self._check(forward, "", 0, "input", (args, kwargs), is_output=False)
+        tensors, forward.root.main = _arguments(args, kwargs)
+        forward.root.inputs = self._check(forward, "", 0, "input", tensors, is_output=False)
         return forward
 
     def before(
         self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         if self._wanted(path, call):
-            state.inputs[(path, call)] = self._check(state, path, call, "input", (args, kwargs), is_output=False)
+            tensors, main = _arguments(args, kwargs)
+            inputs = self._check(state, path, call, "input", tensors, is_output=False)
+            state.running.append(_Call(path, call, inputs, main, state.running[-1] if state.running else state.root))
 
     def after(
         self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
         if self._wanted(path, call):
-            inputs = state.inputs.pop((path, call), [])
-            state.calls.append((path, call, inputs, self._check(state, path, call, "output", (output,), True)))
+            record = _ending(state, path, call)
+            record.outputs = self._check(state, path, call, "output", _float_leaves(output), is_output=True)
+            state.calls.append(record)
 
     def end(self, state: _Forward, output: Any) -> None:
-        outputs = self._check(state, "", 0, "output", (output,), is_output=True)
-        if state.flags:
-            self._raise_forward(state, outputs, _finite(state.flags))
+        state.root.outputs = self._check(state, "", 0, "output", _float_leaves(output), is_output=True)
+        kinds = [_kind(*pair) for pair in _read(state.flags)] if state.flags else []
+        if any(kind != FINITE for kind in kinds):
+            self._check_forward(state, kinds)
 
-    def _raise_forward(self, forward: _Forward, outputs: list[Entry], good: list[bool]) -> None:
+    def _check_forward(self, forward: _Forward, kinds: list[int]) -> None:
+        """Raise at the origin of a NaN or inf in the model's input or output (the rules: the module docstring)."""
+        root = forward.root
+        masks = _masks(forward, kinds)
+
+        def nonfinite(flag: int) -> bool:
+            return kinds[flag] != FINITE and flag not in masks
+
         def bad(entries: list[Entry]) -> list[str]:
-            return [label for label, flag in entries if not good[flag]]
+            return [label for label, flag in entries if nonfinite(flag)]
 
-        if bad(forward.root_inputs):
-            label = bad(forward.root_inputs)[0]
+        def masked(entries: list[Entry]) -> str:
+            labels = [label for label, flag in entries if flag in masks]
+            return f" apart from -inf masks ({', '.join(labels)}; a row masked entirely gives NaN)" if labels else ""
+
+        if bad(root.inputs):
+            label = bad(root.inputs)[0]
             raise NonFiniteError(
                 f"the {label} of {self._label} already holds NaN or inf before any module runs",
                 path=INPUT,
@@ -205,46 +323,36 @@ class NonFiniteDetector(Observer):
                 phase="forward",
                 tensor=label,
             )
-        for path, call, inputs, outs in forward.calls:
-            if bad(outs) and not bad(inputs):
-                label = bad(outs)[0]
+        if not bad(root.outputs):
+            return
+        leading = _leading(forward, nonfinite)
+        for record in forward.calls:
+            if record in leading and not bad(record.inputs):
+                label = bad(record.outputs)[0]
                 raise NonFiniteError(
-                    f"NaN or inf first appears in the forward pass in the {label} of {self._where(path, call)}: "
-                    "its inputs were finite",
-                    path=path,
-                    call=call,
+                    f"NaN or inf first appears in the forward pass in the {label} of "
+                    f"{self._where(record.path, record.call)}: its inputs were finite{masked(record.inputs)}",
+                    path=record.path,
+                    call=record.call,
                     phase="forward",
                     tensor=label,
                 )
-        if bad(outputs):
-            label = bad(outputs)[0]
-            raise NonFiniteError(
-                f"NaN or inf first appears in the forward pass in the {label} of {self._label} itself: code of "
-                "its own forward outside the checked modules made it from finite values",
-                path="",
-                call=0,
-                phase="forward",
-                tensor=label,
-            )
-        for path, call, inputs, _outs in forward.calls:
-            if bad(inputs):
-                label = bad(inputs)[0]
-                raise NonFiniteError(
-                    f"NaN or inf first reaches the {label} of {self._where(path, call)} in the forward pass; it was "
-                    "made by code outside the checked modules",
-                    path=path,
-                    call=call,
-                    phase="forward",
-                    tensor=label,
-                )
+        label = bad(root.outputs)[0]
+        raise NonFiniteError(
+            f"NaN or inf first appears in the forward pass in the {label} of {self._label} itself: code of "
+            "its own forward outside the checked modules made it from finite values",
+            path="",
+            call=0,
+            phase="forward",
+            tensor=label,
+        )
 
     # backward ------------------------------------------------------------------------------------
 
     def _note_grad(self, hook: _GradFlag, grad: Tensor) -> None:
         if not self._session.active or not hook.roles or grad.numel() == 0:
             return
-        with torch.no_grad():
-            low, high = torch.aminmax(grad.detach())
+        low, high = _aminmax(grad)
         task = torch._C._current_graph_task_id()
         with self._lock:
             events = self._backwards.get(task)
@@ -260,7 +368,7 @@ class NonFiniteDetector(Observer):
             events = self._backwards.pop(task, None)
         if not events or not self._session.active:
             return
-        good = _finite([t for _hook, low, high in events for t in (low, high)])
+        good = [_kind(*pair) == FINITE for pair in _read([t for _hook, low, high in events for t in (low, high)])]
         self._raise_backward([(hook.roles, ok) for (hook, _low, _high), ok in zip(events, good)])
 
     def _raise_backward(self, events: list[tuple[list[Role], bool]]) -> None:
@@ -350,10 +458,12 @@ def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None
 
     A context manager over a model you train (neither copied nor frozen): each forward of the
     model inside the block is checked when it returns, and each backward pass when it ends, with
-    one host sync each (flags are gathered on the device meanwhile). The error's ``path``,
-    ``call``, ``phase`` (``"forward"``/``"backward"``) and ``tensor`` (``"output"``,
-    ``"grad_input"``, ...) name the origin, not the modules the value then flowed through; see
-    the module docstring for the rules and limits.
+    one host sync each (flags are gathered on the device meanwhile). A forward is reported when
+    the model's input (``-inf`` masks aside) or output holds a NaN or inf, a backward pass when a
+    checked gradient does: ``-inf`` masks and fills that never reach the output are no errors. The
+    error's ``path``, ``call``, ``phase`` (``"forward"``/``"backward"``) and ``tensor``
+    (``"output"``, ``"grad_input"``, ...) name the origin, not the modules the value then flowed
+    through; see the module docstring for the rules and limits.
 
     Args:
         model: the model to check.
