@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "positive",
     "size",
     "sizes",
+    "weights_arg",
     "weights_from",
 ]
 
@@ -64,6 +66,11 @@ def cli_message(text: str) -> str:
 def weights_from(text: str) -> str | None:
     """``--weights``: a member name or file, or None for ``none``/``random`` (seeded random init)."""
     return None if text.lower() in ("none", "random") else text
+
+
+def weights_arg(args: argparse.Namespace) -> str:
+    """``add_model_options``' ``--weights`` as written, ``DEFAULT`` when not given (``...`` tells the two apart)."""
+    return "DEFAULT" if args.weights is ... else args.weights
 
 
 def at_least(minimum: int, allow_none: bool = False) -> Callable[[str], int | None]:
@@ -137,7 +144,7 @@ def build_extractor(args: argparse.Namespace, output_format: str = "native") -> 
     from ..extractor import FeatureExtractor
 
     device = device_from(args.device)  # a bad --device fails before the model is built
-    weights = weights_from(args.weights)
+    weights = weights_from(weights_arg(args))
     if weights is None:
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
     extractor = FeatureExtractor(
@@ -152,10 +159,26 @@ def build_extractor(args: argparse.Namespace, output_format: str = "native") -> 
 
 
 def check_output_file(path: str) -> None:
-    """Refuse an output file whose folder does not exist, before any compute (not after an hour of it)."""
+    """Refuse, before any compute (not after an hour of it), an output file that cannot be written.
+
+    The file is written atomically (a temporary file in its folder, then renamed over ``path``), so
+    what must hold is: the folder exists and may be written, and ``path`` is not a folder, a FIFO, a
+    socket or a device (a rename would fail on a folder, or replace the special file).
+    """
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UserError(f"cannot write {path}: the folder {folder} does not exist")
+        problem = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"cannot write {path}: the folder {folder} {problem}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: the folder {folder} is not writable")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise UserError(f"cannot write {path}: it is a folder; name a file in it")
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise UserError(f"cannot write {path}: it is not a regular file (a FIFO, socket or device); name a file")
 
 
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,7 +205,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weights",
-        default="DEFAULT",
+        default=...,  # not given: DEFAULT (see weights_arg); fd compares only weights that were given
         help="DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
         "or 'none' for seeded random init (default: DEFAULT)",
     )

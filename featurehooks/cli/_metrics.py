@@ -9,8 +9,9 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..metrics.pairs import BATCH_PIXELS
 from ._common import (
     UserError,
     add_model_options,
@@ -22,8 +23,12 @@ from ._common import (
     positive,
     size,
     sizes,
+    weights_arg,
     weights_from,
 )
+
+if TYPE_CHECKING:
+    from ..metrics import FeatureOrigin, FeatureStatistics
 
 __all__ = ["add_metric_commands"]
 
@@ -35,8 +40,10 @@ examples:
   featurehooks fd real.npz fake/ --backbone inception_v3 --layers avgpool
 
 Either set may be a statistics file written by `featurehooks stats`; it must come from the same
-backbone, weights, layer and pool. FD on torchvision's inception_v3 is not the FID of pytorch-fid or
-clean-fid, which use a port of the TensorFlow Inception network.
+backbone, weights, layer and pool. A file computed otherwise than --backbone, --layers and any
+--weights or --pool given say is refused (options not given are not compared, unless the other set
+is computed here: then it must be computed as the file was). FD on torchvision's inception_v3 is not
+the FID of pytorch-fid or clean-fid, which use a port of the TensorFlow Inception network.
 """
 
 
@@ -45,7 +52,7 @@ def _statistics_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool",
         choices=("avg", "max", "cls", "none"),
-        default="avg",
+        default=...,  # not given: avg (see _pool_text); fd compares only a pool that was given
         help="how each image's output becomes one vector: avg/max over positions, the class token (cls), "
         "or none for layers that return vectors (default: avg)",
     )
@@ -62,9 +69,12 @@ examples:
   featurehooks lpips outputs/ references/ --net vgg --out scores.csv
   featurehooks lpips outputs/ references/ --resize 256 --crop 256 --ignore-suffix
 
-Files are paired by their path relative to each folder; files found in one folder only are listed on
-stderr and left out. The calibrated linear heads come from an installed lpips (or torchmetrics)
-package, or from --heads FILE.
+Files are paired by their path relative to each folder; files found in one folder only, and entries
+that are not regular files (a FIFO, a socket, a device: never opened), are listed on stderr and left
+out. A batch holds at most --batch-size pairs and --batch-pixels pixels (height x width summed over its
+pairs), so large images get smaller batches, down to one pair: memory grows with the pixels of a
+batch (LPIPS on VGG needs about 1.7 GB per megapixel pair). The calibrated linear heads come from an
+installed lpips (or torchmetrics) package, or from --heads FILE.
 """
 
 
@@ -92,7 +102,17 @@ def add_metric_commands(commands: Any) -> None:
     lpips.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
     lpips.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
     lpips.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
-    lpips.add_argument("--batch-size", type=positive, default=16, metavar="N", help="pairs per batch (default: 16)")
+    lpips.add_argument(
+        "--batch-size", type=positive, default=16, metavar="N", help="pairs per batch, at most (default: 16)"
+    )
+    lpips.add_argument(
+        "--batch-pixels",
+        type=positive,
+        default=BATCH_PIXELS,
+        metavar="N",
+        help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
+        f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
+    )
     lpips.add_argument(
         "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
     )
@@ -151,7 +171,10 @@ def _lpips(args: argparse.Namespace) -> int:
     device = device_from(args.device)
     if args.out is not None:
         check_output_file(args.out)
-    pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
+    _print_warnings(caught)
     for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -173,6 +196,7 @@ def _lpips(args: argparse.Namespace) -> int:
         metric,
         pairs,
         batch_size=args.batch_size,
+        batch_pixels=args.batch_pixels,
         num_workers=args.workers,
         resize_size=args.resize,
         crop_size=args.crop,
@@ -203,8 +227,19 @@ def _write_scores(path: str, names: list[str], scores: list[float]) -> None:
     write_atomic(Path(path), text.getvalue())
 
 
+def _print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> None:
+    """The library's warnings as one line each on stderr, not in Python's form."""
+    for warning in caught:
+        print(f"featurehooks: warning: {prefix}{warning.message}", file=sys.stderr)
+
+
+def _pool_text(args: argparse.Namespace) -> str:
+    """``--pool`` as written, ``avg`` when not given."""
+    return "avg" if args.pool is ... else args.pool
+
+
 def _pool(args: argparse.Namespace) -> str | None:
-    return None if args.pool == "none" else args.pool
+    return None if _pool_text(args) == "none" else _pool_text(args)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -233,16 +268,20 @@ def _stats(args: argparse.Namespace) -> int:
 def _fd(args: argparse.Namespace) -> int:
     from ..metrics import frechet_distance, kernel_inception_distance
 
+    sources = (args.set_a, args.set_b)
+    files = {source: _statistics_file(args, source) for source in sources if _is_statistics_file(source)}
+    computed = next((source for source in sources if source not in files), None)
+    for source, stats in files.items():  # every file checked before any image is read
+        _check_setup(args, source, stats.origin, computed)
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = args.kid_keep if args.kid else 0
-    sides = [_side(args, source, model, keep) for source in (args.set_a, args.set_b)]
+    sides = [{args.layers[0]: files[s]} if s in files else _computed(args, s, model, keep) for s in sources]
     for layer in args.layers:
         a, b = sides[0][layer], sides[1][layer]
         with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
             warnings.simplefilter("always")
             line = f"{layer}: FD {frechet_distance(a, b):.6g}"
-        for warning in caught:
-            print(f"featurehooks: warning: {layer}: {warning.message}", file=sys.stderr)
+        _print_warnings(caught, f"{layer}: ")
         if args.kid:
             kept = min(_kept(a), _kept(b))
             if kept < args.kid_subset_size:
@@ -263,18 +302,77 @@ def _kept(stats: Any) -> int:
     return 0 if features is None else int(features.shape[0])
 
 
-def _side(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:
-    """Statistics of one set by layer: read from a ``.npz``, or computed from its images."""
-    from ..dump import list_images
-    from ..metrics import FeatureStatistics, feature_statistics_by_layer
+def _is_statistics_file(source: str) -> bool:
+    """Whether a set is given as a statistics file (of ``featurehooks stats``) rather than images."""
+    return source.endswith(".npz") and Path(source).is_file()
 
-    if source.endswith(".npz") and Path(source).is_file():
-        if len(args.layers) != 1:
-            raise UserError(f"{source} holds the statistics of one layer; pass that one to --layers")
-        stats = FeatureStatistics.load(source)
-        if stats.origin is not None and stats.origin.layer != args.layers[0]:
-            raise UserError(f"{source} holds statistics of layer {stats.origin.layer!r}, not {args.layers[0]!r}")
-        return {args.layers[0]: stats}
+
+def _statistics_file(args: argparse.Namespace, source: str) -> FeatureStatistics:
+    """The ``FeatureStatistics`` of a ``.npz``, refused unless it holds the one layer of ``--layers``."""
+    from ..metrics import FeatureStatistics
+
+    if len(args.layers) != 1:
+        raise UserError(f"{source} holds the statistics of one layer; pass that one to --layers")
+    stats = FeatureStatistics.load(source)
+    if stats.origin is not None and stats.origin.layer != args.layers[0]:
+        raise UserError(f"{source} holds statistics of layer {stats.origin.layer!r}, not {args.layers[0]!r}")
+    return stats
+
+
+def _check_setup(args: argparse.Namespace, source: str, origin: FeatureOrigin | None, computed: str | None) -> None:
+    """Refuse a statistics file computed with another ``--backbone``, ``--weights`` or ``--pool`` than asked.
+
+    Between two files only the options given are compared (``--backbone`` always is): nothing is
+    computed, so a default the user did not choose says nothing. When the other set (``computed``) is
+    computed here, it is computed with the defaults of the options not given, so those must match
+    too; checked now, from the weights' names, rather than by the library after the whole compute.
+    A file without an origin (saved from Python without one) is not checked.
+    """
+    if origin is None:
+        return
+    from ..backbones import build_architecture
+
+    weights_given, pool_given = args.weights is not ..., args.pool is not ...
+    differences = []  # (what the file says, what is asked)
+    if origin.backbone != args.backbone:
+        differences.append((f"--backbone {origin.backbone}", f"--backbone {args.backbone}"))
+    if weights_given or computed is not None:
+        text = weights_arg(args)
+        resolved = build_architecture(args.backbone, weights_from(text)).weights  # no weights are read
+        if resolved != origin.weights:
+            named = () if resolved in (None, text) else (str(resolved),)
+            differences.append(
+                (f"--weights {_weights_value(origin.weights)}", _asked("--weights", text, weights_given, named))
+            )
+    if (pool_given or computed is not None) and _pool_text(args) != (origin.pool or "none"):
+        differences.append((f"--pool {origin.pool or 'none'}", _asked("--pool", _pool_text(args), pool_given)))
+    if differences:
+        says, asked = (" ".join(side) for side in zip(*differences))
+        where = f"{computed} would be computed with" if computed is not None else "the command asks for"
+        raise UserError(
+            f"{source} holds statistics computed with {says}, but {where} {asked}: distances between other "
+            f"features mean nothing; pass {says}"
+        )
+
+
+def _weights_value(weights: str | None) -> str:
+    """The ``--weights`` value that gives a statistics file's weights: ``none``, ``DEFAULT`` for timm's, or the name."""
+    if weights is None:
+        return "none"
+    return "DEFAULT" if weights.startswith("timm:") else weights
+
+
+def _asked(flag: str, value: str, given: bool, details: tuple[str, ...] = ()) -> str:
+    """``--flag value``, noting a default the user did not choose and what the value stands for."""
+    notes = (*(() if given else ("the default",)), *details)
+    return f"{flag} {value}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _computed(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:
+    """Statistics of one image set by layer, computed from its images."""
+    from ..dump import list_images
+    from ..metrics import feature_statistics_by_layer
+
     return feature_statistics_by_layer(
         model(),
         list_images([source]),

@@ -4,28 +4,40 @@
 ``score_pairs`` streams the pairs through a DataLoader (decoding in worker processes while the
 metric runs) and returns one score per pair, in order. Images are read and prepared by
 ``featurehooks.images``, as dumps read them.
+
+A batch is bounded by pixels as well as by pairs: a forward's memory grows with the pixels it
+holds (LPIPS on VGG keeps activations of about 1.7 GB per megapixel pair), so large images get
+smaller batches, down to one pair. Where batches end depends only on the images' sizes and the two
+bounds, never on the number of workers or on timing.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms import InterpolationMode
 
 from ..dump.run import Progress, loader_workers
-from ..dump.sources import list_images
+from ..dump.sources import IMAGE_SUFFIXES, list_images
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
 
-__all__ = ["ImagePair", "pair_files", "score_pairs"]
+__all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
 
 PairMetric = Callable[[Tensor, Tensor], Tensor]
+
+BATCH_PIXELS = 2**20
+"""Default pixel budget of a batch of pairs: the sum of height × width (of one image of each pair, after
+resize and crop). 16 pairs of 256 × 256, 4 of 512 × 512, one of 1024 × 1024; a larger pair is scored alone."""
+
+_NAMED_SKIPS = 3  # inputs named in the warning about unreadable entries; the rest are counted
 
 
 class ImagePair(NamedTuple):
@@ -36,29 +48,81 @@ class ImagePair(NamedTuple):
     b: str
 
 
-def _images_by_name(folder: str | os.PathLike[str], ignore_suffix: bool) -> dict[str, tuple[str, str]]:
-    """``{key: (relative path, absolute path)}`` of the images under ``folder``; relative paths use ``/``."""
+class _Listed(NamedTuple):
+    """An entry of a folder: its relative path, absolute path, and why it cannot be read ("" for an image file)."""
+
+    name: str
+    path: str
+    reason: str
+
+
+def _images_by_name(folder: str | os.PathLike[str], ignore_suffix: bool) -> dict[str, _Listed]:
+    """``{key: entry}`` of the images under ``folder`` and of what only looks like one; relative paths use ``/``.
+
+    The images are what ``list_images`` finds, as for a dump. Entries with an image suffix that are
+    neither regular files nor folders (a FIFO, a socket, a device, a dangling link), which it leaves
+    out, are kept with the reason ``read_image`` refuses them for, so that they are reported, not lost.
+    """
     root = Path(folder)
     if not root.is_dir():
         kind = "is not a folder" if root.exists() else "does not exist"
         raise InputNotFoundError(f"{os.fspath(folder)} {kind}; pass two folders of images")
     base = os.path.abspath(root)
-    found: dict[str, tuple[str, str]] = {}
-    for path in list_images(root):
+    images = list_images(root)
+    entries = [(path, "") for path in images]
+    entries += [(path, _refusal(path)) for path in _special_entries(root, set(images))]
+    found: dict[str, _Listed] = {}
+    for path, reason in entries:
         name = Path(os.path.relpath(path, base)).as_posix()
         key = name.rsplit(".", 1)[0] if ignore_suffix and "." in Path(name).name else name
         if key in found:
             raise InvalidValueError(
-                f"{found[key][1]} and {path} both match {key!r} with ignore_suffix=True; keep one of them"
+                f"{found[key].path} and {path} both match {key!r} with ignore_suffix=True; keep one of them"
             )
-        found[key] = (name, path)
+        found[key] = _Listed(name, path, reason)
     return found
+
+
+def _special_entries(root: Path, images: set[str]) -> list[str]:
+    """Absolute paths of the entries under ``root`` with an image suffix that are neither ``images`` nor folders.
+
+    Only the ``stat`` of those others is read (``is_dir``): a FIFO is never opened.
+    """
+    candidates = (os.path.abspath(path) for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(path for path in candidates if path not in images and not os.path.isdir(path))
+
+
+def _refusal(path: str) -> str:
+    """Why ``read_image`` refuses ``path``, in the words a dump records for an invalid row.
+
+    ``read_image`` checks the file's ``stat`` before it opens anything, so a FIFO or a device is refused
+    without being opened (it could block for ever).
+    """
+    try:
+        read_image(path)
+    except Exception as exc:  # noqa: BLE001 - whatever read_image raises is the reason, as for a dump's rows
+        return first_line(exc)
+    return "not a regular file when the folder was listed"
+
+
+def _warn_unreadable(unreadable: list[_Listed]) -> None:
+    if not unreadable:
+        return
+    named = "; ".join(f"{entry.path}: {entry.reason}" for entry in unreadable[:_NAMED_SKIPS])
+    more = f" and {len(unreadable) - _NAMED_SKIPS} more" if len(unreadable) > _NAMED_SKIPS else ""
+    warnings.warn(
+        f"{len(unreadable)} input(s) could not be read and are left out of the pairs ({named}{more})", stacklevel=3
+    )
 
 
 def pair_files(
     dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str], *, ignore_suffix: bool = False
 ) -> tuple[list[ImagePair], list[str], list[str]]:
     """Pair the images of two folders by their path relative to each folder (searched recursively).
+
+    An entry with an image suffix that is not a regular file (a FIFO, a socket, a device, a dangling
+    link) is never opened; it is left out with a warning that names it and the reason (``not a regular
+    file: fifo``), as a dump reports its unreadable inputs, and so is the pair it would belong to.
 
     Args:
         dir_a: the first folder (e.g. generated images).
@@ -68,7 +132,7 @@ def pair_files(
 
     Returns:
         ``(pairs, only_in_a, only_in_b)``: the pairs sorted by relative path (named as in ``dir_a``),
-        and the relative paths found in one folder only (sorted).
+        and the relative paths of the images found in one folder only (sorted).
 
     Raises:
         InputNotFoundError: a folder does not exist or holds no images.
@@ -80,41 +144,89 @@ def pair_files(
         ImagePair(name='cat/0001.png', a='/data/outputs/cat/0001.png', b='/data/references/cat/0001.png')
     """
     in_a, in_b = _images_by_name(dir_a, ignore_suffix), _images_by_name(dir_b, ignore_suffix)
-    pairs = [ImagePair(in_a[key][0], in_a[key][1], in_b[key][1]) for key in sorted(in_a.keys() & in_b.keys())]
-    only_in_a = sorted(in_a[key][0] for key in in_a.keys() - in_b.keys())
-    only_in_b = sorted(in_b[key][0] for key in in_b.keys() - in_a.keys())
+    unreadable = sorted(
+        (entry for entry in (*in_a.values(), *in_b.values()) if entry.reason), key=lambda entry: entry.path
+    )
+    _warn_unreadable(unreadable)
+    readable = {key for key in in_a.keys() & in_b.keys() if not (in_a[key].reason or in_b[key].reason)}
+    pairs = [ImagePair(in_a[key].name, in_a[key].path, in_b[key].path) for key in sorted(readable)]
+    only_in_a = sorted(in_a[key].name for key in in_a.keys() - in_b.keys() if not in_a[key].reason)
+    only_in_b = sorted(in_b[key].name for key in in_b.keys() - in_a.keys() if not in_b[key].reason)
     return pairs, only_in_a, only_in_b
 
 
-class _PairImages(Dataset):
-    """Decoded and prepared images of each pair; a failure is returned as a reason, raised by the main process."""
+class _Prepared(NamedTuple):
+    """One pair ready to score: its position in ``pairs``, both images (``None`` when unusable) and why not."""
 
-    def __init__(self, pairs: Sequence[ImagePair] | Sequence[tuple[str, str]], transform: ImageTransform) -> None:
+    index: int
+    a: Tensor | None
+    b: Tensor | None
+    reason: str
+
+
+class _PairBatches(IterableDataset):
+    """Batches of prepared pairs, cut where they are decoded: in a DataLoader worker, or in this process.
+
+    The pairs go in blocks of ``batch_size`` consecutive ones, block ``k`` to worker ``k % workers``, and a
+    block is cut again wherever the next pair would take a batch over ``batch_pixels`` (height × width of
+    one image per pair). A batch thus stays within both bounds (a pair larger than the budget goes alone),
+    decoded images in flight are bounded by pixels too, and where batches end depends on the images' sizes
+    only, never on the workers. Every pair carries its position, so its score lands in its place.
+    A failure to read is returned as a reason, raised by the main process.
+    """
+
+    def __init__(
+        self,
+        pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
+        transform: ImageTransform,
+        batch_size: int,
+        batch_pixels: int,
+    ) -> None:
         self.pairs = [_paths(item) for item in pairs]
         self.transform = transform
+        self.batch_size = batch_size
+        self.batch_pixels = batch_pixels
 
-    def __len__(self) -> int:
-        return len(self.pairs)
+    def __iter__(self) -> Iterator[list[_Prepared]]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        size = self.batch_size
+        for start in range(worker * size, len(self.pairs), workers * size):
+            yield from self._cut(range(start, min(start + size, len(self.pairs))))
 
-    def __getitem__(self, index: int) -> tuple[Tensor | None, Tensor | None, str]:
+    def _cut(self, indices: range) -> Iterator[list[_Prepared]]:
+        """The pairs at ``indices``, prepared, in batches of at most ``batch_pixels`` (one pair at least)."""
+        batch: list[_Prepared] = []
+        pixels = 0
+        for index in indices:
+            item = self._prepare(index)
+            area = item.a.shape[-2] * item.a.shape[-1] if item.a is not None else 0
+            if batch and pixels + area > self.batch_pixels:
+                yield batch
+                batch, pixels = [], 0
+            batch.append(item)
+            pixels += area
+        if batch:
+            yield batch
+
+    def _prepare(self, index: int) -> _Prepared:
         images = []
         for path in self.pairs[index]:
             try:
                 images.append(self.transform(read_image(path)))
             except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
-                return None, None, f"cannot read image {path}: {first_line(exc)}"
+                return _Prepared(index, None, None, f"cannot read image {path}: {first_line(exc)}")
         a, b = images
         if a.shape != b.shape:
             a_path, b_path = self.pairs[index]
-            return (
+            return _Prepared(
+                index,
                 None,
                 None,
-                (
-                    f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
-                    f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)"
-                ),
+                f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
+                f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)",
             )
-        return a, b, ""
+        return _Prepared(index, a, b, "")
 
 
 def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:
@@ -128,8 +240,8 @@ def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:
         raise InvalidValueError(f"pairs holds {item!r}; give ImagePair items or (path_a, path_b) pairs") from None
 
 
-def _collate(items: list[tuple[Tensor | None, Tensor | None, str]]) -> list[tuple[Tensor | None, Tensor | None, str]]:
-    return items  # pairs of different sizes share a batch; they are grouped by size in the main process
+def _collate(batch: list[_Prepared]) -> list[_Prepared]:
+    return batch  # pairs of different sizes share a batch; they are grouped by size in the main process
 
 
 def _reference(metric: Any) -> Tensor:
@@ -146,6 +258,7 @@ def score_pairs(
     pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
     *,
     batch_size: int = 16,
+    batch_pixels: int = BATCH_PIXELS,
     num_workers: int | None = None,
     resize_size: int | None = None,
     crop_size: int | None = None,
@@ -159,10 +272,18 @@ def score_pairs(
     callable without one) and moved to its device. Both images of a pair must have the same size
     after that; pairs of different sizes are scored in separate forwards.
 
+    A batch holds at most ``batch_size`` pairs and at most ``batch_pixels`` pixels, so the memory of a
+    forward is bounded whatever the image size: 1024 × 1024 pairs are scored one at a time with the
+    defaults. Batches end where the sizes of the images and the two bounds say, not where a worker
+    does; a pair's score does not depend on the other pairs of its batch (other batch sizes change it
+    by float rounding only, as a batched convolution does).
+
     Args:
         metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")``.
         pairs: the ``ImagePair`` items of ``pair_files``, or ``(path_a, path_b)`` items.
-        batch_size: pairs per forward.
+        batch_size: pairs per forward, at most.
+        batch_pixels: pixels per forward, at most: the sum over its pairs of height × width (of one
+            image, after resize and crop); a pair larger than this is scored alone. See ``BATCH_PIXELS``.
         num_workers: decoding processes (default: up to 4, one less than the CPU cores; 0 decodes
             in this process).
         resize_size: resize the shorter side of both images to this size first (``None``: keep).
@@ -183,8 +304,9 @@ def score_pairs(
         >>> pairs, _, _ = pair_files("outputs/", "references/")  # doctest: +SKIP
         >>> scores = score_pairs(LPIPS("alex", reduction="none"), pairs, batch_size=32)  # doctest: +SKIP
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for name, bound in (("batch_size", batch_size), ("batch_pixels", batch_pixels)):
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise InvalidValueError(f"{name} must be a positive int, got {bound!r}")
     if num_workers is not None and (
         isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
     ):
@@ -203,49 +325,45 @@ def score_pairs(
         return []
     input_range = tuple(float(v) for v in getattr(metric, "input_range", (0.0, 1.0)))
     transform = ImageTransform(resize_size, crop_size, interpolation, (input_range[0], input_range[1]))
-    batches = -(-len(pairs) // batch_size)
-    workers = loader_workers(num_workers, batches)
+    workers = loader_workers(num_workers, -(-len(pairs) // batch_size))
     loader = DataLoader(
-        _PairImages(pairs, transform),
-        batch_size=batch_size,
-        shuffle=False,
+        _PairBatches(pairs, transform, batch_size, batch_pixels),
+        batch_size=None,
         num_workers=workers,
         collate_fn=_collate,
         prefetch_factor=2 if workers > 0 else None,
     )
     reference = _reference(metric)
-    scores: list[float] = []
+    scores = [0.0] * len(pairs)
     bar = Progress(len(pairs), 0, 1, progress, label="score", unit="pair")
     try:
         with torch.no_grad():
             for batch in loader:
-                scores.extend(_score_batch(metric, batch, reference))
+                for index, score in _score_batch(metric, batch, reference):
+                    scores[index] = score
                 bar.update(len(batch))
     finally:
         bar.close()
     return scores
 
 
-def _score_batch(
-    metric: PairMetric, batch: list[tuple[Tensor | None, Tensor | None, str]], reference: Tensor
-) -> list[float]:
-    """Scores of one batch, in order: one ``metric`` call per image size found in it."""
-    by_size: dict[tuple[int, ...], list[int]] = {}
-    for index, (a, _, reason) in enumerate(batch):
-        if reason or a is None:
-            raise InvalidValueError(reason)
-        by_size.setdefault(tuple(a.shape), []).append(index)
-    scores = [0.0] * len(batch)
-    for indices in by_size.values():
-        a = torch.stack([batch[i][0] for i in indices]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
-        b = torch.stack([batch[i][1] for i in indices]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
+def _score_batch(metric: PairMetric, batch: list[_Prepared], reference: Tensor) -> list[tuple[int, float]]:
+    """``(position, score)`` of each pair of one batch: one ``metric`` call per image size found in it."""
+    by_size: dict[tuple[int, ...], list[_Prepared]] = {}
+    for item in batch:
+        if item.reason or item.a is None:
+            raise InvalidValueError(item.reason)
+        by_size.setdefault(tuple(item.a.shape), []).append(item)
+    scores: list[tuple[int, float]] = []
+    for items in by_size.values():
+        a = torch.stack([item.a for item in items]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
+        b = torch.stack([item.b for item in items]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
         values = metric(a, b)
-        if not isinstance(values, Tensor) or tuple(values.shape) != (len(indices),):
+        if not isinstance(values, Tensor) or tuple(values.shape) != (len(items),):
             shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
             raise InvalidValueError(
-                f"the metric returned {shape} for {len(indices)} pairs; it must return one value per pair "
+                f"the metric returned {shape} for {len(items)} pairs; it must return one value per pair "
                 "(for LPIPS pass reduction='none' and spatial=False)"
             )
-        for i, value in zip(indices, values.float().cpu().tolist()):
-            scores[i] = value
+        scores.extend(zip((item.index for item in items), values.float().cpu().tolist()))
     return scores
