@@ -7,16 +7,30 @@ are two taps on one module). With ``stop_early`` the hook of the last tap to fir
 ``StopForward``, caught in ``run``, so nothing after the deepest tap runs.
 
 Probes (``featurehooks.probes``) use the same session with an :class:`Observer` instead of a store:
-every call of every hooked module is reported to the observer with its call index, forwards are
-bracketed by hooks on the model itself (``start``/``end``), and the tensor hooks a probe registers
+every call of every hooked module is reported to the observer with its call index, and forwards are
+bracketed (``start``/``end``): each call of the model itself, and each call of a hooked module made
+while no forward is open (a container whose own ``forward`` never runs, such as a Lightning-style
+module calling ``self.G`` and ``self.D``, or an ``nn.ModuleDict``). The tensor hooks a probe registers
 on outputs for the backward pass are held by the session, so ``remove`` takes them away too.
+
+Copies: the hooks a session puts on a model it does not own (probes, ``capture``, and the gradient
+modifiers, which use :class:`InertInCopies` too) become inert in a copy of the model (``copy.deepcopy``,
+pickling, ``torch.save``): a copy made while they run (an EMA or target network, a checkpoint) neither
+feeds them nor carries their state. The taps of a :class:`FeatureExtractor`, whose private model is
+copied together with its session, feed the copied session instead.
+
+A KeyboardInterrupt skips the hooks that close a forward (torch runs ``always_call`` hooks only for
+``Exception``); a forward left open that way is recognised by its finished opening frame and dropped
+when the next call of a hooked module begins.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -29,7 +43,7 @@ from ._taps import Site, Taps, call_name
 from ._trace import Trace, trace, tracing
 from .errors import LayerNotRunError
 
-__all__ = ["HookSession", "Observer", "StopForward", "release_inplace"]
+__all__ = ["HookSession", "InertInCopies", "Observer", "StopForward", "release_inplace"]
 
 
 class StopForward(BaseException):
@@ -59,13 +73,26 @@ def _versions(output: Any) -> list[tuple[torch.Tensor, int]]:
     return [(t, t._version) for t in tree_leaves(output) if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
+def _ended(frame: FrameType | None) -> bool:
+    """Whether the module call that opened a forward (``frame``) is over though its forward was never
+    closed: a KeyboardInterrupt skips ``always_call`` hooks. Only a finished frame can be cleared."""
+    if frame is None:
+        return False
+    try:
+        frame.clear()
+    except RuntimeError:  # still executing: the forward is open
+        return False
+    return True
+
+
 class _Forward:
     """What one forward collected: outputs by name, calls per tapped module, and (when checking
     real forwards for in-place changes) the versions of what was stored."""
 
-    __slots__ = ("calls", "fired", "kept", "published", "store", "versions")
+    __slots__ = ("calls", "fired", "frame", "kept", "published", "store", "versions")
 
-    def __init__(self, check_versions: bool) -> None:
+    def __init__(self, check_versions: bool, frame: FrameType | None = None) -> None:
+        self.frame = frame  # of the module call that opened it (None: closed by ``run``'s finally)
         self.store: dict[str, Any] = {}
         self.kept: dict[str, Any] = {}
         self.calls: dict[str, int] = {}
@@ -90,7 +117,7 @@ class _ThreadForwards(threading.local):
 
 
 class _Tap:
-    """The forward hook of one tapped module.
+    """The forward hook of one tapped module of a model its session owns.
 
     An object rather than a closure, so that ``copy.deepcopy`` and pickling of a model that holds
     a session give hooks that feed the copied session, not the original one.
@@ -109,18 +136,17 @@ class Observer:
 
     A session built with ``observer=`` calls these in the thread that runs the forward:
 
-    - ``start(args, kwargs)`` when a forward of the model itself begins; its return value is that
-      forward's ``state``, handed to the other calls (forwards nest and run in threads: keep
-      per-forward data there, not on the observer);
+    - ``start(args, kwargs)`` when a forward begins (a call of the model itself, or of a hooked
+      module while no forward is open); its return value is that forward's ``state``, handed to the
+      other calls (forwards nest and run in threads: keep per-forward data there, not on the observer);
     - ``before(state, path, call, module, args, kwargs)`` before each call of a hooked module, only
       when ``wants_inputs`` is true (it costs a second hook per module);
     - ``after(state, path, call, module, args, output)`` after each call;
     - ``end(state, output)`` when the forward returns; an exception raised here leaves the forward
       (the session still closes the forward). Not called when the forward itself raised.
 
-    ``call`` counts the runs of ``path`` in this forward from 0, as taps name them (``path``,
-    ``path_1``, ...). Calls of hooked modules outside a forward of the model (a submodule called on
-    its own) and in meta traces are not reported.
+    ``call`` counts the runs of ``path`` in this forward from 0, in the order they begin, as taps
+    name them (``path``, ``path_1``, ...). Calls in meta traces are not reported.
     """
 
     wants_inputs = False
@@ -141,18 +167,22 @@ class Observer:
 
 
 class _Observed:
-    """One forward seen by an observer: calls per module, call indices of the calls in progress, the state."""
+    """One forward seen by an observer: the module call that opened it, calls per module, call indices of
+    the calls in progress, the state."""
 
-    __slots__ = ("calls", "running", "state")
+    __slots__ = ("calls", "depth", "frame", "opener", "running", "state")
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, opener: str, frame: FrameType) -> None:
         self.state = state
+        self.opener = opener  # path of the module whose call opened it ("" for the model itself)
+        self.frame = frame
+        self.depth = 0  # calls of the opener running inside its opening call (a module calling itself)
         self.calls: dict[str, int] = {}
         self.running: dict[str, list[int]] = {}  # path -> indices of its calls begun and not yet ended
 
 
 class _Inert:
-    """What a probe's hook becomes in a copy of the model (``copy.deepcopy``, pickling): nothing.
+    """What a hook becomes in a copy of the model (``copy.deepcopy``, pickling): nothing.
 
     A probe watches the model it was given; a copy made while it runs (an EMA model, a checkpoint)
     must neither feed it nor copy it (with its locks and device sums).
@@ -162,26 +192,30 @@ class _Inert:
         return None
 
 
-class _ProbeHook:
-    """Base of the hooks an observer session registers: copies of the model get :class:`_Inert` ones."""
+class InertInCopies:
+    """Base of the hooks featurehooks puts on a model it does not own: copies of the model get inert ones."""
 
     def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
         return (_Inert, ())
 
 
-class _ObserveBefore(_ProbeHook):
-    """Forward pre-hook of one observed module."""
+class _CopyInertTap(InertInCopies, _Tap):
+    """The forward hook of one tapped module of a model the session does not own (``capture``)."""
+
+
+class _ObserveBefore(InertInCopies):
+    """Forward pre-hook of one observed module (or of the model itself): opens a forward if none is open."""
 
     def __init__(self, session: HookSession, path: str) -> None:
         self.session = session
         self.path = path
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.session._observe_before(self.path, module, args, kwargs)
+        self.session._observe_before(self.path, sys._getframe(1), module, args, kwargs)
 
 
-class _ObserveAfter(_ProbeHook):
-    """Forward hook of one observed module."""
+class _ObserveAfter(InertInCopies):
+    """Forward hook of one observed module (or of the model itself): reports the call, ends its forward."""
 
     def __init__(self, session: HookSession, path: str) -> None:
         self.session = session
@@ -191,38 +225,64 @@ class _ObserveAfter(_ProbeHook):
         self.session._observe_after(self.path, module, args, output)
 
 
-class _ObserveStart(_ProbeHook):
-    """Forward pre-hook of the model itself: opens a forward for the observer."""
+class _ObserveClose(InertInCopies):
+    """Forward hook of one observed module, also called after an exception: closes the forward it opened."""
 
-    def __init__(self, session: HookSession) -> None:
+    def __init__(self, session: HookSession, path: str) -> None:
         self.session = session
+        self.path = path
 
-    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not tracing():
-            self.session._prune_tensor_hooks()
-            self.session._stack().append(_Observed(self.session._observer.start(args, kwargs)))
+    def __call__(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self.session._observe_close(self.path)
 
 
-class _ObserveEnd(_ProbeHook):
-    """Forward hook of the model itself: hands the finished forward to the observer."""
+class _FollowStart(InertInCopies):
+    """Forward pre-hook of a captured model: opens a forward (tracing the first one to plan clones)."""
 
-    def __init__(self, session: HookSession) -> None:
+    def __init__(self, session: HookSession, discard: Callable[[dict[str, Any]], None] | None) -> None:
         self.session = session
+        self.discard = discard
 
-    def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if not tracing():
-            self.session._observer.end(self.session._stack()[-1].state, output)
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if tracing():
+            return
+        session = self.session
+        if not session._prepared:
+            session.prepare(_try_trace(module, args, kwargs, session.taps.sites), clone_all_untraced=True)
+        stack = session._stack()
+        while stack and _ended(stack[-1].frame):  # left open by a KeyboardInterrupt
+            left = stack.pop()
+            if self.discard is not None:
+                self.discard(left.kept)
+        stack.append(_Forward(False, sys._getframe(1)))
 
 
-class _ObservePop(_ProbeHook):
-    """Forward hook of the model itself, also called after an exception: closes the forward."""
+class _FollowFinish(InertInCopies):
+    """Forward hook of a captured model: publishes the finished forward."""
 
-    def __init__(self, session: HookSession) -> None:
+    def __init__(self, session: HookSession, publish: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
         self.session = session
+        self.publish = publish
 
     def __call__(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         if not tracing():
-            self.session._stack().pop()
+            forward = self.session._stack()[-1]
+            forward.published = True
+            self.publish(forward.store, forward.kept)
+
+
+class _FollowPop(InertInCopies):
+    """Forward hook of a captured model, also called after an exception: closes the forward."""
+
+    def __init__(self, session: HookSession, discard: Callable[[dict[str, Any]], None] | None) -> None:
+        self.session = session
+        self.discard = discard
+
+    def __call__(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not tracing():
+            forward = self.session._stack().pop()
+            if not forward.published and self.discard is not None:
+                self.discard(forward.kept)
 
 
 class HookSession:
@@ -237,6 +297,9 @@ class HookSession:
         detach: store detached outputs (no graph).
         stop_early: end the forward once every tap has fired.
         observer: report calls to this probe instead of storing outputs.
+        keep: called with each tapped output as the module returned it; kept beside the store.
+        owns_model: ``model`` is copied only together with this session (a FeatureExtractor's private
+            copy), so copies of its taps feed the copied session; otherwise copies are inert.
     """
 
     def __init__(
@@ -248,6 +311,7 @@ class HookSession:
         stop_early: bool = False,
         observer: Observer | None = None,
         keep: Callable[[Any], Any] | None = None,
+        owns_model: bool = False,
     ) -> None:
         self.taps = taps
         self._keep = keep
@@ -262,13 +326,16 @@ class HookSession:
         self._local = _ThreadForwards()
         self._handles: list[RemovableHandle] = []
         self._observer: Any = observer
+        self._observed: frozenset[str] = frozenset()  # paths reported to the observer
+        self._owns_model = owns_model
         self._tensor_handles: list[RemovableHandle] = []
         self._tensor_lock = threading.Lock()
         self._active = True
         try:
             if observer is None:
+                tap = _Tap if owns_model else _CopyInertTap
                 for path in taps.paths:
-                    self._handles.append(model.get_submodule(path).register_forward_hook(_Tap(self, path)))
+                    self._handles.append(model.get_submodule(path).register_forward_hook(tap(self, path)))
             else:
                 self._observe(observer)
         except BaseException:
@@ -280,18 +347,18 @@ class HookSession:
         """Whether hooks are still registered (a plain flag: torch.compile cannot trace handles)."""
         return self._active
 
-    def prepare(self, found: Trace | None, *, clone_all_untraced: bool = False, owns_model: bool = False) -> None:
+    def prepare(self, found: Trace | None, *, clone_all_untraced: bool = False) -> None:
         """Decide which taps are cloned: those the trace saw changed in place later in the forward.
 
         Without a trace, real forwards are checked instead (``run`` then repeats a forward whose
         taps were changed, cloning them from then on), or, where a forward cannot be repeated
-        (``clone_all_untraced``), every tap is cloned. With ``owns_model`` (a private copy nobody
-        else runs), in-place activations that change taps are first made out of place where that
+        (``clone_all_untraced``), every tap is cloned. When the session owns the model (a private copy
+        nobody else runs), in-place activations that change taps are first made out of place where that
         spares the clone (:func:`release_inplace`).
         """
         sites = self.taps.sites
         if found is not None:
-            if owns_model:
+            if self._owns_model:
                 found = release_inplace(self._model, found, sites, self.stop_early)
             self._clone, self._check_versions = found.changed_in_place(sites, self.stop_early), False
         elif clone_all_untraced:
@@ -385,70 +452,74 @@ class HookSession:
         traced has every tap cloned. The model's own hooks for this are removed by ``remove``.
         """
         root = self._model
-
-        def start(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if tracing():
-                return
-            if not self._prepared:
-                self.prepare(_try_trace(root, args, kwargs, self.taps.sites), clone_all_untraced=True)
-            self._stack().append(_Forward(False))
-
-        def finish(_module: nn.Module, _args: Any, _output: Any) -> None:
-            if not tracing():
-                forward = self._stack()[-1]
-                forward.published = True
-                publish(forward.store, forward.kept)
-
-        def pop(_module: nn.Module, _args: Any, _output: Any) -> None:
-            if not tracing():
-                forward = self._stack().pop()
-                if not forward.published and discard is not None:
-                    discard(forward.kept)
-
-        handles = [
-            root.register_forward_pre_hook(start, with_kwargs=True),
-            root.register_forward_hook(finish),
-            root.register_forward_hook(pop, always_call=True),  # also after an exception
+        self._handles += [
+            root.register_forward_pre_hook(_FollowStart(self, discard), with_kwargs=True),
+            root.register_forward_hook(_FollowFinish(self, publish)),
+            root.register_forward_hook(_FollowPop(self, discard), always_call=True),  # also after an exception
         ]
-        self._handles.extend(handles)
 
     def _observe(self, observer: Observer) -> None:
-        """Hook every module of ``taps.paths`` for ``observer``, and bracket each forward of the model."""
-        for path in self.taps.paths:
+        """Hook every module of ``taps.paths`` for ``observer``, and bracket forwards: each call of the model,
+        and each call of a module on the way to a hooked one while no forward is open, is a forward of its own
+        (so ``G.0`` and ``G.2`` run by one call of ``G`` are one forward, numbered as in a call of the model)."""
+        paths = self.taps.paths
+        for path in sorted({"", *paths, *(above for tapped in paths for above in _ancestors(tapped))}):
             module = self._model.get_submodule(path)
-            if observer.wants_inputs:
-                before = _ObserveBefore(self, path)
-                self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(_ObserveAfter(self, path)))
-        root = self._model
-        self._handles += [
-            root.register_forward_pre_hook(_ObserveStart(self), with_kwargs=True, prepend=True),  # before its taps
-            root.register_forward_hook(_ObserveEnd(self)),
-            root.register_forward_hook(_ObservePop(self), always_call=True),  # also after an exception
-        ]
+            self._handles += [
+                module.register_forward_pre_hook(_ObserveBefore(self, path), with_kwargs=True),
+                module.register_forward_hook(_ObserveAfter(self, path)),
+                module.register_forward_hook(_ObserveClose(self, path), always_call=True),  # also after an exception
+            ]
+        self._observed = frozenset(self.taps.paths)
 
-    def _observe_before(self, path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        stack = self._local.stack
-        if not stack or _trace.STATE.active:
+    def _observe_before(
+        self, path: str, frame: FrameType, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if _trace.STATE.active:
             return
-        forward: _Observed = stack[-1]
-        call = forward.calls.get(path, 0)
-        forward.calls[path] = call + 1
-        forward.running.setdefault(path, []).append(call)
-        self._observer.before(forward.state, path, call, module, args, kwargs)
+        stack = self._local.stack
+        while stack and _ended(stack[-1].frame):  # left open by a KeyboardInterrupt
+            stack.pop()
+        if not stack or not path:  # the model itself opens a forward each call, a submodule when none is open
+            self._prune_tensor_hooks()
+            forward = _Observed(self._observer.start(args, kwargs), path, frame)
+            stack.append(forward)
+        else:
+            forward = stack[-1]
+            if path == forward.opener:
+                forward.depth += 1
+        if path in self._observed:
+            call = forward.calls.get(path, 0)
+            forward.calls[path] = call + 1
+            forward.running.setdefault(path, []).append(call)
+            if self._observer.wants_inputs:
+                self._observer.before(forward.state, path, call, module, args, kwargs)
 
     def _observe_after(self, path: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         stack = self._local.stack
         if not stack or _trace.STATE.active:
             return
         forward: _Observed = stack[-1]
-        running = forward.running.get(path)
-        if running:  # numbered when it began (a module that calls itself ends its calls in reverse order)
-            call = running.pop()
+        if path in self._observed:
+            running = forward.running.get(path)
+            if running:  # numbered when it began (a module that calls itself ends its calls in reverse order)
+                call = running.pop()
+            else:  # its pre-hook never ran (a pre-hook put on before it raised)
+                call = forward.calls.get(path, 0)
+                forward.calls[path] = call + 1
+            self._observer.after(forward.state, path, call, module, args, output)
+        if path == forward.opener and not forward.depth:
+            self._observer.end(forward.state, output)
+
+    def _observe_close(self, path: str) -> None:
+        stack = self._local.stack
+        if not stack or _trace.STATE.active or stack[-1].opener != path:
+            return
+        forward: _Observed = stack[-1]
+        if forward.depth:
+            forward.depth -= 1
         else:
-            call = forward.calls.get(path, 0)
-            forward.calls[path] = call + 1
-        self._observer.after(forward.state, path, call, module, args, output)
+            stack.pop()
 
     def hold(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
         """Register a backward hook on ``tensor`` that ``remove`` takes away again (for probes).
@@ -494,6 +565,12 @@ class HookSession:
 _SAME_OUT_OF_PLACE = frozenset(
     {nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Threshold, nn.RReLU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid}
 )
+
+
+def _ancestors(path: str) -> Iterable[str]:
+    """The paths of the modules that contain ``path``: ``"a.b.c"`` -> ``"a"``, ``"a.b"``."""
+    parts = path.split(".")
+    return (".".join(parts[:k]) for k in range(1, len(parts)))
 
 
 def _switches(model: nn.Module, by: frozenset[str | None]) -> set[str]:

@@ -10,7 +10,9 @@ other exception is a bug in featurehooks and keeps its traceback.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable
+from typing import Any
 
 
 class FeatureHooksError(Exception):
@@ -74,6 +76,11 @@ class NonFiniteError(FeatureHooksError, FloatingPointError):
         self.call = call
         self.phase = phase
         self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickle with the keyword fields too (``multiprocessing`` sends errors back to the parent)."""
+        rebuild = functools.partial(type(self), path=self.path, call=self.call, phase=self.phase, tensor=self.tensor)
+        return (rebuild, (str(self),))
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

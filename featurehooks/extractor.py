@@ -204,8 +204,9 @@ class FeatureExtractor(nn.Module):
         self._settle_format()
         self._format = memory_format if memory_format != "auto" else "contiguous"
         self._range_checked = False
-        self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit)
-        self._session.prepare(found, owns_model=True)  # the private copy: in-place ReLUs after taps run out of place
+        # the private copy: copies of the extractor copy its taps; in-place ReLUs after taps run out of place
+        self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True)
+        self._session.prepare(found)
 
     @property
     def backbone(self) -> nn.Module:

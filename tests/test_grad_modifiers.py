@@ -251,7 +251,7 @@ def test_structured_outputs_and_deep_copies() -> None:
     with reverse_grad(pair):
         out = pair(x)
         (out["a"].sum() + out["b"].sum()).backward()
-        copied = copy.deepcopy(pair)  # shares the modifier, which stops with it
+        copied = copy.deepcopy(pair)  # a copy: its hook is inert, it is never modified
     # b is computed from a inside the module: each gradient is reversed once where it enters the module.
     expected = -(torch.ones(1, 2) * 3).T @ x
     torch.testing.assert_close(pair.lin.weight.grad, expected)
@@ -280,8 +280,11 @@ def test_structured_outputs_and_deep_copies() -> None:
         (lambda n: scale_grad([n[0].weight, "bias"], 1.0), fh.InvalidTypeError, "item 1 is a str"),
         (lambda n: scale_grad(n.named_parameters(), 1.0), fh.InvalidTypeError, "pass parameters()"),
         (lambda n: scale_grad([n[0].weight * 2], 1.0), fh.InvalidValueError, "pass the module"),
-        (lambda n: scale_grad(nn.Linear(2, 2).requires_grad_(False).parameters(), 1.0), fh.InvalidValueError,
-         "requires grad"),
+        (
+            lambda n: scale_grad(nn.Linear(2, 2).requires_grad_(False).parameters(), 1.0),
+            fh.InvalidValueError,
+            "requires grad",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_clearly(call: Callable[[nn.Module], GradModifier], error: type, match: str) -> None:

@@ -27,7 +27,9 @@ Each modifier acts on one of two targets:
 
 Lifetime: a modifier acts while it is in place, in the forward (for modules) and in the backward.
 After ``remove()`` or the end of its ``with`` block it changes nothing, also for graphs recorded
-while it was in place: put the backward inside the block too.
+while it was in place: put the backward inside the block too. A copy of the model (``copy.deepcopy``,
+pickling, ``torch.save``) made while a modifier is in place is not modified (the copy's hook is inert),
+and parameters copied or pickled carry no gradient hook.
 
 Composition (module targets): forward hooks run in the order they were put on the module, each on
 the output the previous one returned, so modifiers stack like layers after the module: the one put on
@@ -65,6 +67,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from .._hooks import InertInCopies
 from ..errors import InvalidTypeError, InvalidValueError
 
 __all__ = ["GradModifier", "GradTarget", "clip_grad", "reverse_grad", "scale_grad"]
@@ -163,6 +166,32 @@ def _parameters(target: Tensor | Iterable[Any]) -> list[Tensor]:
     return list(found.values())
 
 
+class _OnOutput(InertInCopies):
+    """The forward hook of a module modifier: passes the output's tensors through :class:`_ChangeGrad`.
+
+    Inert in copies of the model (an EMA or target network, a pickled checkpoint), like every hook
+    featurehooks puts on a model it does not own.
+    """
+
+    def __init__(self, modifier: GradModifier, change: Callable[[Tensor], Tensor]) -> None:
+        self.modifier = modifier
+        self.change = change
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not self.modifier.active:
+            return None
+        leaves, spec = tree_flatten(output)
+        picked = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not picked:  # no graph (torch.no_grad, a meta trace) or no floating tensor
+            return None
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        tensors = [leaves[i] for i in picked]
+        copy = tuple(t.is_leaf or t._is_view() or id(t) in inputs for t in tensors)
+        for i, passed in zip(picked, _ChangeGrad.apply(self.change, copy, *tensors)):
+            leaves[i] = passed
+        return tree_unflatten(leaves, spec)
+
+
 def _install(target: GradTarget, transform: Callable[[Tensor], Tensor], description: str) -> GradModifier:
     """Put ``transform`` on the gradients of ``target`` and return its handle."""
     if not isinstance(target, (nn.Module, Tensor, Iterable)) or isinstance(target, (str, bytes)):
@@ -176,28 +205,13 @@ def _install(target: GradTarget, transform: Callable[[Tensor], Tensor], descript
         )
     modifier = GradModifier(description)
 
-    # Closures rather than bound methods: a deep copy of the model (such as a meta trace) shares them.
     # After remove() they pass gradients through untouched (graphs recorded earlier may still run).
     def change(grad: Tensor) -> Tensor:
         return transform(grad) if modifier.active else grad
 
-    def on_output(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not modifier.active:
-            return None
-        leaves, spec = tree_flatten(output)
-        picked = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if not picked:  # no graph (torch.no_grad, a meta trace) or no floating tensor
-            return None
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        tensors = [leaves[i] for i in picked]
-        copy = tuple(t.is_leaf or t._is_view() or id(t) in inputs for t in tensors)
-        for i, passed in zip(picked, _ChangeGrad.apply(change, copy, *tensors)):
-            leaves[i] = passed
-        return tree_unflatten(leaves, spec)
-
     try:
         if isinstance(target, nn.Module):
-            modifier._keep(target.register_forward_hook(on_output, with_kwargs=True))
+            modifier._keep(target.register_forward_hook(_OnOutput(modifier, change), with_kwargs=True))
         else:
             for parameter in _parameters(target):
                 modifier._keep(parameter.register_hook(change))
