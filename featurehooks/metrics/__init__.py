@@ -2,7 +2,7 @@
 
 from .frechet import frechet_distance, kernel_inception_distance
 from .lpips import LPIPS, find_heads, load_heads
-from .pairs import ImagePair, pair_files, score_pairs
+from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .statistics import (
     FeatureOrigin,
     FeatureStatistics,
@@ -12,6 +12,7 @@ from .statistics import (
 )
 
 __all__ = [
+    "BATCH_PIXELS",
     "LPIPS",
     "FeatureOrigin",
     "FeatureStatistics",
