@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import threading
@@ -21,7 +22,7 @@ from ._formats import TORCH_FORMATS, ConvWork, MemoryFormat, auto_format, check_
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
-from ._trace import Trace, fixed_input_size, trace_images
+from ._trace import Trace, fixed_input_size, trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import FeatureHooksError, InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
@@ -346,6 +347,82 @@ class FeatureExtractor(nn.Module):
             )
         rows = {(row.path, row.call): row for row in describe(self._model, self._trace, self.backbone_name)}
         return [rows[tap.site] for tap in self.taps]
+
+    # -- what input pipelines ask (dumps, feature statistics): answered here, never read from private fields --
+    @property
+    def device(self) -> torch.device:
+        """The device the extractor computes on: that of its normalization buffers, which follow ``.to()``."""
+        return self.mean.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating dtype images are cast to before the backbone runs (its buffers', which follow ``.half()``)."""
+        return self.mean.dtype
+
+    def output_shapes(self, input_shape: Sequence[int]) -> dict[str, tuple[int, ...] | None]:
+        """The shape of each output ``forward`` returns for images of ``input_shape`` ``(B, C, H, W)``, by name and
+        in order (``None`` for an output that is not a single tensor), read from a meta trace: nothing is computed.
+
+        The trace made at construction answers for its own input shape; any other shape is traced again on the
+        meta device (milliseconds, no memory). ``output_format`` applies: ``"nchw"`` gives maps (and prefixes).
+
+        Raises:
+            InvalidValueError: ``input_shape`` is not ``(B, C, H, W)`` with the channels the backbone takes.
+            RuntimeError: the backbone cannot run on the meta device (its shapes are known from a real forward).
+            Exception: what the backbone raises on meta tensors of this shape (a size it refuses).
+
+        Example:
+            >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)
+            >>> ext.output_shapes((4, 3, 64, 64))
+            {'relu2_2': (4, 128, 32, 32), 'relu3_3': (4, 256, 16, 16)}
+        """
+        shape = tuple(int(size) for size in input_shape)
+        if len(shape) != 4:
+            raise InvalidValueError(f"input_shape must be (batch, channels, height, width), got {shape}")
+        if self.in_channels is not None and shape[1] != self.in_channels:
+            hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if shape[1] == 1 else ""
+            raise InvalidValueError(f"expected {self.in_channels} channels, got {shape[1]}{hint}")
+        if self._trace is None:
+            raise RuntimeError(
+                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so the shapes of its "
+                "outputs are known from a real forward only"
+            )
+        found = self._trace
+        if found.input_shape != shape:
+            found = trace(self._model, (torch.empty(shape, dtype=self.dtype),), eval_mode=True)
+        shapes = {tap.name: found.outputs[tap.site].shape for tap in self.taps}
+        if self.output_format == "native":
+            return shapes
+        outputs = {name: None if size is None else torch.empty(size, device="meta") for name, size in shapes.items()}
+        maps = self._as_maps(outputs, (shape[-2], shape[-1]))
+        return {name: tuple(value.shape) if isinstance(value, Tensor) else None for name, value in maps.items()}
+
+    @property
+    def range_checked(self) -> bool:
+        """Whether the check that images lie in ``input_range`` has run: it looks at the first non-empty batch
+        only (each call would sync the device) and warns when values lie far outside.
+
+        Set it to ``True`` before a forward whose images are in range by construction (a probe of constant
+        values) so that the check waits for real images, or to ``False`` to have the next batch checked again.
+        """
+        return self._range_checked
+
+    @range_checked.setter
+    def range_checked(self, checked: bool) -> None:
+        self._range_checked = bool(checked)
+
+    def weights_sha256(self) -> str:
+        """SHA-256 of the backbone's state dict (names, dtypes, shapes and bytes), recorded by dumps and feature
+        statistics: ``weights`` alone cannot tell two checkpoints of a user's module, or two seeds of a random
+        init, apart."""
+        digest = hashlib.sha256()
+        for name, tensor in self._model.state_dict().items():
+            value = tensor.detach()
+            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}\n".encode())
+            digest.update(value.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+        return digest.hexdigest()
+
+    # -- end of what input pipelines ask ------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
         super()._apply(fn, recurse)
