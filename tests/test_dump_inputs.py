@@ -28,9 +28,9 @@ from torchvision.models import EfficientNet_B0_Weights, ResNet18_Weights, ResNet
 import featurehooks.images as images
 from featurehooks import FeatureExtractor, Preprocessing
 from featurehooks.dump import dump_features, list_images
-from featurehooks.dump.sources import TensorRows, collate_batch, dataset_layout, item_label
 from featurehooks.errors import InvalidTypeError, InvalidValueError
 from featurehooks.images import prepare_image, read_image, resized_size, transform_for
+from featurehooks.stream.sources import TensorRows, collate_batch, dataset_layout, item_label
 
 CROP = 32
 SAMPLES = Path(__file__).resolve().parents[1] / "examples" / "images"

@@ -20,10 +20,11 @@ from torch import Tensor, nn
 import featurehooks as fh
 from featurehooks import _formats
 from featurehooks.cli import main
-from featurehooks.dump import dump_features, tiling
-from featurehooks.dump import forward as dump_forward
+from featurehooks.dump import dump_features
 from featurehooks.errors import InvalidValueError
 from featurehooks.losses import PerceptualLoss, StyleLoss
+from featurehooks.stream import forward as stream_forward
+from featurehooks.stream import tiling
 
 SEED = 0
 
@@ -342,9 +343,9 @@ def test_micro_batches_fit_the_cache_on_the_cpu_only(monkeypatch: pytest.MonkeyP
 def test_micro_batched_dump_rows_equal_one_forward(monkeypatch: pytest.MonkeyPatch, pool: str | None) -> None:
     extractor = seeded_extractor("resnet18", ["layer2", "layer3"])
     images = torch.rand(7, 3, 64, 64)
-    whole = dump_forward.features_as_arrays(extractor, images, pool, "float32")
-    monkeypatch.setattr(dump_forward, "micro_batch_size", lambda *_: 3)  # 3 + 3 + 1
-    tiled = dump_forward.features_as_arrays(extractor, images, pool, "float32", micro_batches=True)
+    whole = stream_forward.features_as_arrays(extractor, images, pool, "float32")
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 3)  # 3 + 3 + 1
+    tiled = stream_forward.features_as_arrays(extractor, images, pool, "float32", micro_batches=True)
     direct = extractor(images)
     for name, array in tiled.items():
         assert array.flags.c_contiguous and array.shape == whole[name].shape
@@ -404,7 +405,7 @@ def test_dumps_tile_only_when_no_worker_shares_the_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, tiled: bool
 ) -> None:
     calls = []
-    monkeypatch.setattr(dump_forward, "micro_batch_size", lambda _, images: calls.append(len(images)) or 1)
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda _, images: calls.append(len(images)) or 1)
     folder = tmp_path / "images"
     folder.mkdir()
     for i in range(3):

@@ -7,8 +7,8 @@ resume/overwrite rules, completion), ``sharding`` (ranks and their rows), ``run`
 ``featurehooks.images``.
 """
 
+from ..stream.sources import IMAGE_SUFFIXES, list_images
 from .run import DumpResult, dump_features
-from .sources import IMAGE_SUFFIXES, list_images
 from .store import CorruptDumpError, DumpLockedError, NoSpaceError, read_manifest
 
 __all__ = [

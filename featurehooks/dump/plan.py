@@ -21,9 +21,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, RunFailedError
 from ..images import ImageTransform, image_size, read_image, transform_for
-from .forward import device_of, features_as_arrays
+from ..stream.forward import device_of, features_as_arrays
+from ..stream.sources import SourceSpec, dataset_layout, inputs_digest, list_images
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
-from .sources import SourceSpec, dataset_layout, inputs_digest, list_images
 from .store import DumpStore, write_npy_atomic
 
 __all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]

@@ -16,11 +16,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..errors import InvalidValueError, RunFailedError
-from .forward import device_of, features_as_arrays
+from ..stream.forward import device_of, features_as_arrays
+from ..stream.sources import ImageFiles, SourceSpec, TensorRows, collate_batch
 from .manifest import Manifest
 from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
 from .sharding import Distributed, chunk_rows, split_contiguous
-from .sources import ImageFiles, SourceSpec, TensorRows, collate_batch
 from .store import DumpStore
 
 __all__ = ["DumpResult", "dump_features"]

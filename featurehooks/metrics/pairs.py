@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms import InterpolationMode
 
 from ..dump.run import Progress, loader_workers
-from ..dump.sources import IMAGE_SUFFIXES, list_images
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
+from ..stream.sources import IMAGE_SUFFIXES, list_images
 
 __all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
 

@@ -36,12 +36,12 @@ import torch
 from torch import Tensor
 
 from .._layout import Pool
-from ..dump.forward import device_of
 from ..dump.plan import resolve_inputs, weights_digest
 from ..dump.run import DumpResult, Progress, batch_features, check_options, image_loader, loader_workers
-from ..dump.sources import SourceSpec
 from ..dump.store import read_manifest, write_atomic
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
+from ..stream.forward import device_of
+from ..stream.sources import SourceSpec
 
 __all__ = [
     "FORMAT",

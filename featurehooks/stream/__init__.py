@@ -1,0 +1,1 @@
+"""The input pipeline: image collections in, batches of features out (what dumps, metrics and the CLI share)."""
