@@ -30,7 +30,8 @@ from featurehooks import FeatureExtractor, Preprocessing
 from featurehooks.dump import dump_features, list_images
 from featurehooks.errors import InvalidTypeError, InvalidValueError
 from featurehooks.images import prepare_image, read_image, resized_size, transform_for
-from featurehooks.stream.sources import TensorRows, collate_batch, dataset_layout, item_label
+from featurehooks.stream.loader import collate_batch
+from featurehooks.stream.sources import TensorRows, dataset_layout, item_label
 
 CROP = 32
 SAMPLES = Path(__file__).resolve().parents[1] / "examples" / "images"

@@ -18,6 +18,7 @@ from torch import nn
 from featurehooks import FeatureExtractor, dump_features
 from featurehooks.dump import run as dump_run
 from featurehooks.errors import LayerNotFoundError
+from featurehooks.stream import loader
 
 SIZE = 16
 
@@ -42,10 +43,10 @@ def dump(source: object, out: Path, **kwargs: object):
 
 
 def test_workers_are_bounded_by_cores_and_batches() -> None:
-    assert dump_run.loader_workers(100_000, 3) == 3
-    assert dump_run.loader_workers(100_000, 10_000) == 4 * dump_run._cores()
-    assert dump_run.loader_workers(0, 5) == 0
-    assert dump_run.loader_workers(None, 0) == 0
+    assert loader.loader_workers(100_000, 3) == 3
+    assert loader.loader_workers(100_000, 10_000) == 4 * loader._cores()
+    assert loader.loader_workers(0, 5) == 0
+    assert loader.loader_workers(None, 0) == 0
 
 
 def test_an_absurd_worker_count_still_dumps(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FeatureHooksError, RunFailedError
 from ..layers import list_layers
@@ -30,6 +30,10 @@ from ._common import (
     weights_from,
 )
 from ._metrics import add_metric_commands
+
+if TYPE_CHECKING:
+    from ..dump import DumpResult
+    from ..extractor import FeatureExtractor
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -60,7 +64,7 @@ def _layers(args: argparse.Namespace) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from ..dump import list_images
+    from ..stream import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
     result = _dump(build_extractor(args, args.output_format), sources, args)
@@ -74,7 +78,7 @@ def _extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dump(extractor: Any, sources: list[str], args: argparse.Namespace) -> Any:
+def _dump(extractor: FeatureExtractor, sources: list[str], args: argparse.Namespace) -> DumpResult:
     """``dump_features`` with the command's options; an output that needs --resume/--overwrite is a UserError."""
     from ..dump import dump_features
 

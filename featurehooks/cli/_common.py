@@ -7,9 +7,14 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import first_line
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..extractor import FeatureExtractor
 
 __all__ = [
     "UserError",
@@ -96,7 +101,7 @@ positive = at_least(1)
 non_negative = at_least(0)
 
 
-def device_from(name: str) -> Any:
+def device_from(name: str) -> torch.device:
     """The torch device for ``--device``: one this machine can compute on, else a UserError."""
     import torch
 
@@ -118,7 +123,7 @@ def device_from(name: str) -> Any:
     return device if device.index is not None else _local_cuda()
 
 
-def _local_cuda() -> Any:
+def _local_cuda() -> torch.device:
     """This process's GPU: under torchrun each rank takes its own (LOCAL_RANK), not all of them GPU 0."""
     import torch
 
@@ -127,7 +132,7 @@ def _local_cuda() -> Any:
     return torch.device("cuda", local_rank)
 
 
-def _check_usable(device: Any, name: str) -> None:
+def _check_usable(device: torch.device, name: str) -> None:
     """Allocate an empty tensor on ``device``: a backend this torch lacks (mps, xla, xpu, ...) fails here."""
     import torch
 
@@ -137,7 +142,7 @@ def _check_usable(device: Any, name: str) -> None:
         raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
 
 
-def build_extractor(args: argparse.Namespace, output_format: str = "native") -> Any:
+def build_extractor(args: argparse.Namespace, output_format: str = "native") -> FeatureExtractor:
     """The FeatureExtractor that ``add_model_options``' arguments describe, on ``--device``, without a graph."""
     import torch
 

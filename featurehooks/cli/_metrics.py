@@ -28,6 +28,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
     from ..metrics import FeatureOrigin, FeatureStatistics
 
 __all__ = ["add_metric_commands"]
@@ -243,8 +244,8 @@ def _pool(args: argparse.Namespace) -> str | None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from ..dump import list_images
     from ..metrics import feature_statistics
+    from ..stream import list_images
 
     if len(args.layers) != 1:
         raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
@@ -296,7 +297,7 @@ def _fd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kept(stats: Any) -> int:
+def _kept(stats: FeatureStatistics) -> int:
     """How many feature vectors a set keeps for KID (0: none)."""
     features = getattr(stats, "features", None)
     return 0 if features is None else int(features.shape[0])
@@ -368,10 +369,12 @@ def _asked(flag: str, value: str, given: bool, details: tuple[str, ...] = ()) ->
     return f"{flag} {value}" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def _computed(args: argparse.Namespace, source: str, model: Callable[[], Any], keep: int) -> dict[str, Any]:
+def _computed(
+    args: argparse.Namespace, source: str, model: Callable[[], FeatureExtractor], keep: int
+) -> dict[str, FeatureStatistics]:
     """Statistics of one image set by layer, computed from its images."""
-    from ..dump import list_images
     from ..metrics import feature_statistics_by_layer
+    from ..stream import list_images
 
     return feature_statistics_by_layer(
         model(),

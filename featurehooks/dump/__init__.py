@@ -1,13 +1,12 @@
 """Batch feature dumps: streaming per-layer ``.npy`` files, a manifest, resume, and torchrun sharding.
 
-Modules, one job each: ``sources`` (listing inputs, the per-row datasets), ``forward`` (features
-of one batch, pooled and cast), ``store`` (files, journal, atomic manifest), ``plan`` (settings,
-resume/overwrite rules, completion), ``sharding`` (ranks and their rows), ``run``
-(``dump_features``, which ties them together). Reading and preparing images is
-``featurehooks.images``.
+Modules, one job each: ``store`` (files, journal, atomic manifest), ``manifest`` (its typed fields),
+``plan`` (settings, resume/overwrite rules, completion), ``sharding`` (ranks and their rows), ``run``
+(``dump_features``, which ties them together). Images reach it through ``featurehooks.stream`` (listing,
+decoding, batches of features), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
 """
 
-from ..stream.sources import IMAGE_SUFFIXES, list_images
+from ..stream import IMAGE_SUFFIXES, list_images
 from .run import DumpResult, dump_features
 from .store import CorruptDumpError, DumpLockedError, NoSpaceError, read_manifest
 

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor
-from torch.utils.data import Dataset, TensorDataset
 
-from ..errors import InvalidTypeError, InvalidValueError, OutputExistsError, RunFailedError
-from ..images import ImageTransform, image_size, read_image, transform_for
-from ..stream.forward import device_of, features_as_arrays
-from ..stream.sources import SourceSpec, dataset_layout, inputs_digest, list_images
+from ..errors import InvalidValueError, OutputExistsError, RunFailedError
+from ..stream import Inputs, inputs_digest, row_shapes
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
 from .store import DumpStore, write_npy_atomic
 
-__all__ = ["Inputs", "Plan", "describe_settings", "finish_dump", "plan_dump", "resolve_inputs"]
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+
+__all__ = ["Plan", "describe_settings", "finish_dump", "plan_dump"]
 
 IDENTITY = "inputs.npy"  # (N, 2) int64: size in bytes and modification time in ns of every input file
 _NAMED = 5  # changed inputs named in an error; the rest are counted
@@ -49,22 +47,6 @@ def _versions() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class Inputs:
-    """The rows of a dump: their names, the dataset (for tensor sources), the prepared image shape, for
-    files their identity (size and mtime, to notice files replaced before a resume), and whether the
-    dataset's items carry integer labels, and whether images may differ in size (pooled, uncropped files:
-    ``image_shape`` is then the first readable image's, which probes the features' shapes)."""
-
-    names: list[str]
-    dataset: Dataset | None
-    image_shape: tuple[int, ...]
-    transform: ImageTransform | None
-    identity: np.ndarray | None = None
-    labelled: bool = False
-    sizes_vary: bool = False
-
-
-@dataclass(frozen=True)
 class Plan:
     """What every rank follows: the manifest as written and the chunks still to compute."""
 
@@ -76,95 +58,11 @@ class Plan:
         return self.manifest.chunk_size
 
 
-def file_identity(names: list[str]) -> np.ndarray:
-    """``(N, 2)`` size and modification time (ns) of each file; ``-1`` where a file cannot be stat'ed."""
-    identity = np.full((len(names), 2), -1, dtype=np.int64)
-    for row, name in enumerate(names):
-        try:
-            info = os.stat(name)
-        except OSError:  # reported as an invalid row when it is read
-            continue
-        identity[row] = (info.st_size, info.st_mtime_ns)
-    return identity
-
-
-def resolve_inputs(extractor: Any, source: SourceSpec, resize_size: Any, crop_size: Any, pool: str | None) -> Inputs:
-    """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
-    if isinstance(source, Tensor):
-        if source.dim() != 4:
-            raise InvalidValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
-        source = TensorDataset(source)
-    if isinstance(source, Dataset):
-        layout = dataset_layout(source)  # the first readable item: one that raises is an invalid row
-        names = [f"dataset[{i}]" for i in range(len(source))]  # type: ignore[arg-type]
-        return Inputs(names, source, layout.shape, None, labelled=layout.labelled)
-    if not isinstance(source, (str, os.PathLike, list, tuple)):
-        raise InvalidTypeError(
-            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
-            f"not {type(source).__name__}"
-        )
-    names = list_images(source)
-    transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
-    shape = transform.output_shape()
-    if shape is None:  # no crop: the first readable image's shape probes the features' shapes
-        if pool is None:
-            _check_one_size(names, transform)
-        for name in names:
-            try:
-                shape = tuple(transform(read_image(name)).shape)
-                break
-            except Exception:  # unreadable: it is reported as an invalid row later
-                continue
-        else:
-            raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
-    return Inputs(names, None, shape, transform, file_identity(names), sizes_vary=pool is not None)
-
-
-def _check_one_size(names: list[str], transform: ImageTransform) -> None:
-    """Spatial maps of every row share one shape: refuse, while planning, images that would differ."""
-    first: tuple[str, tuple[int, int]] | None = None
-    for name in names:
-        try:
-            size = transform.prepared_size(*image_size(name))
-        except Exception:  # unreadable: an invalid row later
-            continue
-        if first is None:
-            first = (name, size)
-        elif size != first[1]:
-            raise InvalidValueError(
-                f"images of different sizes cannot share one array of feature maps: {first[0]} is "
-                f"{first[1][1]}x{first[1][0]} and {name} is {size[1]}x{size[0]} once prepared; set a resize "
-                "and a crop (resize_size=, crop_size=; --resize, --crop) or pool the features (pool='avg', --pool avg)"
-            )
-
-
-def weights_digest(extractor: Any) -> str | None:
-    """SHA-256 of the backbone's state dict (names, dtypes, shapes and bytes), or ``None`` without one.
-
-    ``weights`` alone cannot tell two checkpoints of a user's module (or two seeds of a random init) apart.
-    """
-    model = getattr(extractor, "backbone", None)
-    if not isinstance(model, torch.nn.Module):
-        return None
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        value = tensor.detach()
-        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}\n".encode())
-        digest.update(value.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-    return digest.hexdigest()
-
-
-def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: str) -> Settings:
+def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: str | None, dtype: str) -> Settings:
     """What the dump computes, as its manifest records it (compared on resume)."""
-    probe = torch.zeros((1, *inputs.image_shape), device=device_of(extractor))
-    low = extractor.input_range[0] if hasattr(extractor, "input_range") else 0.0
-    range_checked = getattr(extractor, "_range_checked", None)
     shapes = {
-        name: (len(inputs.names), *value.shape[1:])
-        for name, value in features_as_arrays(extractor, probe + low, pool, dtype).items()
+        name: (len(inputs.names), *shape) for name, shape in row_shapes(extractor, inputs.image_shape, pool).items()
     }
-    if range_checked is False:  # the probe is in range by construction: let the first real batch be checked
-        extractor._range_checked = False
     pre = extractor.preprocessing
     preprocessing: dict[str, Any] = {
         "mean": list(pre.mean) if pre.mean is not None else None,
@@ -181,7 +79,7 @@ def describe_settings(extractor: Any, inputs: Inputs, pool: str | None, dtype: s
     return Settings(
         backbone=extractor.backbone_name,
         weights=extractor.weights,
-        weights_sha256=weights_digest(extractor),
+        weights_sha256=extractor.weights_sha256(),
         shapes=shapes,
         dtype=dtype,
         pool=pool,

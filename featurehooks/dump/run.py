@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ..errors import InvalidValueError, RunFailedError
-from ..stream.forward import device_of, features_as_arrays
-from ..stream.sources import ImageFiles, SourceSpec, TensorRows, collate_batch
+from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
 from .manifest import Manifest
-from .plan import Inputs, Plan, describe_settings, finish_dump, plan_dump, resolve_inputs
+from .plan import Plan, describe_settings, finish_dump, plan_dump
 from .sharding import Distributed, chunk_rows, split_contiguous
 from .store import DumpStore
 
-__all__ = ["DumpResult", "dump_features"]
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+    from ..images import ImageTransform
 
-_DTYPES = ("float16", "float32")
-_POOLS = (None, "avg", "max", "cls")
+__all__ = ["DumpResult", "dump_features"]
 
 
 @dataclass(frozen=True)
@@ -65,93 +63,8 @@ class DumpResult:
         return np.load(self.out_dir / self.manifest["labels"])
 
 
-def check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: Any) -> str:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
-        raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-    if pool not in _POOLS:
-        raise InvalidValueError(f"pool must be None, 'avg', 'max' or 'cls', not {pool!r}")
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = str(dtype)
-    if name not in _DTYPES:
-        raise InvalidValueError(f"dtype must be 'float16' or 'float32', not {dtype!r}")
-    return name
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def loader_workers(requested: int | None, batches: int) -> int:
-    """DataLoader workers: up to 4 by default; never more than 4 per core, nor more than there are batches.
-
-    Decoding is partly I/O-bound, so a few workers per core can pay; past that, each worker is a process
-    that only costs memory (``--workers 100000`` would fork until the OOM killer stepped in).
-    """
-    wanted = min(4, max(_cores() - 1, 0)) if requested is None else requested
-    return min(wanted, 4 * _cores(), batches)
-
-
-def image_loader(
-    inputs: Inputs, batches: list[list[int]], num_workers: int, pin: bool, input_range: tuple[float, float]
-) -> DataLoader:
-    if inputs.dataset is not None:
-        rows: Dataset = TensorRows(inputs.dataset, inputs.image_shape, input_range, labelled=inputs.labelled)
-    else:
-        rows = ImageFiles(inputs.names, inputs.transform, inputs.image_shape, any_size=inputs.sizes_vary)
-    return DataLoader(
-        rows,
-        batch_sampler=batches,
-        num_workers=num_workers,
-        collate_fn=collate_batch,
-        pin_memory=pin,
-        prefetch_factor=2 if num_workers > 0 else None,
-    )
-
-
-class Progress:
-    """A tqdm bar on stderr that is best-effort: a closed or failing stderr turns it off, never the dump."""
-
-    def __init__(
-        self, total: int, rank: int, world_size: int, enabled: bool, label: str = "extract", unit: str = "img"
-    ) -> None:
-        from tqdm.auto import tqdm
-
-        desc = label if world_size == 1 else f"{label} rank {rank}"
-        self._bar: Any = None
-        if enabled and sys.stderr is not None:
-            try:
-                self._bar = tqdm(total=total, unit=unit, desc=desc, position=rank, file=sys.stderr, dynamic_ncols=True)
-            except Exception:  # noqa: BLE001 - ValueError (closed file), OSError (EPIPE, EBADF), ...
-                self._bar = None
-
-    def update(self, count: int) -> None:
-        self._call("update", count)
-
-    def close(self) -> None:
-        self._call("close")
-
-    def _call(self, method: str, *args: int) -> None:
-        if self._bar is None:
-            return
-        try:
-            getattr(self._bar, method)(*args)
-        except Exception:  # noqa: BLE001 - progress never stops a dump
-            bar, self._bar = self._bar, None
-            bar.disable = True  # its finalizer must not write either
-
-
 def dump_features(
-    extractor: Any,
+    extractor: FeatureExtractor,
     source: SourceSpec,
     out_dir: str | os.PathLike[str],
     *,
@@ -216,8 +129,7 @@ def dump_features(
         raise InvalidValueError(
             "pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both"
         )
-    device = device_of(extractor)
-    dist = Distributed.from_environment(device)
+    dist = Distributed.from_environment(extractor.device)
     store = DumpStore(out_dir)
     try:
         plan, inputs = _broadcast_plan(
@@ -227,10 +139,9 @@ def dump_features(
         if manifest.status == "complete":
             return DumpResult(store.root, manifest.to_dict())
         mine = split_contiguous(plan.pending, dist.world_size, dist.rank)
-        workers = loader_workers(num_workers, len(mine))
         failure: Exception | None = None
         try:
-            _compute(extractor, inputs, store, mine, plan.chunk_size, manifest, dist, workers, device, progress)
+            _compute(extractor, inputs, store, mine, manifest, dist, num_workers, progress)
         except Exception as exc:
             if dist.world_size == 1:
                 raise
@@ -258,18 +169,18 @@ def dump_features(
 def _broadcast_plan(
     dist: Distributed,
     store: DumpStore,
-    extractor: Any,
+    extractor: FeatureExtractor,
     source: SourceSpec,
     pool: str | None,
     dtype: str,
     batch_size: int,
     resume: bool,
     overwrite: bool,
-    resize_size: Any,
-    crop_size: Any,
+    resize_size: int | str | None,
+    crop_size: int | str | None,
 ) -> tuple[Plan, Inputs]:
     """Rank 0 resolves inputs and prepares the files; the plan (or its error, of the same type) reaches every rank."""
-    shared: tuple[Plan, list[str] | None, tuple[int, ...], Any, bool, bool] | None = None
+    shared: tuple[Plan, list[str] | None, tuple[int, ...], ImageTransform | None, bool, bool] | None = None
     error: BaseException | None = None
     if dist.is_main:
         try:
@@ -303,76 +214,40 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def batch_features(
-    extractor: Any,
-    images: Tensor | list[Tensor],
-    device: torch.device,
-    pool: str | None,
-    dtype: str,
-    *,
-    micro_batches: bool = False,
-) -> dict[str, np.ndarray]:
-    """Features of one batch; a batch of images of several sizes (pooled, uncropped) runs one forward per size.
-
-    ``micro_batches``: forward in cache-sized micro-batches on the CPU (see ``tiling``: only when no
-    DataLoader worker shares the cores).
-    """
-    if isinstance(images, Tensor):
-        return features_as_arrays(
-            extractor, images.to(device, non_blocking=True), pool, dtype, micro_batches=micro_batches
-        )
-    rows_of: dict[tuple[int, ...], list[int]] = {}
-    for row, image in enumerate(images):
-        rows_of.setdefault(tuple(image.shape), []).append(row)
-    batch: dict[str, np.ndarray] = {}
-    for rows in rows_of.values():
-        same = torch.stack([images[row] for row in rows]).to(device, non_blocking=True)
-        for name, value in features_as_arrays(extractor, same, pool, dtype, micro_batches=micro_batches).items():
-            batch.setdefault(name, np.empty((len(images), *value.shape[1:]), value.dtype))[rows] = value
-    return batch
-
-
 def _compute(
-    extractor: Any,
+    extractor: FeatureExtractor,
     inputs: Inputs,
     store: DumpStore,
     chunks: Sequence[int],
-    chunk_size: int,
     manifest: Manifest,
     dist: Distributed,
-    workers: int,
-    device: torch.device,
+    num_workers: int | None,
     progress: bool,
 ) -> None:
     """Write and commit this rank's chunks."""
-    num_rows = len(inputs.names)
-    ranges = [chunk_rows(c, chunk_size, num_rows) for c in chunks]
+    ranges = [chunk_rows(c, manifest.chunk_size, len(inputs.names)) for c in chunks]
     store.open_arrays(manifest.settings.layers)
     store.open_journal(dist.rank)
-    if not ranges:
-        store.close_journal()
-        store.close_arrays()
-        return
-    low, high = getattr(extractor, "input_range", (0.0, 1.0))
-    batches = [list(range(a, b)) for a, b in ranges]
-    loader = image_loader(inputs, batches, workers, pin=device.type == "cuda", input_range=(low, high))
-    bar = Progress(sum(b - a for a, b in ranges), dist.rank, dist.world_size, progress)
-    try:
-        for chunk, (start, stop), batch in zip(chunks, ranges, loader):
-            images, reasons = batch.images, batch.reasons
-            arrays = batch_features(
-                extractor, images, device, manifest.settings.pool, manifest.settings.dtype, micro_batches=workers == 0
+    if ranges:
+        batches = [list(range(start, stop)) for start, stop in ranges]
+        settings = manifest.settings
+        total = sum(stop - start for start, stop in ranges)
+        label = "extract" if dist.world_size == 1 else f"extract rank {dist.rank}"
+        with Progress(total, progress, label=label, rank=dist.rank) as bar:
+            found = extract_batches(
+                extractor,
+                inputs,
+                batches,
+                pool=settings.pool,
+                dtype=settings.dtype,
+                num_workers=num_workers,
+                progress=bar,
             )
-            skipped = [(start + i, reason) for i, reason in enumerate(reasons) if reason]
-            for row, _ in skipped:
-                for value in arrays.values():
-                    value[row - start] = 0
-            store.write_rows(start, arrays)
-            if inputs.labelled:
-                store.write_labels(start, [-1 if label is None else label for label in batch.labels])
-            store.commit(chunk, start, stop, skipped)
-            bar.update(stop - start)
-    finally:
-        bar.close()
+            for chunk, batch in zip(chunks, found):
+                start, stop = batch.rows[0], batch.rows[-1] + 1
+                store.write_rows(start, batch.arrays)
+                if inputs.labelled:
+                    store.write_labels(start, [-1 if label is None else label for label in batch.labels])
+                store.commit(chunk, start, stop, batch.skipped)
     store.close_journal()
     store.close_arrays()

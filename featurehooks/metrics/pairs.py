@@ -1,9 +1,9 @@
 """Scoring pairs of images from two folders with a pairwise metric such as LPIPS.
 
 ``pair_files`` matches the images of two folders by their path relative to each folder;
-``score_pairs`` streams the pairs through a DataLoader (decoding in worker processes while the
-metric runs) and returns one score per pair, in order. Images are read and prepared by
-``featurehooks.images``, as dumps read them.
+``score_pairs`` streams the pairs through the input pipeline dumps use (``featurehooks.stream``:
+decoding in worker processes while the metric runs) and returns one score per pair, in order. Images
+are read and prepared by ``featurehooks.images``, as dumps read them.
 
 A batch is bounded by pixels as well as by pairs: a forward's memory grows with the pixels it
 holds (LPIPS on VGG keeps activations of about 1.7 GB per megapixel pair), so large images get
@@ -16,18 +16,28 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import InterpolationMode
 
-from ..dump.run import Progress, loader_workers
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
-from ..stream.sources import IMAGE_SUFFIXES, list_images
+from ..stream import (
+    IMAGE_SUFFIXES,
+    Progress,
+    Sample,
+    feature_batches,
+    list_images,
+    loader_workers,
+    placement,
+    row_loader,
+)
 
 __all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
 
@@ -155,17 +165,11 @@ def pair_files(
     return pairs, only_in_a, only_in_b
 
 
-class _Prepared(NamedTuple):
-    """One pair ready to score: its position in ``pairs``, both images (``None`` when unusable) and why not."""
-
-    index: int
-    a: Tensor | None
-    b: Tensor | None
-    reason: str
-
-
 class _PairBatches(IterableDataset):
     """Batches of prepared pairs, cut where they are decoded: in a DataLoader worker, or in this process.
+
+    A pair is a ``Sample`` whose row is its position in ``pairs`` and whose image is both images stacked,
+    ``(2, C, H, W)``; ``None``, with the reason, when it cannot be scored.
 
     The pairs go in blocks of ``batch_size`` consecutive ones, block ``k`` to worker ``k % workers``, and a
     block is cut again wherever the next pair would take a batch over ``batch_pixels`` (height × width of
@@ -187,20 +191,20 @@ class _PairBatches(IterableDataset):
         self.batch_size = batch_size
         self.batch_pixels = batch_pixels
 
-    def __iter__(self) -> Iterator[list[_Prepared]]:
+    def __iter__(self) -> Iterator[list[Sample]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         size = self.batch_size
         for start in range(worker * size, len(self.pairs), workers * size):
             yield from self._cut(range(start, min(start + size, len(self.pairs))))
 
-    def _cut(self, indices: range) -> Iterator[list[_Prepared]]:
+    def _cut(self, indices: range) -> Iterator[list[Sample]]:
         """The pairs at ``indices``, prepared, in batches of at most ``batch_pixels`` (one pair at least)."""
-        batch: list[_Prepared] = []
+        batch: list[Sample] = []
         pixels = 0
         for index in indices:
             item = self._prepare(index)
-            area = item.a.shape[-2] * item.a.shape[-1] if item.a is not None else 0
+            area = item.image.shape[-2] * item.image.shape[-1] if item.image is not None else 0
             if batch and pixels + area > self.batch_pixels:
                 yield batch
                 batch, pixels = [], 0
@@ -209,24 +213,23 @@ class _PairBatches(IterableDataset):
         if batch:
             yield batch
 
-    def _prepare(self, index: int) -> _Prepared:
+    def _prepare(self, index: int) -> Sample:
         images = []
         for path in self.pairs[index]:
             try:
                 images.append(self.transform(read_image(path)))
             except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
-                return _Prepared(index, None, None, f"cannot read image {path}: {first_line(exc)}")
+                return Sample(index, None, f"cannot read image {path}: {first_line(exc)}")
         a, b = images
         if a.shape != b.shape:
             a_path, b_path = self.pairs[index]
-            return _Prepared(
+            return Sample(
                 index,
-                None,
                 None,
                 f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
                 f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)",
             )
-        return _Prepared(index, a, b, "")
+        return Sample(index, torch.stack([a, b]), "")
 
 
 def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:
@@ -238,19 +241,6 @@ def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:
         return os.fspath(a), os.fspath(b)
     except (TypeError, ValueError):
         raise InvalidValueError(f"pairs holds {item!r}; give ImagePair items or (path_a, path_b) pairs") from None
-
-
-def _collate(batch: list[_Prepared]) -> list[_Prepared]:
-    return batch  # pairs of different sizes share a batch; they are grouped by size in the main process
-
-
-def _reference(metric: Any) -> Tensor:
-    """A floating tensor of the metric (its device and dtype), or a CPU float32 one for a plain function."""
-    if isinstance(metric, torch.nn.Module):
-        for tensor in (*metric.buffers(), *metric.parameters()):
-            if tensor.is_floating_point():
-                return tensor
-    return torch.empty(0)
 
 
 def score_pairs(
@@ -326,44 +316,26 @@ def score_pairs(
     input_range = tuple(float(v) for v in getattr(metric, "input_range", (0.0, 1.0)))
     transform = ImageTransform(resize_size, crop_size, interpolation, (input_range[0], input_range[1]))
     workers = loader_workers(num_workers, -(-len(pairs) // batch_size))
-    loader = DataLoader(
-        _PairBatches(pairs, transform, batch_size, batch_pixels),
-        batch_size=None,
-        num_workers=workers,
-        collate_fn=_collate,
-        prefetch_factor=2 if workers > 0 else None,
-    )
-    reference = _reference(metric)
+    rows = _PairBatches(pairs, transform, batch_size, batch_pixels)
+    loader = row_loader(rows, None, workers, pin=placement(metric)[0].type == "cuda")
     scores = [0.0] * len(pairs)
-    bar = Progress(len(pairs), 0, 1, progress, label="score", unit="pair")
-    try:
-        with torch.no_grad():
-            for batch in loader:
-                for index, score in _score_batch(metric, batch, reference):
-                    scores[index] = score
-                bar.update(len(batch))
-    finally:
-        bar.close()
+    with Progress(len(pairs), progress, label="score", unit="pair") as bar:
+        for batch in feature_batches(partial(_pair_scores, metric), loader, model=metric, progress=bar):
+            reason = next((reason for reason in batch.reasons if reason), None)
+            if reason is not None:
+                raise InvalidValueError(reason)
+            for row, score in zip(batch.rows, batch.arrays["score"].tolist()):
+                scores[row] = score
     return scores
 
 
-def _score_batch(metric: PairMetric, batch: list[_Prepared], reference: Tensor) -> list[tuple[int, float]]:
-    """``(position, score)`` of each pair of one batch: one ``metric`` call per image size found in it."""
-    by_size: dict[tuple[int, ...], list[_Prepared]] = {}
-    for item in batch:
-        if item.reason or item.a is None:
-            raise InvalidValueError(item.reason)
-        by_size.setdefault(tuple(item.a.shape), []).append(item)
-    scores: list[tuple[int, float]] = []
-    for items in by_size.values():
-        a = torch.stack([item.a for item in items]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
-        b = torch.stack([item.b for item in items]).to(device=reference.device, dtype=reference.dtype)  # type: ignore[misc]
-        values = metric(a, b)
-        if not isinstance(values, Tensor) or tuple(values.shape) != (len(items),):
-            shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
-            raise InvalidValueError(
-                f"the metric returned {shape} for {len(items)} pairs; it must return one value per pair "
-                "(for LPIPS pass reduction='none' and spatial=False)"
-            )
-        scores.extend(zip((item.index for item in items), values.float().cpu().tolist()))
-    return scores
+def _pair_scores(metric: PairMetric, pairs: Tensor) -> dict[str, np.ndarray]:
+    """``{"score": (B,)}`` of one batch of pairs of one size, ``(B, 2, C, H, W)``: one ``metric`` call."""
+    values = metric(pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
+    if not isinstance(values, Tensor) or tuple(values.shape) != (len(pairs),):
+        shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+        raise InvalidValueError(
+            f"the metric returned {shape} for {len(pairs)} pairs; it must return one value per pair "
+            "(for LPIPS pass reduction='none' and spatial=False)"
+        )
+    return {"score": values.detach().float().cpu().numpy()}

@@ -11,8 +11,9 @@ features came from (backbone, layer, pool, weights), so comparing a reference se
 statistics of other features is an error rather than a meaningless number. The file also holds
 ``mu`` and ``sigma`` under the names pytorch-fid uses.
 
-``feature_statistics`` streams images through a ``FeatureExtractor`` with the dump's own input
-pipeline (listing, decoding, resize and crop, DataLoader workers, pooling) and writes no feature file;
+``feature_statistics`` streams images through a ``FeatureExtractor`` with the input pipeline dumps use
+(``featurehooks.stream``: listing, decoding, resize and crop, DataLoader workers, pooling) and writes no
+feature file;
 ``statistics_from_dump`` reads the pooled features of a finished dump in memory-mapped chunks.
 """
 
@@ -29,19 +30,21 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .._layout import Pool
-from ..dump.plan import resolve_inputs, weights_digest
-from ..dump.run import DumpResult, Progress, batch_features, check_options, image_loader, loader_workers
-from ..dump.store import read_manifest, write_atomic
+from ..dump import DumpResult, read_manifest
+from ..dump.store import write_atomic
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
-from ..stream.forward import device_of
-from ..stream.sources import SourceSpec
+from ..stream import Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+    from ..images import ImageTransform
 
 __all__ = [
     "FORMAT",
@@ -573,24 +576,28 @@ def _json_depth(text: str) -> int:
 
 
 # -- from images ---------------------------------------------------------------------------------------
-def _output_names(extractor: Any) -> list[str]:
+def _output_names(extractor: FeatureExtractor) -> list[str]:
     """The names an extractor returns (its ``.prefix`` outputs too, when the layouts are known)."""
     try:
         return list(extractor.output_layouts)
-    except (AttributeError, RuntimeError):  # a model that cannot be traced: its requested names
-        return list(getattr(extractor, "layers", []))
+    except RuntimeError:  # a model that cannot be traced: its requested names
+        return list(extractor.layers)
 
 
-def _preprocessing(transform: Any) -> dict[str, Any]:
+def _preprocessing(transform: ImageTransform | None) -> dict[str, Any]:
     described = transform.describe() if transform is not None else {}
     return {key: described.get(key) for key in ("resize_size", "crop_size", "interpolation")}
 
 
-def _origins(extractor: Any, layers: list[str], pool: str | None, transform: Any) -> dict[str, FeatureOrigin]:
-    backbone = str(getattr(extractor, "backbone_name", type(extractor).__name__))
-    weights, digest = getattr(extractor, "weights", None), weights_digest(extractor)  # hashed once for all layers
+def _origins(
+    extractor: FeatureExtractor, layers: list[str], pool: str | None, transform: ImageTransform | None
+) -> dict[str, FeatureOrigin]:
+    digest = extractor.weights_sha256()  # hashed once for all layers
     preprocessing = _preprocessing(transform)
-    return {layer: FeatureOrigin(backbone, layer, pool, weights, digest, preprocessing) for layer in layers}
+    return {
+        layer: FeatureOrigin(extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing)
+        for layer in layers
+    }
 
 
 def _warn_skipped(skipped: list[tuple[str, str]], total: int) -> None:
@@ -605,7 +612,7 @@ def _warn_skipped(skipped: list[tuple[str, str]], total: int) -> None:
 
 
 def feature_statistics_by_layer(
-    extractor: Any,
+    extractor: FeatureExtractor,
     source: SourceSpec,
     *,
     layers: Sequence[str] | None = None,
@@ -641,36 +648,29 @@ def feature_statistics_by_layer(
     inputs = resolve_inputs(extractor, source, resize_size, crop_size, pool)
     origins = _origins(extractor, wanted, pool, inputs.transform)
     stats = {name: FeatureStatistics(keep=keep, seed=seed, origin=origins[name]) for name in wanted}
-    device = device_of(extractor)
     total = len(inputs.names)
     batches = [list(range(start, min(start + batch_size, total))) for start in range(0, total, batch_size)]
-    input_range = tuple(getattr(extractor, "input_range", (0.0, 1.0)))
-    workers = loader_workers(num_workers, len(batches))
-    loader = image_loader(inputs, batches, workers, device.type == "cuda", input_range)
     skipped: list[tuple[str, str]] = []
-    bar = Progress(total, 0, 1, progress, label="statistics")
-    try:
-        for rows, batch in zip(batches, loader):
-            arrays = batch_features(extractor, batch.images, device, pool, "float32", micro_batches=workers == 0)
-            valid = [i for i, reason in enumerate(batch.reasons) if not reason]
-            skipped.extend((inputs.names[rows[i]], r) for i, r in enumerate(batch.reasons) if r)
+    with Progress(total, progress, label="statistics") as bar:
+        found = extract_batches(
+            extractor, inputs, batches, pool=pool, dtype="float32", num_workers=num_workers, progress=bar
+        )
+        for batch in found:
+            skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
             for name in wanted:
-                vectors = arrays[name]
+                vectors = batch.arrays[name]
                 if vectors.ndim != 2:
                     raise InvalidValueError(
-                        f"layer {name!r} returns features of shape {(len(rows), *vectors.shape[1:])}, not vectors; "
-                        "pool them (pool='avg', 'max' or 'cls')"
+                        f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, not "
+                        "vectors; pool them (pool='avg', 'max' or 'cls')"
                     )
-                stats[name].update(vectors[valid])
-            bar.update(len(rows))
-    finally:
-        bar.close()
+                stats[name].update(vectors[batch.valid])
     _warn_skipped(skipped, total)
     return stats
 
 
 def feature_statistics(
-    extractor: Any,
+    extractor: FeatureExtractor,
     source: SourceSpec,
     *,
     layer: str | None = None,

@@ -1,1 +1,44 @@
-"""The input pipeline: image collections in, batches of features out (what dumps, metrics and the CLI share)."""
+"""The input pipeline: image collections in, batches of features out (what dumps, metrics and the CLI share).
+
+Modules, in the order data flows through them:
+
+- ``sources``: a folder, glob, file list, dataset or tensor resolved to ``Inputs`` (the rows, the image
+  shape every row gets, the transform), and one row decoded into a ``Sample``;
+- ``loader``: rows decoded in DataLoader worker processes and collated into batches;
+- ``forward``: features of one batch, pooled and cast to arrays; a row's shapes before any forward
+  (from the extractor's meta trace); where a model computes (``placement``);
+- ``tiling``: CPU micro-batches whose largest activation fits the cache;
+- ``pipeline``: ``feature_batches``, the one loop from batches of rows to batches of features, and
+  ``extract_batches``, that loop for a ``FeatureExtractor`` over ``Inputs``;
+- ``progress``: the best-effort bar on stderr.
+
+It imports the modules below it (``images``, ``_layout``, ``errors``; ``extractor`` for types only) and
+nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
+"""
+
+from .forward import placement, row_shapes
+from .loader import Batch, loader_workers, row_loader
+from .pipeline import FeatureBatch, Forward, check_options, extract_batches, feature_batches
+from .progress import Progress
+from .sources import IMAGE_SUFFIXES, Inputs, Sample, SourceSpec, inputs_digest, list_images, resolve_inputs
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "Batch",
+    "FeatureBatch",
+    "Forward",
+    "Inputs",
+    "Progress",
+    "Sample",
+    "SourceSpec",
+    "check_options",
+    "extract_batches",
+    "feature_batches",
+    "inputs_digest",
+    "list_images",
+    "loader_workers",
+    "placement",
+    "resolve_inputs",
+    "row_loader",
+    "row_shapes",
+]

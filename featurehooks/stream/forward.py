@@ -1,18 +1,32 @@
-"""The forward step of a dump: features of one batch, pooled and cast for the ``.npy`` files."""
+"""The forward step of the pipeline: features of one batch, pooled and cast to arrays; their shapes before any."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .._layout import Layout, Pool, classify, pool_positions
-from ..errors import InvalidTypeError, InvalidValueError
+from .._layout import Layout, Pool, pool_positions
+from ..errors import FeatureHooksError, InvalidTypeError, InvalidValueError
 from .tiling import micro_batch_size
 
-__all__ = ["device_of", "features_as_arrays", "pool_features"]
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+
+__all__ = ["features_as_arrays", "placement", "pool_features", "row_shapes"]
+
+
+def placement(model: object) -> tuple[torch.device, torch.dtype]:
+    """Where ``model`` computes and in what floating dtype: those of its first floating buffer or parameter
+    (for a ``FeatureExtractor``, its ``device`` and ``dtype``: its normalization buffers); CPU float32 for a
+    plain function. Batches go there before the forward."""
+    if isinstance(model, nn.Module):
+        for tensor in (*model.buffers(), *model.parameters()):
+            if tensor.is_floating_point():
+                return tensor.device, tensor.dtype
+    return torch.device("cpu"), torch.float32
 
 
 def pool_features(feature: Tensor, layout: Layout, pool: Pool | None, name: str) -> Tensor:
@@ -28,30 +42,8 @@ def pool_features(feature: Tensor, layout: Layout, pool: Pool | None, name: str)
     return pool_positions(feature, layout, pool, name)
 
 
-def _layouts(extractor: Any, outputs: dict[str, Any], images: Tensor) -> dict[str, Layout]:
-    """The extractor's own layouts, or (for any other callable) layouts read from the output shapes."""
-    layouts = getattr(extractor, "output_layouts", None)
-    if isinstance(layouts, dict):
-        return layouts
-    shape = tuple(images.shape)
-    return {
-        name: classify(tuple(value.shape) if isinstance(value, Tensor) else None, shape, None)
-        for name, value in outputs.items()
-    }
-
-
-def device_of(extractor: torch.nn.Module) -> torch.device:
-    """The device the extractor computes on (of its buffers, else of the backbone's parameters)."""
-    for tensor in extractor.buffers():
-        return tensor.device
-    backbone = getattr(extractor, "backbone", extractor)
-    for tensor in backbone.parameters():
-        return tensor.device
-    return torch.device("cpu")
-
-
 def features_as_arrays(
-    extractor: Any, images: Tensor, pool: Pool | None, dtype: str, *, micro_batches: bool = False
+    extractor: FeatureExtractor, images: Tensor, pool: Pool | None, dtype: str, *, micro_batches: bool = False
 ) -> dict[str, np.ndarray]:
     """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU;
     with ``micro_batches``, on the CPU in micro-batches sized to the cache (see ``tiling``). Arrays are
@@ -66,11 +58,13 @@ def features_as_arrays(
     return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
 
-def _part_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype: str) -> dict[str, np.ndarray]:
+def _part_as_arrays(
+    extractor: FeatureExtractor, images: Tensor, pool: Pool | None, dtype: str
+) -> dict[str, np.ndarray]:
     with torch.no_grad():
         outputs = extractor(images)
     arrays = {}
-    layouts = _layouts(extractor, outputs, images) if pool is not None else {}
+    layouts = extractor.output_layouts if pool is not None else {}  # known after a forward, traced or not
     for name, value in outputs.items():
         if not isinstance(value, Tensor):
             raise InvalidTypeError(
@@ -79,3 +73,40 @@ def _part_as_arrays(extractor: Any, images: Tensor, pool: Pool | None, dtype: st
         pooled = pool_features(value.detach(), layouts.get(name, Layout("other")), pool, name)
         arrays[name] = np.ascontiguousarray(pooled.to(getattr(torch, dtype)).cpu().numpy())
     return arrays
+
+
+def row_shapes(
+    extractor: FeatureExtractor, image_shape: tuple[int, ...], pool: Pool | None
+) -> dict[str, tuple[int, ...]]:
+    """The shape of one row of each output (pooled with ``pool``) for images of ``image_shape`` ``(C, H, W)``.
+
+    Read from the extractor's meta trace, so planning a dump runs no forward. Where the trace cannot
+    tell (a backbone that cannot run on the meta device, an output that is not a tensor, a trace that fails
+    at this size), one real forward of an image in range does, leaving the range check to the first real batch.
+    """
+    try:
+        shapes = extractor.output_shapes((2, *image_shape))  # a batch of two, as traced at construction: reused
+    except FeatureHooksError:
+        raise
+    except Exception:  # noqa: BLE001 - the meta device was wrong about this model: the real forward decides
+        return _probed_shapes(extractor, image_shape, pool)
+    layouts = extractor.output_layouts
+    rows = {}
+    for name, shape in shapes.items():
+        if shape is None:  # not a tensor: the real forward's error names what it is
+            return _probed_shapes(extractor, image_shape, pool)
+        rows[name] = tuple(pool_features(torch.empty(shape, device="meta"), layouts[name], pool, name).shape[1:])
+    return rows
+
+
+def _probed_shapes(
+    extractor: FeatureExtractor, image_shape: tuple[int, ...], pool: Pool | None
+) -> dict[str, tuple[int, ...]]:
+    """``row_shapes`` from one real forward of an image at the low end of ``input_range``."""
+    probe = torch.full((1, *image_shape), extractor.input_range[0], device=extractor.device)
+    checked, extractor.range_checked = extractor.range_checked, True  # in range by construction: not a sample
+    try:
+        arrays = features_as_arrays(extractor, probe, pool, "float32")
+    finally:
+        extractor.range_checked = checked
+    return {name: tuple(array.shape[1:]) for name, array in arrays.items()}

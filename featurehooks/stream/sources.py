@@ -1,7 +1,9 @@
-"""Inputs of a dump: listing image files and the per-row datasets (decoding lives in ``featurehooks.images``).
+"""Sources of the input pipeline: what the rows of a source are (listed image files, or the items of a
+dataset or tensor) and how one row is decoded (reading files lives in ``featurehooks.images``).
 
 Every input becomes one row. A file that cannot be decoded still owns its row (zero-filled and
 marked invalid), so row numbers depend only on the sorted input list, never on which files failed.
+``resolve_inputs`` turns a source into ``Inputs``: the rows, the shape every row gets, the transform.
 """
 
 from __future__ import annotations
@@ -12,25 +14,34 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Union
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from ..images import read_image, to_input_range
+from ..images import ImageTransform, image_size, read_image, to_input_range, transform_for
+
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
 
 __all__ = [
     "IMAGE_SUFFIXES",
-    "Batch",
     "DatasetLayout",
     "ImageFiles",
+    "Inputs",
     "Sample",
     "SourceSpec",
     "TensorRows",
     "dataset_layout",
+    "file_identity",
+    "first_tensor",
+    "inputs_digest",
+    "item_label",
     "list_images",
+    "resolve_inputs",
 ]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
@@ -42,23 +53,16 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 @dataclass
 class Sample:
-    """One decoded row: ``image`` (C, H, W) float, or zeros with ``reason`` saying why it is invalid.
+    """One decoded row number ``row``: ``image`` (C, H, W) float, or a placeholder with ``reason`` saying why the
+    row is invalid (zeros, or ``None`` when nothing is to be computed for it).
 
     ``label`` is the integer label of an ``(image, label)`` dataset item, ``None`` without one or for an invalid row.
     """
 
-    image: Tensor
+    row: int
+    image: Tensor | None
     reason: str
     label: int | None = None
-
-
-class Batch(NamedTuple):
-    """Collated samples: images (B, C, H, W) or a list of (C, H, W) of several sizes, reasons (empty for valid
-    rows), labels (``None`` where absent)."""
-
-    images: Tensor | list[Tensor]
-    reasons: list[str]
-    labels: list[int | None]
 
 
 def _glob(pattern: str) -> list[str]:
@@ -132,7 +136,9 @@ def _describe(exc: BaseException) -> str:
 class ImageFiles(Dataset):
     """Rows of image files, decoded and prepared by ``transform``; failures become invalid rows."""
 
-    def __init__(self, paths: Sequence[str], transform: Any, shape: tuple[int, ...], any_size: bool = False) -> None:
+    def __init__(
+        self, paths: Sequence[str], transform: ImageTransform, shape: tuple[int, ...], any_size: bool = False
+    ) -> None:
         self.paths = list(paths)
         self.transform = transform
         self.shape = shape
@@ -145,10 +151,11 @@ class ImageFiles(Dataset):
         try:
             image = self.transform(read_image(self.paths[index]))
         except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
-            return Sample(torch.zeros(self.shape), _describe(exc))
+            return Sample(index, torch.zeros(self.shape), _describe(exc))
         if tuple(image.shape) != self.shape and not self.any_size:
-            return Sample(torch.zeros(self.shape), f"size {tuple(image.shape)} differs from {self.shape}; set a crop")
-        return Sample(image, "")
+            reason = f"size {tuple(image.shape)} differs from {self.shape}; set a crop"
+            return Sample(index, torch.zeros(self.shape), reason)
+        return Sample(index, image, "")
 
 
 class TensorRows(Dataset):
@@ -181,12 +188,12 @@ class TensorRows(Dataset):
             _check_pixel_dtype(image)
             label = item_label(item) if self.labelled else None
         except Exception as exc:  # a user's dataset may raise anything for a bad item
-            return Sample(torch.zeros(self.shape), _describe(exc))
+            return Sample(index, torch.zeros(self.shape), _describe(exc))
         if tuple(image.shape) != self.shape:
-            return Sample(torch.zeros(self.shape), f"shape {tuple(image.shape)} differs from {self.shape}")
+            return Sample(index, torch.zeros(self.shape), f"shape {tuple(image.shape)} differs from {self.shape}")
         if image.dtype == torch.uint8:
-            return Sample(to_input_range(image, self.input_range), "", label)
-        return Sample(image.float(), "", label)
+            return Sample(index, to_input_range(image, self.input_range), "", label)
+        return Sample(index, image.float(), "", label)
 
 
 @dataclass(frozen=True)
@@ -259,9 +266,91 @@ def _has_label(item: Any) -> bool:
     return True
 
 
-def collate_batch(samples: list[Sample]) -> Batch:
-    """A batch of samples: images (stacked, or a list when their sizes differ), reasons (empty for valid
-    rows) and labels."""
-    images = [s.image for s in samples]
-    stacked = torch.stack(images) if len({tuple(i.shape) for i in images}) == 1 else images
-    return Batch(stacked, [s.reason for s in samples], [s.label for s in samples])
+@dataclass(frozen=True)
+class Inputs:
+    """The rows of a source: their names, the dataset (for tensor sources), the prepared image shape, for
+    files their identity (size and mtime, to notice files replaced before a resume), and whether the
+    dataset's items carry integer labels, and whether images may differ in size (pooled, uncropped files:
+    ``image_shape`` is then the first readable image's, which gives the features' shapes)."""
+
+    names: list[str]
+    dataset: Dataset | None
+    image_shape: tuple[int, ...]
+    transform: ImageTransform | None
+    identity: np.ndarray | None = None
+    labelled: bool = False
+    sizes_vary: bool = False
+
+    def rows(self, input_range: tuple[float, float]) -> ImageFiles | TensorRows:
+        """The dataset that decodes row ``i`` into a ``Sample`` (``uint8`` tensors scaled to ``input_range``)."""
+        if self.dataset is not None:
+            return TensorRows(self.dataset, self.image_shape, input_range, labelled=self.labelled)
+        return ImageFiles(self.names, self.transform, self.image_shape, any_size=self.sizes_vary)  # type: ignore[arg-type]
+
+
+def file_identity(names: list[str]) -> np.ndarray:
+    """``(N, 2)`` size and modification time (ns) of each file; ``-1`` where a file cannot be stat'ed."""
+    identity = np.full((len(names), 2), -1, dtype=np.int64)
+    for row, name in enumerate(names):
+        try:
+            info = os.stat(name)
+        except OSError:  # reported as an invalid row when it is read
+            continue
+        identity[row] = (info.st_size, info.st_mtime_ns)
+    return identity
+
+
+def resolve_inputs(
+    extractor: FeatureExtractor,
+    source: SourceSpec,
+    resize_size: int | str | None,
+    crop_size: int | str | None,
+    pool: str | None,
+) -> Inputs:
+    """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
+    if isinstance(source, Tensor):
+        if source.dim() != 4:
+            raise InvalidValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
+        source = TensorDataset(source)
+    if isinstance(source, Dataset):
+        layout = dataset_layout(source)  # the first readable item: one that raises is an invalid row
+        names = [f"dataset[{i}]" for i in range(len(source))]  # type: ignore[arg-type]
+        return Inputs(names, source, layout.shape, None, labelled=layout.labelled)
+    if not isinstance(source, (str, os.PathLike, list, tuple)):
+        raise InvalidTypeError(
+            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
+            f"not {type(source).__name__}"
+        )
+    names = list_images(source)
+    transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
+    shape = transform.output_shape()
+    if shape is None:  # no crop: the first readable image's shape gives the features' shapes
+        if pool is None:
+            _check_one_size(names, transform)
+        for name in names:
+            try:
+                shape = tuple(transform(read_image(name)).shape)
+                break
+            except Exception:  # unreadable: it is reported as an invalid row later
+                continue
+        else:
+            raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
+    return Inputs(names, None, shape, transform, file_identity(names), sizes_vary=pool is not None)
+
+
+def _check_one_size(names: list[str], transform: ImageTransform) -> None:
+    """Spatial maps of every row share one shape: refuse, while planning, images that would differ."""
+    first: tuple[str, tuple[int, int]] | None = None
+    for name in names:
+        try:
+            size = transform.prepared_size(*image_size(name))
+        except Exception:  # unreadable: an invalid row later
+            continue
+        if first is None:
+            first = (name, size)
+        elif size != first[1]:
+            raise InvalidValueError(
+                f"images of different sizes cannot share one array of feature maps: {first[0]} is "
+                f"{first[1][1]}x{first[1][0]} and {name} is {size[1]}x{size[0]} once prepared; set a resize "
+                "and a crop (resize_size=, crop_size=; --resize, --crop) or pool the features (pool='avg', --pool avg)"
+            )

@@ -1,4 +1,4 @@
-"""Micro-batches for the dump's CPU forwards: few enough images that the largest activation stays in the cache.
+"""Micro-batches for the pipeline's CPU forwards: few enough images that the largest activation stays in the cache.
 
 One forward of a whole batch of 32 images at 224 px streams every activation through main memory;
 split so that the largest activation of a micro-batch fits in half the last-level cache, the same
@@ -15,9 +15,12 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
 
 __all__ = ["cache_budget", "micro_batch_size"]
 
@@ -46,14 +49,13 @@ def cache_budget() -> int:
     return max(sizes, default=_FALLBACK_CACHE) // 2
 
 
-def micro_batch_size(extractor: Any, images: Tensor) -> int:
+def micro_batch_size(extractor: FeatureExtractor, images: Tensor) -> int:
     """Images per forward for ``images``: the whole batch off the CPU or when the extractor cannot say how
-    large its activations are; else as many as keep the largest one within ``cache_budget()``."""
+    large its activations are (an untraced model); else as many as keep the largest one within ``cache_budget()``."""
     batch = images.shape[0]
-    size_of = getattr(extractor, "activation_bytes", None)
-    if images.device.type != "cpu" or batch <= 1 or size_of is None:
+    if images.device.type != "cpu" or batch <= 1:
         return batch
-    per_image = size_of(int(images.shape[-2]), int(images.shape[-1]))
+    per_image = extractor.activation_bytes(int(images.shape[-2]), int(images.shape[-1]))
     if not per_image:
         return batch
     return max(1, min(batch, cache_budget() // per_image))

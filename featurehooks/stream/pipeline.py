@@ -1,0 +1,137 @@
+"""The loop every consumer of images shares: batches of decoded rows in, batches of features out.
+
+``feature_batches`` is that loop: it moves each batch where the model computes, runs one forward per image
+size found in it (a batch of pooled, uncropped files holds several), puts the results back in row order,
+zero-fills the rows that could not be read, and counts the rows on a progress bar. Dumps and feature
+statistics call it through ``extract_batches`` (a ``FeatureExtractor`` over ``Inputs``); the LPIPS pair
+scorer with a forward of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._layout import Pool
+from ..errors import InvalidValueError
+from .forward import features_as_arrays, placement
+from .loader import Batch, loader_workers, row_loader
+from .progress import Progress
+from .sources import Inputs
+
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+
+__all__ = ["FeatureBatch", "Forward", "check_options", "extract_batches", "feature_batches"]
+
+_DTYPES = ("float16", "float32")
+_POOLS = (None, "avg", "max", "cls")
+
+Forward = Callable[[Tensor], dict[str, np.ndarray]]
+"""A forward of images of one size, on the model's device and dtype: one array row per image, by output name."""
+
+
+class FeatureBatch(NamedTuple):
+    """Features of the rows ``rows``: ``arrays`` by output name, one row each (zeros where ``reasons`` says
+    why a row could not be read), and the rows' labels (``None`` where absent)."""
+
+    rows: list[int]
+    arrays: dict[str, np.ndarray]
+    reasons: list[str]
+    labels: list[int | None]
+
+    @property
+    def valid(self) -> list[int]:
+        """Positions (in this batch) of the rows that were read."""
+        return [i for i, reason in enumerate(self.reasons) if not reason]
+
+    @property
+    def skipped(self) -> list[tuple[int, str]]:
+        """``(row, reason)`` of each row that could not be read."""
+        return [(row, reason) for row, reason in zip(self.rows, self.reasons) if reason]
+
+
+def check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: object) -> str:
+    """Refuse a bad batch size, worker count, pool or on-disk dtype; returns the dtype's name."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
+        raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    if pool not in _POOLS:
+        raise InvalidValueError(f"pool must be None, 'avg', 'max' or 'cls', not {pool!r}")
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(dtype).name  # type: ignore[call-overload]
+        except TypeError:
+            name = str(dtype)
+    if name not in _DTYPES:
+        raise InvalidValueError(f"dtype must be 'float16' or 'float32', not {dtype!r}")
+    return name
+
+
+def feature_batches(
+    forward: Forward, batches: Iterable[Batch], *, model: object, progress: Progress
+) -> Iterator[FeatureBatch]:
+    """``forward`` over each batch, moved to ``model``'s device and dtype (see ``placement``), without a graph.
+
+    A batch of images of several sizes runs one forward per size. Rows whose image is ``None`` are not
+    computed; their arrays, and those of every row with a reason, are zeros. ``progress`` counts a batch's
+    rows once the consumer is done with it.
+    """
+    device, dtype = placement(model)
+    for batch in batches:
+        with torch.no_grad():
+            arrays = _by_size(forward, batch.images, device, dtype)
+        for position, reason in enumerate(batch.reasons):
+            if reason:
+                for array in arrays.values():
+                    array[position] = 0
+        yield FeatureBatch(batch.rows, arrays, batch.reasons, batch.labels)
+        progress.update(len(batch.rows))
+
+
+def _by_size(
+    forward: Forward, images: Tensor | Sequence[Tensor | None], device: torch.device, dtype: torch.dtype
+) -> dict[str, np.ndarray]:
+    """``forward`` of a stacked batch, or of each size found in a list of images, put back in row order."""
+    if isinstance(images, Tensor):
+        return forward(images.to(device=device, dtype=dtype, non_blocking=True))
+    rows_of: dict[tuple[int, ...], list[int]] = {}
+    for row, image in enumerate(images):
+        if image is not None:
+            rows_of.setdefault(tuple(image.shape), []).append(row)
+    arrays: dict[str, np.ndarray] = {}
+    for rows in rows_of.values():
+        same = torch.stack([images[row] for row in rows]).to(device=device, dtype=dtype, non_blocking=True)  # type: ignore[misc]
+        for name, value in forward(same).items():
+            arrays.setdefault(name, np.zeros((len(images), *value.shape[1:]), value.dtype))[rows] = value
+    return arrays
+
+
+def extract_batches(
+    extractor: FeatureExtractor,
+    inputs: Inputs,
+    batches: Sequence[Sequence[int]],
+    *,
+    pool: Pool | None,
+    dtype: str,
+    num_workers: int | None,
+    progress: Progress,
+) -> Iterator[FeatureBatch]:
+    """``feature_batches`` of ``extractor`` over ``batches`` (lists of rows) of ``inputs``, decoded by up to
+    ``num_workers`` processes; features pooled with ``pool`` and cast to ``dtype``.
+
+    Without decoding workers, CPU forwards run in cache-sized micro-batches (see ``tiling``).
+    """
+    workers = loader_workers(num_workers, len(batches))
+    rows = inputs.rows(extractor.input_range)
+    loader = row_loader(rows, batches, workers, pin=extractor.device.type == "cuda")
+    forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, micro_batches=workers == 0)
+    return feature_batches(forward, loader, model=extractor, progress=progress)
