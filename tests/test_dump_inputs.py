@@ -282,6 +282,29 @@ def test_fifos_and_devices_are_invalid_rows_not_a_hang(tmp_path: Path) -> None:
 
 
 @posix_only
+@pytest.mark.parametrize("pattern", [False, True])
+def test_special_files_in_a_folder_or_glob_are_invalid_rows_not_dropped(tmp_path: Path, pattern: bool) -> None:
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    Image.open(SAMPLES / "sample_00_shapes.png").save(folder / "a.png")
+    os.mkfifo(folder / "sub" / "pipe.png")
+    (folder / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
+    (folder / "notes.png").mkdir()  # a folder with an image suffix is no input
+    source = str(folder / "**" / "*.*") if pattern else folder
+    assert [Path(p).relative_to(folder).as_posix() for p in list_images(source)] == [
+        "a.png",
+        "gone.jpg",
+        "sub/pipe.png",
+    ]
+    with deadline(30):
+        result = dump(source, tmp_path / "out")
+    assert result.num_rows == 3
+    assert reasons(result)["pipe.png"] == "OSError: not a regular file: fifo"
+    assert reasons(result)["gone.jpg"].startswith("FileNotFoundError")
+    assert len(reasons(result)) == 2
+
+
+@posix_only
 def test_a_fifo_swapped_in_after_the_check_does_not_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     os.mkfifo(tmp_path / "pipe.png")
     regular = os.stat(SAMPLES / "sample_00_shapes.png")

@@ -28,16 +28,7 @@ from torchvision.transforms import InterpolationMode
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
-from ..stream import (
-    IMAGE_SUFFIXES,
-    Progress,
-    Sample,
-    feature_batches,
-    list_images,
-    loader_workers,
-    placement,
-    row_loader,
-)
+from ..stream import Progress, Sample, feature_batches, list_images, loader_workers, placement, row_loader
 
 __all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
 
@@ -69,20 +60,18 @@ class _Listed(NamedTuple):
 def _images_by_name(folder: str | os.PathLike[str], ignore_suffix: bool) -> dict[str, _Listed]:
     """``{key: entry}`` of the images under ``folder`` and of what only looks like one; relative paths use ``/``.
 
-    The images are what ``list_images`` finds, as for a dump. Entries with an image suffix that are
-    neither regular files nor folders (a FIFO, a socket, a device, a dangling link), which it leaves
-    out, are kept with the reason ``read_image`` refuses them for, so that they are reported, not lost.
+    The entries are what ``list_images`` finds, as for a dump. Those that are not regular files (a FIFO,
+    a socket, a device, a dangling link) carry the reason ``read_image`` refuses them for, so that they are
+    reported, not lost; only their ``stat`` is read.
     """
     root = Path(folder)
     if not root.is_dir():
         kind = "is not a folder" if root.exists() else "does not exist"
         raise InputNotFoundError(f"{os.fspath(folder)} {kind}; pass two folders of images")
     base = os.path.abspath(root)
-    images = list_images(root)
-    entries = [(path, "") for path in images]
-    entries += [(path, _refusal(path)) for path in _special_entries(root, set(images))]
     found: dict[str, _Listed] = {}
-    for path, reason in entries:
+    for path in list_images(root):
+        reason = "" if os.path.isfile(path) else _refusal(path)
         name = Path(os.path.relpath(path, base)).as_posix()
         key = name.rsplit(".", 1)[0] if ignore_suffix and "." in Path(name).name else name
         if key in found:
@@ -91,15 +80,6 @@ def _images_by_name(folder: str | os.PathLike[str], ignore_suffix: bool) -> dict
             )
         found[key] = _Listed(name, path, reason)
     return found
-
-
-def _special_entries(root: Path, images: set[str]) -> list[str]:
-    """Absolute paths of the entries under ``root`` with an image suffix that are neither ``images`` nor folders.
-
-    Only the ``stat`` of those others is read (``is_dir``): a FIFO is never opened.
-    """
-    candidates = (os.path.abspath(path) for path in root.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES)
-    return sorted(path for path in candidates if path not in images and not os.path.isdir(path))
 
 
 def _refusal(path: str) -> str:

@@ -66,7 +66,7 @@ class Sample:
 
 
 def _glob(pattern: str) -> list[str]:
-    """Files matching ``pattern``, like ``glob.glob`` but without following symlinked folders for ``**``.
+    """Entries but folders matching ``pattern``, like ``glob.glob`` without following symlinked folders for ``**``.
 
     ``glob.glob`` follows them, so a symlink cycle lists every file dozens of times, and two make it
     run for ever. As in ``glob``, hidden names match only a pattern that names a hidden part itself.
@@ -80,7 +80,7 @@ def _glob(pattern: str) -> list[str]:
     return sorted(
         str(path)
         for path in root.glob(str(Path(*rest)))
-        if path.is_file() and (hidden_ok or not any(p.startswith(".") for p in path.relative_to(root).parts))
+        if not path.is_dir() and (hidden_ok or not any(p.startswith(".") for p in path.relative_to(root).parts))
     )
 
 
@@ -93,7 +93,7 @@ def _expand(item: str | os.PathLike[str]) -> list[str]:
         return found
     path = Path(text)
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
         if not files:
             raise InputNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...) under {text}")
         return files
@@ -108,6 +108,8 @@ def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     ``source`` is a folder (searched recursively for common image suffixes), a glob pattern, a file,
     or a list of any of these. Each folder or glob is sorted; the items keep the order given.
     Files listed explicitly are kept whatever their suffix (an unreadable one is reported later).
+    Every entry but a folder is listed, so what is not a regular file (a FIFO, a socket, a device, a
+    dangling link) becomes an invalid row that names why (``read_image`` never opens it), not a lost one.
     A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``). Neither
     folders nor ``**`` follow symlinked folders, so a symlink cycle cannot repeat files or run for ever.
     """
