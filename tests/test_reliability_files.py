@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featurehooks.dump import store as store_module
+from featurehooks import _atomic
+from featurehooks._atomic import write_atomic
 from featurehooks.dump.manifest import InputsRecord, Manifest, Settings
-from featurehooks.dump.store import DumpLockedError, DumpStore, write_atomic
+from featurehooks.dump.store import DumpLockedError, DumpStore
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics.frechet import frechet_distance
 from featurehooks.metrics.statistics import FeatureStatistics
@@ -69,8 +70,8 @@ def test_a_symlink_at_the_old_predictable_temporary_name_is_not_followed(tmp_pat
 
 
 def test_temporary_names_are_unpredictable_and_files_keep_the_usual_mode(tmp_path: Path) -> None:
-    _, first = store_module._temporary(tmp_path / "x")
-    _, second = store_module._temporary(tmp_path / "x")
+    _, first = _atomic.temporary(tmp_path / "x")
+    _, second = _atomic.temporary(tmp_path / "x")
     assert first != second and first.name.startswith(".x.tmp-") and second.name.startswith(".x.tmp-")
     write_atomic(tmp_path / "index.csv", "row,valid,path\n")
     umask = os.umask(0o022)

@@ -219,7 +219,7 @@ def _write_scores(path: str, names: list[str], scores: list[float]) -> None:
     import csv
     import io
 
-    from ..dump.store import write_atomic
+    from .._atomic import write_atomic
 
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")

@@ -33,7 +33,6 @@ import os
 import shutil
 import socket
 import stat
-import tempfile
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,6 +43,7 @@ import numpy as np
 from numpy.lib import format as npy
 from numpy.lib.format import open_memmap
 
+from .._atomic import NoSpaceError, fsync_dir, set_mode, space_for, temporary, write_all, write_atomic
 from ..errors import FeatureHooksError
 from .manifest import INDEX, LABELS, MANIFEST, START_OVER, CorruptDumpError, Manifest, is_count, layer_file_name
 
@@ -57,7 +57,6 @@ __all__ = ["CorruptDumpError", "DumpLockedError", "DumpStore", "NoSpaceError", "
 JOURNAL = ".journal"
 LOCK = ".lock"
 _LABELS_KEY = "\0labels"  # the key of labels.npy among the open arrays: no layer can have it
-_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _LOCK_TRIES = 100
@@ -65,100 +64,8 @@ _RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks opens a file is not followed
 
 
-class NoSpaceError(OSError):
-    """The output's filesystem has no room for what a dump must write (``errno.ENOSPC``).
-
-    A failure of the machine, not of the input, hence not a ``FeatureHooksError`` (the CLI exits 1, not 2).
-    Nothing is left half-written: free space and run the dump again (``resume=True`` finishes a started one).
-    """
-
-
 class DumpLockedError(FeatureHooksError, OSError):
     """Another process is writing a dump into the same folder (its pid and host are in the message)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _space_for(folder: Path, what: str, needed: int) -> Iterator[None]:
-    """Turn a full disk (or quota) while doing ``what`` into a one-line ``NoSpaceError`` naming the bytes at stake."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in _FULL:
-            raise
-        free = shutil.disk_usage(folder).free
-        raise NoSpaceError(
-            errno.ENOSPC,
-            f"no space left in {folder} to {what}: {needed:,} bytes needed, {free:,} available; free some space "
-            "and run the dump again (resume=True / --resume finishes a started dump)",
-        ) from exc
-
-
-def _umask() -> int:
-    """The process umask (read once, at import: reading it means setting it, which is not thread-safe)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-_MODE = 0o666 & ~_umask()  # what open(path, "w") gives a new file; mkstemp makes 0600, which other users cannot read
-
-
-def _set_mode(fd: int) -> None:
-    """Give a file made by ``mkstemp`` the permissions a plainly created one would have."""
-    if hasattr(os, "fchmod"):
-        os.fchmod(fd, _MODE)
-
-
-def _temporary(path: Path) -> tuple[int, Path]:
-    """A new file ``path`` is built in before it is renamed into place, opened for writing: ``(fd, its path)``.
-
-    Hidden, beside ``path``, with an unpredictable name created exclusively (``tempfile.mkstemp``: ``O_EXCL``,
-    mode 0600), so nothing planted there in advance (a symlink to another file) is ever opened or truncated.
-    """
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    return fd, Path(name)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """``os.write`` until every byte of ``data`` is out (a write may be short on a filling disk)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Replace ``path`` with ``text`` (or bytes) so that readers see the old or the new file, never a mix.
-
-    The text is encoded as UTF-8 with ``surrogateescape``: a file name that is not valid UTF-8 (which Python
-    holds as lone surrogates) is written as its own bytes and reads back unchanged with the same handler.
-    """
-    data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
-    with _space_for(path.parent, f"write {path.name}", len(data)):
-        fd, tmp = _temporary(path)
-        try:
-            try:
-                _write_all(fd, data)
-                _set_mode(fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -273,10 +180,10 @@ def _create_npy(fd: int, header: bytes, size: int) -> int:
     """Make the new file ``fd`` a zero-filled ``.npy`` of ``size`` bytes and close it; returns how many bytes
     are not reserved on disk."""
     try:
-        _set_mode(fd)
+        set_mode(fd)
         os.ftruncate(fd, size)
         reserved = _reserve(fd, size)
-        _write_all(fd, header)
+        write_all(fd, header)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -443,11 +350,11 @@ class DumpStore:
         headers = {layer: _npy_header(shape, dtype) for layer, shape in shapes.items()}
         sizes = {layer: len(headers[layer]) + _data_bytes(shape, dtype) for layer, shape in shapes.items()}
         temps: dict[str, Path] = {}
-        with _space_for(self.root, f"create {len(shapes)} array file(s)", sum(sizes.values())):
+        with space_for(self.root, f"create {len(shapes)} array file(s)", sum(sizes.values())):
             try:
                 unreserved = 0
                 for layer in shapes:
-                    fd, temps[layer] = _temporary(self.layer_path(layer))
+                    fd, temps[layer] = temporary(self.layer_path(layer))
                     unreserved += _create_npy(fd, headers[layer], sizes[layer])
                 if unreserved > shutil.disk_usage(self.root).free:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -456,7 +363,7 @@ class DumpStore:
             finally:
                 for temp in temps.values():
                     temp.unlink(missing_ok=True)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def arrays_match(self, shapes: Mapping[str, Sequence[int]], dtype: str) -> bool:
         """Whether every ``.npy`` exists whole, with exactly the header ``create_arrays`` writes (C order)."""
@@ -539,8 +446,8 @@ class DumpStore:
         fd = self._journal
         if fd is None:
             raise RuntimeError("open_journal(rank) before committing")
-        with _space_for(self.root, what, len(data)):
-            _write_all(fd, data)
+        with space_for(self.root, what, len(data)):
+            write_all(fd, data)
             os.fsync(fd)
 
     def commit(self, chunk: int, start: int, stop: int, skipped: Sequence[tuple[int, str]]) -> None:

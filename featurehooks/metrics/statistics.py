@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._atomic import write_atomic
 from .._layout import Pool
 from ..dump import DumpResult, read_manifest
-from ..dump.store import write_atomic
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
 from ..stream import Progress, SourceSpec, check_options, extract_batches, resolve_inputs
 
