@@ -51,7 +51,7 @@ def loader_workers(requested: int | None, batches: int) -> int:
 
 
 def row_loader(
-    rows: Dataset | IterableDataset, batches: Sequence[Sequence[int]] | None, workers: int, pin: bool
+    rows: Dataset | IterableDataset, batches: Sequence[list[int]] | None, workers: int, pin: bool
 ) -> DataLoader:
     """Batches of ``rows`` decoded by ``workers`` processes (0: in this one), two batches ahead per worker.
 

@@ -118,7 +118,7 @@ def _by_size(
 def extract_batches(
     extractor: FeatureExtractor,
     inputs: Inputs,
-    batches: Sequence[Sequence[int]],
+    batches: Sequence[list[int]],
     *,
     pool: Pool | None,
     dtype: str,
