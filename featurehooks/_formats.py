@@ -35,8 +35,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._copy import meta_copy
 from ._taps import Site
-from ._trace import STATE, drop_hooks, meta_copy
+from ._trace import STATE, drop_hooks
 from .errors import InvalidValueError
 
 __all__ = [

@@ -11,13 +11,11 @@ switching such a module out of place would remove.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ._copy import meta_copy
 from ._taps import Site
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "Trace",
     "drop_hooks",
     "fixed_input_size",
-    "meta_copy",
     "trace",
     "trace_images",
     "tracing",
@@ -110,30 +108,6 @@ class Trace:
         """Trace ``model`` (this one, changed since) on the same inputs; ``check_reads`` as in :func:`trace`."""
         args, kwargs, eval_mode = self.inputs
         return trace(model, args, kwargs, watch=watch, eval_mode=eval_mode, check_reads=check_reads)
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are empty meta tensors (no data is copied).
-
-    The trace runs on this copy, never on the caller's model: a forward in another thread at the same
-    time sees neither meta weights nor trace hooks, and caches a forward fills stay in the copy.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in chain(model.parameters(), model.buffers(), _attribute_tensors(model)):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-def _attribute_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    """Tensors modules keep as plain attributes or in caches (dicts, lists): they are part of the copy too,
-    and a cached result of a forward with grad cannot be deep-copied at all."""
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, (dict, list, tuple)) and not isinstance(value, nn.Module):
-                yield from (leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
-            elif isinstance(value, torch.Tensor):
-                yield value
 
 
 class _Recorder:

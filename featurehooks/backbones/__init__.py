@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import os
 import warnings
@@ -12,6 +11,7 @@ from typing import Union
 from torch import nn
 from torchvision.models import WeightsEnum
 
+from .._copy import private_copy
 from ..errors import InvalidTypeError, InvalidValueError
 from . import timm_models, torchvision_models
 from ._files import is_state_dict_file, load_fitting, read_state_dict
@@ -49,9 +49,10 @@ def load_backbone(
 ) -> Backbone:
     """Build a backbone and load its weights; ``mean``/``std`` override the weights' normalization.
 
-    A user's ``nn.Module`` is deep-copied, so freezing and hooking never touch the caller's object; it keeps
-    its own weights (or loads a local file given as ``weights``) and gets the preprocessing its own library
-    gives it, so the defaults equal the user's own pipeline:
+    A user's ``nn.Module`` is copied (parameters and buffers; other tensors it references are shared), so
+    freezing and hooking never touch the caller's object; it keeps its own weights (or loads a local file given
+    as ``weights``) and gets the preprocessing its own library gives it, so the defaults equal the user's own
+    pipeline:
 
     - a timm model (built by ``timm.create_model``) gets its ``pretrained_cfg`` exactly as ``"timm/<name>"``
       does: timm's eval transform and normalization, and its input channels;
@@ -78,12 +79,12 @@ def load_backbone(
 
 
 def _own_module(module: nn.Module, weights: WeightsSpec, *, explained: bool) -> Backbone:
-    """A deep copy of the user's module; ``weights`` may name a local file to load into it.
+    """A copy of the user's module (``private_copy``); ``weights`` may name a local file to load into it.
 
     ``explained``: the user gave mean and std, so a warning that the instance's normalization is unknown
     would say nothing.
     """
-    model = copy.deepcopy(module)
+    model = private_copy(module)
     source = None
     if is_state_dict_file(weights):
         load_fitting(model, read_state_dict(weights), str(weights))  # type: ignore[arg-type]

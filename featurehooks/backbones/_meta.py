@@ -4,6 +4,12 @@
 models that compute their layout from tensors (RegNet's widths come from ``torch.arange(...).tolist()``) and
 leaves non-persistent buffers (Swin's ``relative_position_index``) without values that no checkpoint restores.
 Moving only the parameters keeps both; the random init of a meta parameter is skipped, having nothing to write.
+
+Some ``__init__`` code computes on the parameters' device, so on the meta device: Swin V2 and mixed-RoPE tables
+built with ``device=weight.device`` and copied into real buffers, a hybrid ViT's probe forward of a CPU image
+through its meta backbone. An op that fails because it mixes meta and real tensors runs again on the meta
+device, its real tensors moved there (a real buffer it writes into becomes meta too, left without values like
+the parameters), so the build finishes with the shapes it needs. Ops that succeed are never changed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from itertools import chain
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 _local = threading.local()  # .depth: how many meta_parameters() blocks the current thread is inside
 _install_lock = threading.Lock()
@@ -45,6 +52,8 @@ _VALUE_ONLY_OPS = frozenset(
         "clamp_",
     }
 )
+# Names of in-place ops without a trailing underscore: their first argument is written.
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
 
 
 def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -54,20 +63,54 @@ def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None
         module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 
-class _SkipInitOnMeta(TorchFunctionMode):
-    """Skip ``torch.nn.init`` functions and value-only in-place ops on meta tensors (modes are per thread)."""
+class _BuildOnMeta(TorchFunctionMode):
+    """Skip ``torch.nn.init`` functions and value-only in-place ops on meta tensors, and run an op that fails on
+    a mix of meta and real tensors again on the meta device (modes are per thread)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")  # nn.init dispatches with tensor= as a keyword
         if isinstance(target, torch.Tensor) and target.is_meta and _writes_values_only(func):
             return target
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:  # "Cannot copy out of meta tensor", "not on ... cpu"
+            if not _mixes_meta_and_real((args, kwargs)):
+                raise
+            return _again_on_meta(func, target, args, kwargs, error)
 
 
 def _writes_values_only(func: Callable[..., object]) -> bool:
     """Whether ``func`` is a ``torch.nn.init`` function or a value-only in-place op."""
     return getattr(func, "__module__", None) == "torch.nn.init" or getattr(func, "__name__", "") in _VALUE_ONLY_OPS
+
+
+def _mixes_meta_and_real(tree: object) -> bool:
+    """Whether the tensors in ``tree`` are some on the meta device and some not."""
+    devices = {leaf.is_meta for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)}
+    return len(devices) == 2
+
+
+def _writes_first_argument(func: Callable[..., object]) -> bool:
+    """Whether ``func`` is an in-place op: ``copy_``, ``masked_fill_``, ``t[i] = v``, ``t += v``."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+def _again_on_meta(
+    func: Callable[..., object], target: object, args: tuple[object, ...], kwargs: dict[str, object], error: Exception
+) -> object:
+    """``func`` on meta copies of the real tensors it was given; a real tensor it writes into becomes a meta tensor
+    in place (same object, so the module that holds it holds the meta one). Raises ``error`` when that cannot be."""
+    if isinstance(target, torch.Tensor) and not target.is_meta and _writes_first_argument(func):
+        try:
+            torch.utils.swap_tensors(target, torch.empty_like(target, device="meta"))
+        except RuntimeError:  # a view, or a tensor something else holds a weak reference to
+            raise error from None
+        if _writes_values_only(func):
+            return target
+    meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), (args, kwargs))
+    return func(*meta_args, **meta_kwargs)
 
 
 def _install() -> None:
@@ -99,7 +142,7 @@ def meta_parameters() -> Iterator[None]:
     _install()
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        with _SkipInitOnMeta():
+        with _BuildOnMeta():
             yield
     finally:
         _local.depth -= 1
