@@ -135,16 +135,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+@dataclass(eq=False)
 class ImageFiles(Dataset):
-    """Rows of image files, decoded and prepared by ``transform``; failures become invalid rows."""
+    """Rows of image files, decoded and prepared by ``transform``; failures become invalid rows.
 
-    def __init__(
-        self, paths: Sequence[str], transform: ImageTransform, shape: tuple[int, ...], any_size: bool = False
-    ) -> None:
-        self.paths = list(paths)
-        self.transform = transform
-        self.shape = shape
-        self.any_size = any_size  # pooled features need no common size
+    Every row must come out as ``shape``, unless ``any_size`` (pooled features need no common size).
+    """
+
+    paths: Sequence[str]
+    transform: ImageTransform
+    shape: tuple[int, ...]
+    any_size: bool = False
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -160,6 +161,7 @@ class ImageFiles(Dataset):
         return Sample(index, image, "")
 
 
+@dataclass(eq=False)
 class TensorRows(Dataset):
     """Rows of a user's dataset of image tensors (or tuples whose first item is one, and second the label).
 
@@ -168,17 +170,10 @@ class TensorRows(Dataset):
     With ``labelled``, every row carries its item's integer label (a row without one is invalid).
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        shape: tuple[int, ...],
-        input_range: tuple[float, float] = (0.0, 1.0),
-        labelled: bool = False,
-    ) -> None:
-        self.dataset = dataset
-        self.shape = shape
-        self.input_range = input_range
-        self.labelled = labelled
+    dataset: Dataset
+    shape: tuple[int, ...]
+    input_range: tuple[float, float] = (0.0, 1.0)
+    labelled: bool = False
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
