@@ -225,15 +225,13 @@ def _compute(
     progress: bool,
 ) -> None:
     """Write and commit this rank's chunks."""
-    ranges = [chunk_rows(c, manifest.chunk_size, len(inputs.names)) for c in chunks]
+    batches = [list(range(*chunk_rows(c, manifest.chunk_size, len(inputs.names)))) for c in chunks]
     store.open_arrays(manifest.settings.layers)
     store.open_journal(dist.rank)
-    if ranges:
-        batches = [list(range(start, stop)) for start, stop in ranges]
+    if batches:
         settings = manifest.settings
-        total = sum(stop - start for start, stop in ranges)
-        label = "extract" if dist.world_size == 1 else f"extract rank {dist.rank}"
-        with Progress(total, progress, label=label, rank=dist.rank) as bar:
+        name = "extract" if dist.world_size == 1 else f"extract rank {dist.rank}"
+        with Progress(sum(map(len, batches)), progress, label=name, rank=dist.rank) as bar:
             found = extract_batches(
                 extractor,
                 inputs,
