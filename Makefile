@@ -1,10 +1,14 @@
 # Quick start: `make demo` then `make test`. Both create .venv on first use.
+# `make test-fast` leaves out the tests marked slow (model sweeps, subprocesses, big images): the edit loop.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core (at most 8: each holds torch and its models); WORKERS=0 runs in one process
+WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --maxprocesses 8 --dist worksteal
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +21,10 @@ demo: $(STAMP)
 	$(PY) examples/style_transfer.py --side-by-side --out demo-output/style_transfer.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check featurehooks tests benchmarks examples

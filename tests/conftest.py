@@ -2,21 +2,36 @@
 
 torchvision, lpips and piq all look in ``$TORCH_HOME/hub/checkpoints/<file name of the URL>``
 before downloading, so the real ``weights="DEFAULT"`` code path runs without a network.
+
+Under pytest-xdist (``make test``) every worker has its own TORCH_HOME, as a single process has, and
+each seeded file is written once per run into a store the workers share, then hard-linked into the
+worker's cache. Each worker's math libraries get an equal share of the cores: two workers running two
+threads each on two cores wait on each other (a 2048-dimensional FD took 130 s instead of 4).
 """
 
 from __future__ import annotations
 
+import os
+
+# Before numpy and torch are imported: OpenBLAS and OpenMP read these once, at load time.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_variable, _threads)
+
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision.models as tvm
+from filelock import FileLock
+from helpers import SEED, write_pngs
 
 from featurehooks.backbones._files import hub_checkpoint_path
 from featurehooks.backbones.torchvision_models import random_init_kwargs, resolve_weights
-
-SEED = 0
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,28 +45,52 @@ def torch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
-def write_seeded_weights(name: str, member: str = "DEFAULT") -> Path:
-    """Write seeded random weights of torchvision model ``name`` where its ``member`` weights are cached.
+@pytest.fixture(scope="session")
+def seeded_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of seeded weight files, shared by all xdist workers of this run (the run's temporary root)."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # pytest-<n>/popen-gw0 -> pytest-<n>
+    store = root / "seeded_weights"
+    store.mkdir(exist_ok=True)
+    return store
+
+
+def write_seeded_weights(store: Path, name: str, member: str = "DEFAULT") -> Path:
+    """Seeded random weights of torchvision model ``name`` where its ``member`` weights are cached.
 
     The model gets the arguments torchvision's builder derives from the member (a SWAG ViT is a 384 or
     518 model), so the file has the layout of the real checkpoint, which torchvision itself can load.
-    It is initialized as the architecture's own init does, so files of members whose layout needs no
-    arguments hold the same values as ``tvm.get_model(name, weights=None)`` would.
+    It is initialized as the architecture's own init does after ``torch.manual_seed(0)``, so files of
+    members whose layout needs no arguments hold the same values as ``tvm.get_model(name, weights=None)``
+    would. The caller's RNG state is left as it was. The file is written once into ``store`` (under a
+    lock: xdist workers share it) and linked into this process's cache.
     """
     weights = resolve_weights(name, member)
     path = hub_checkpoint_path(weights.url)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(SEED)
-        model = tvm.get_model(name, weights=None, **random_init_kwargs(name, weights))
-        torch.save(model.state_dict(), path)
+    if path.exists():
+        return path
+    shared = store / path.name
+    with FileLock(f"{shared}.lock"):
+        if not shared.exists():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(SEED)
+                model = tvm.get_model(name, weights=None, **random_init_kwargs(name, weights))
+            partial = shared.with_name(f"{shared.name}.partial")
+            torch.save(model.state_dict(), partial)
+            partial.replace(shared)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(shared, path)
+    except OSError:  # another filesystem
+        shutil.copyfile(shared, path)
     return path
 
 
 @pytest.fixture(scope="session")
-def seeded_weights(torch_home: Path) -> Callable[..., Path]:
+def seeded_weights(torch_home: Path, seeded_store: Path) -> Callable[..., Path]:
     """``seeded_weights("vgg16")`` caches seeded weights for the DEFAULT (or a named) member."""
-    return write_seeded_weights
+    return lambda name, member="DEFAULT": write_seeded_weights(seeded_store, name, member)
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +103,22 @@ def vgg16_cached(seeded_weights: Callable[..., Path]) -> Path:
 def resnet18_cached(seeded_weights: Callable[..., Path]) -> Path:
     """Seeded ResNet18 IMAGENET1K_V1 weights in the cache."""
     return seeded_weights("resnet18")
+
+
+@pytest.fixture(scope="session")
+def png_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``png_folder(count=5, size=(40, 44), seed=0)``: a folder of ``helpers.write_pngs`` images, written once per
+    session for each set of arguments. Shared by the tests that ask for it: read it, never write into it."""
+    made: dict[tuple[int, tuple[int, int], int], Path] = {}
+
+    def folder(count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
+        key = (count, tuple(size), seed)
+        if key not in made:
+            name = f"pngs_{count}x{size[0]}x{size[1]}_seed{seed}"
+            made[key] = write_pngs(tmp_path_factory.mktemp(name), count, size, seed)
+        return made[key]
+
+    return folder
 
 
 @pytest.fixture

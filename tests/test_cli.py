@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +20,8 @@ SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3"
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("cli_images")
-    rng = np.random.default_rng(0)
-    for i in range(5):
-        Image.fromarray(rng.integers(0, 256, (40, 44, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return folder
+def images(png_folder: Callable[..., Path]) -> Path:
+    return png_folder(5)
 
 
 def extract(images: Path, out: Path, *extra: str) -> int:

@@ -7,10 +7,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from featurehooks import cli
 from featurehooks.cli import main
@@ -21,12 +19,8 @@ EXTRACT = [*MODEL, "--layers", "layer1", "--weights", "none", "--workers", "0", 
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("cli_error_images")
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        Image.fromarray(rng.integers(0, 256, (40, 44, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return folder
+def images(png_folder: Callable[..., Path]) -> Path:
+    return png_folder(3)
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:

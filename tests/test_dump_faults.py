@@ -10,15 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from dump_helpers import mark_unfinished
+from helpers import tiny_extractor
 from PIL import Image
-from torch import nn
 
 from featurehooks import FeatureExtractor
 from featurehooks.dump import dump_features, read_manifest
@@ -27,12 +26,6 @@ from featurehooks.images import decode_image, read_image, transform_for
 CROP = 32
 ROWS = 32
 BATCH = 4
-
-
-def tiny_extractor() -> FeatureExtractor:
-    torch.manual_seed(0)
-    net = nn.Sequential(OrderedDict(conv1=nn.Conv2d(3, 8, 3, stride=2), relu1=nn.ReLU(), conv2=nn.Conv2d(8, 16, 3)))
-    return FeatureExtractor(net, ["relu1", "conv2"], mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
 
 
 def dump(ext: FeatureExtractor, source: object, out: Path, **kwargs: object):

@@ -11,17 +11,16 @@ import subprocess
 import sys
 import textwrap
 import zlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
 import torchvision.transforms.v2.functional as F
 from PIL import Image
-from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 from torchvision.models import EfficientNet_B0_Weights, ResNet18_Weights, ResNet50_Weights
 
@@ -41,9 +40,7 @@ posix_only = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs a
 
 
 def tiny_extractor() -> FeatureExtractor:
-    torch.manual_seed(0)
-    net = nn.Sequential(OrderedDict(conv1=nn.Conv2d(3, 4, 3, stride=4), relu1=nn.ReLU()))
-    return FeatureExtractor(net, ["relu1"], mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    return helpers.tiny_extractor(["relu1"], channels=(4,), stride=4)
 
 
 def dump(source: object, out: Path, **kwargs: object):

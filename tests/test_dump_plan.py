@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from dump_helpers import mark_unfinished
+from helpers import write_pngs
 from PIL import Image
 from torch import nn
 
@@ -30,11 +31,7 @@ def extractor() -> FeatureExtractor:
 
 
 def images(folder: Path, count: int = 6) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for i in range(count):
-        Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return folder
+    return write_pngs(folder, count, (SIZE, SIZE))
 
 
 def dump(source: object, out: Path, **kwargs: object):

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,9 @@ import numpy as np
 import pytest
 import torch
 from dump_helpers import mark_unfinished
+from helpers import tiny_extractor
 from PIL import Image
-from torch import nn
 
-from featurehooks import FeatureExtractor
 from featurehooks.dump import dump_features, list_images, read_manifest
 from featurehooks.dump import store as store_module
 from featurehooks.dump.store import CorruptDumpError, DumpLockedError, DumpStore, NoSpaceError
@@ -39,20 +37,14 @@ ROWS = 12
 BIG = 128  # rows of a dump of ~400 KB: more than the room left on the small filesystem, less than all of it
 
 
-def tiny_extractor() -> FeatureExtractor:
-    """Two taps of a seeded two-conv net: 1568 + 1600 bytes per row in float32."""
-    torch.manual_seed(0)
-    net = nn.Sequential(OrderedDict(conv1=nn.Conv2d(3, 8, 3, stride=2), relu1=nn.ReLU(), conv2=nn.Conv2d(8, 16, 3)))
-    return FeatureExtractor(net, ["relu1", "conv2"], mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
-
-
 def rows(count: int = ROWS) -> torch.Tensor:
     """``count`` seeded images in [0, 1]."""
     return torch.rand(count, 3, CROP, CROP, generator=torch.Generator().manual_seed(count))
 
 
 def dump(source: Any, out: Path, **kwargs: Any) -> Any:
-    """dump_features with the test settings: small chunks, no workers, no progress bar."""
+    """dump_features with the test settings: small chunks, no workers, no progress bar; the extractor's two taps
+    take 1568 + 1600 bytes per row in float32."""
     options = {"batch_size": BATCH, "num_workers": 0, "progress": False, "resize_size": CROP, "crop_size": CROP}
     return dump_features(tiny_extractor(), source, out, **{**options, **kwargs})
 

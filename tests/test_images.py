@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from PIL import Image
-from torch import nn
 from torchvision.models import ResNet18_Weights
 from torchvision.transforms.functional import pil_to_tensor
 
@@ -21,9 +20,7 @@ RANGES = [(0.0, 1.0), (-1.0, 1.0), (0.0, 255.0)]
 
 
 def tiny_extractor(**kwargs: object) -> FeatureExtractor:
-    torch.manual_seed(0)
-    net = nn.Sequential(OrderedDict(conv1=nn.Conv2d(3, 4, 3, stride=2), relu1=nn.ReLU()))
-    return FeatureExtractor(net, ["relu1"], mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), **kwargs)
+    return helpers.tiny_extractor(["relu1"], channels=(4,), **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -146,12 +147,8 @@ def test_feature_matching_reads_channels_from_the_layout(distance: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("vit_images")
-    rng = np.random.default_rng(0)
-    for i in range(5):
-        Image.fromarray(rng.integers(0, 256, (40, 44, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return folder
+def photos(png_folder: Callable[..., Path]) -> Path:
+    return png_folder(5)
 
 
 def _tokens(photos: Path) -> torch.Tensor:

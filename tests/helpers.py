@@ -1,0 +1,48 @@
+"""Builders the test files share: a tiny seeded extractor and a folder of seeded random PNGs.
+
+The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
+because module-level helpers of the test files (``dump(...)``) call them too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from featurehooks import FeatureExtractor
+
+SEED = 0
+
+
+def tiny_extractor(
+    layers: tuple[str, ...] | list[str] = ("relu1", "conv2"),
+    *,
+    channels: tuple[int, ...] = (8, 16),
+    stride: int = 2,
+    **kwargs: object,
+) -> FeatureExtractor:
+    """An extractor over a seeded conv net that builds in milliseconds: ``conv1`` (3x3, ``stride``), ``relu1``
+    and, with a second width in ``channels``, ``conv2`` (3x3). Normalized by mean 0.5 and std 0.25.
+
+    The global RNG is seeded with 0 first, as every copy of this helper did.
+    """
+    torch.manual_seed(SEED)
+    parts: OrderedDict[str, nn.Module] = OrderedDict(conv1=nn.Conv2d(3, channels[0], 3, stride=stride), relu1=nn.ReLU())
+    if len(channels) > 1:
+        parts["conv2"] = nn.Conv2d(channels[0], channels[1], 3)
+    options = {"mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25), **kwargs}
+    return FeatureExtractor(nn.Sequential(parts), list(layers), **options)
+
+
+def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
+    """``count`` random RGB PNGs ``0.png``, ``1.png``, ... of ``size`` (height, width) from one seeded generator."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
