@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from .errors import InvalidValueError
 
 __all__ = [
+    "POOLS",
+    "as_pool",
     "Layout",
     "Pool",
     "channels_first",
@@ -33,6 +35,17 @@ __all__ = [
 
 Kind = Literal["NCHW", "NHWC", "NLC", "NC", "other"]
 Pool = Literal["avg", "max", "cls"]
+POOLS: tuple[Pool, ...] = ("avg", "max", "cls")
+
+
+def as_pool(value: object) -> Pool | None:
+    """``value`` as a pooling the type checker knows (None, "avg", "max" or "cls"); anything else is refused."""
+    if value is None:
+        return None
+    for pool in POOLS:
+        if value == pool:
+            return pool
+    raise InvalidValueError(f"pool must be None, 'avg', 'max' or 'cls', not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ def _exif_transpose(pixels: Tensor, image: Image.Image) -> Tensor:
     if swap:
         turned = turned.swapaxes(0, 1)
     if flips:
-        turned = np.flip(turned, [axis + 2 for axis in flips])  # -2 (H) and -1 (W) of (C, H, W) are 0 and 1 here
+        turned = np.flip(turned, tuple(axis + 2 for axis in flips))  # -2 (H) and -1 (W) of (C, H, W) are 0 and 1 here
     return torch.from_numpy(np.ascontiguousarray(turned)).permute(2, 0, 1)
 
 
@@ -389,7 +389,8 @@ class ImageTransform:
     fill: tuple[int, ...] | None = None
 
     def __call__(self, image: Tensor) -> Tensor:
-        _check_not_empty(*image.shape[-2:], "prepare")
+        height, width = image.shape[-2:]
+        _check_not_empty(height, width, "prepare")
         if self.resize_size is not None:
             new = _resize_target(self.resize_size, self.crop_mode, *image.shape[-2:])
             image = _resize(image, new, InterpolationMode(self.interpolation))

@@ -119,7 +119,7 @@ def _install() -> None:
     with _install_lock:
         if _users == 0:
             _original = nn.Module.register_parameter
-            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
+            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign,assignment]
         _users += 1
 
 
@@ -129,7 +129,7 @@ def _uninstall() -> None:
     with _install_lock:
         _users -= 1
         if _users == 0:
-            nn.Module.register_parameter = _original  # type: ignore[method-assign]
+            nn.Module.register_parameter = _original  # type: ignore[method-assign,assignment]
 
 
 @contextmanager

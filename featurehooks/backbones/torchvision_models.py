@@ -217,7 +217,7 @@ def _discard_heads(name: str, model: nn.Module) -> nn.Module:
     for head in heads:
         setattr(model, head, None)
     if heads:
-        model.aux_logits = False
+        model.aux_logits = False  # type: ignore[assignment]  # a plain attribute, as the builder sets it
     return model
 
 

@@ -14,7 +14,7 @@ from ..errors import first_line
 if TYPE_CHECKING:
     import torch
 
-    from ..extractor import FeatureExtractor
+    from ..extractor import FeatureExtractor, OutputFormat
 
 __all__ = [
     "UserError",
@@ -142,7 +142,7 @@ def _check_usable(device: torch.device, name: str) -> None:
         raise UserError(f"--device {name} cannot be used here ({first_line(exc)}); use --device cpu") from None
 
 
-def build_extractor(args: argparse.Namespace, output_format: str = "native") -> FeatureExtractor:
+def build_extractor(args: argparse.Namespace, output_format: OutputFormat = "native") -> FeatureExtractor:
     """The FeatureExtractor that ``add_model_options``' arguments describe, on ``--device``, without a graph."""
     import torch
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._layout import Pool, as_pool
 from ..metrics.pairs import BATCH_PIXELS
 from ._common import (
     UserError,
@@ -239,8 +240,8 @@ def _pool_text(args: argparse.Namespace) -> str:
     return "avg" if args.pool is ... else args.pool
 
 
-def _pool(args: argparse.Namespace) -> str | None:
-    return None if _pool_text(args) == "none" else _pool_text(args)
+def _pool(args: argparse.Namespace) -> Pool | None:
+    return None if _pool_text(args) == "none" else as_pool(_pool_text(args))
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -18,9 +18,10 @@ import os
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
-from ..errors import FeatureHooksError
+from .._layout import Pool, as_pool
+from ..errors import FeatureHooksError, InvalidValueError
 
 __all__ = [
     "DTYPES",
@@ -91,7 +92,7 @@ def layer_file_name(layer: str) -> str:
     return f"{safe}.npy"
 
 
-def is_count(value: Any, least: int = 0) -> bool:
+def is_count(value: Any, least: int = 0) -> TypeGuard[int]:
     """Whether ``value`` is an int (not a bool) of at least ``least``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
@@ -132,7 +133,7 @@ class Settings:
     weights_sha256: str | None | Literal[Unrecorded.UNRECORDED]
     shapes: Mapping[str, tuple[int, ...]]
     dtype: str
-    pool: str | None
+    pool: Pool | None
     preprocessing: Mapping[str, Any]
     inputs: InputsRecord
 
@@ -281,6 +282,14 @@ def _text(data: Mapping[str, Any], key: str, *, nullable: bool = False, where: s
     return value
 
 
+def _pool(data: Mapping[str, Any]) -> Pool | None:
+    """``data["pool"]``: null, "avg", "max" or "cls"."""
+    try:
+        return as_pool(_text(data, "pool", nullable=True))
+    except InvalidValueError as exc:
+        raise _Unfit(str(exc)) from None
+
+
 def _known(data: Mapping[str, Any], known: Collection[str], where: str = "") -> None:
     """Refuse fields this schema does not have: ``to_dict`` could not give them back."""
     unknown = [f"{where}{key}" for key in data if key not in known]
@@ -321,7 +330,7 @@ def _parse(data: dict[str, Any]) -> Manifest:
         weights_sha256=weights_sha256,
         shapes=shapes,
         dtype=dtype,
-        pool=_text(data, "pool", nullable=True),
+        pool=_pool(data),
         preprocessing=copy.deepcopy(preprocessing),
         inputs=inputs,
     )

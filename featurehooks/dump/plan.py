@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .._layout import Pool
 from ..errors import InvalidValueError, OutputExistsError, RunFailedError
 from ..stream import Inputs, inputs_digest, row_shapes
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
@@ -58,7 +59,7 @@ class Plan:
         return self.manifest.chunk_size
 
 
-def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: str | None, dtype: str) -> Settings:
+def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: Pool | None, dtype: str) -> Settings:
     """What the dump computes, as its manifest records it (compared on resume)."""
     shapes = {
         name: (len(inputs.names), *shape) for name, shape in row_shapes(extractor, inputs.image_shape, pool).items()

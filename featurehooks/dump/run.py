@@ -13,6 +13,7 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from .._layout import Pool, as_pool
 from ..errors import InvalidValueError, RunFailedError
 from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
 from .manifest import Manifest
@@ -125,6 +126,7 @@ def dump_features(
         (8, 512)
     """
     dtype = check_options(batch_size, num_workers, pool, dtype)
+    pooling = as_pool(pool)
     if resume and overwrite:
         raise InvalidValueError(
             "pass either resume=True (finish an unfinished dump) or overwrite=True (start over), not both"
@@ -133,7 +135,7 @@ def dump_features(
     store = DumpStore(out_dir)
     try:
         plan, inputs = _broadcast_plan(
-            dist, store, extractor, source, pool, dtype, batch_size, resume, overwrite, resize_size, crop_size
+            dist, store, extractor, source, pooling, dtype, batch_size, resume, overwrite, resize_size, crop_size
         )
         manifest = plan.manifest
         if manifest.status == "complete":
@@ -171,7 +173,7 @@ def _broadcast_plan(
     store: DumpStore,
     extractor: FeatureExtractor,
     source: SourceSpec,
-    pool: str | None,
+    pool: Pool | None,
     dtype: str,
     batch_size: int,
     resume: bool,

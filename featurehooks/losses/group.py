@@ -57,7 +57,9 @@ class LossGroup(nn.Module):
             raise InvalidValueError(f"weights name losses that are not in the group: {unknown}; it has {list(losses)}")
         reductions = {getattr(loss, "reduction", None) for loss in losses.values()} - {None}
         if len(reductions) > 1:
-            raise InvalidValueError(f"the losses of a group must share one reduction, got {sorted(reductions)}")
+            raise InvalidValueError(
+                f"the losses of a group must share one reduction, got {sorted(map(str, reductions))}"
+            )
         self.losses = nn.ModuleDict(losses)
         self.weights = {name: float(weights.get(name, 1.0)) for name in losses}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Union
+from typing import Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,9 +41,9 @@ def _as_scales(features: MultiScaleFeatures, side: str) -> list[list[tuple[str, 
             f"{side} must be a non-empty dict, list of Tensors, or list of lists; got {features!r:.80}"
         )
     if all(isinstance(item, Tensor) for item in features):
-        return [_named(features, side)]
+        return [_named(cast(Sequence[Tensor], features), side)]
     if all(isinstance(item, (Mapping, Sequence)) and not isinstance(item, Tensor) for item in features):
-        return [_named(item, side) for item in features]
+        return [_named(cast(Features, item), side) for item in features]
     raise InvalidTypeError(f"{side} mixes Tensors and containers; pass a list of Tensors or a list of lists")
 
 

@@ -52,7 +52,7 @@ def _warn_if_singular(count: int, dim: int, side: str) -> None:
 def _moments(value: Moments, side: str) -> tuple[Tensor, Tensor]:
     """``(mean (D,), covariance (D, D))`` in float64 on the CPU, from any accepted input."""
     if isinstance(value, FeatureStatistics):
-        if value.count < 2:
+        if value.count < 2 or value.dim is None:
             raise InvalidValueError(f"{side} holds {value.count} feature vector(s); a covariance needs 2 or more")
         _warn_if_singular(value.count, value.dim, side)
         return value.mean, value.covariance

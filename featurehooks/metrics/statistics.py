@@ -353,7 +353,7 @@ class FeatureStatistics:
             part[self._rng.choice(len(part), taken, replace=False)]
             for part, taken in ((mine, from_mine), (theirs, size - from_mine))
         ]
-        self._kept = np.concatenate(chosen) if self._keep else np.zeros((0, self._dim), dtype=np.float32)
+        self._kept = np.concatenate(chosen) if self._keep else np.zeros((0, other._dim), dtype=np.float32)
         self._filled = size
         return self
 
@@ -556,8 +556,7 @@ def _read_meta(
         found = meta.get("format") if isinstance(meta, dict) else None
         raise InvalidValueError(f"format {found!r}, expected {FORMAT!r}")
     for name, least in (("count", 0), ("dim", 1), ("keep", 0), ("seed", 0)):
-        value = meta.get(name, 0) if name == "seed" else meta.get(name)
-        _check_count(value, name, least)
+        value = _check_count(meta.get(name, 0) if name == "seed" else meta.get(name), name, least)
         if value > _MAX_COUNT:
             raise InvalidValueError(f"its {name} {value} is out of range (at most 2**53)")
     return meta

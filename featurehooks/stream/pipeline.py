@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._layout import Pool
+from .._layout import Pool, as_pool
 from ..errors import InvalidValueError
 from .forward import features_as_arrays, placement
 from .loader import Batch, loader_workers, row_loader
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["FeatureBatch", "Forward", "check_options", "extract_batches", "feature_batches"]
 
 _DTYPES = ("float16", "float32")
-_POOLS = (None, "avg", "max", "cls")
 
 Forward = Callable[[Tensor], dict[str, np.ndarray]]
 """A forward of images of one size, on the model's device and dtype: one array row per image, by output name."""
@@ -62,8 +61,7 @@ def check_options(batch_size: int, num_workers: int | None, pool: str | None, dt
         raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
         raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-    if pool not in _POOLS:
-        raise InvalidValueError(f"pool must be None, 'avg', 'max' or 'cls', not {pool!r}")
+    as_pool(pool)
     if isinstance(dtype, torch.dtype):
         name = str(dtype).replace("torch.", "")
     else:

@@ -249,9 +249,10 @@ def item_label(item: Any) -> int:
         label = label.item()
     if not isinstance(label, numbers.Integral):
         raise InvalidTypeError(f"a label must be an int or a one-element integer tensor, got {type(label).__name__}")
-    if not _INT64[0] <= label <= _INT64[1]:
-        raise InvalidValueError(f"label {label} does not fit in int64")
-    return int(label)
+    value = int(label)
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise InvalidValueError(f"label {value} does not fit in int64")
+    return value
 
 
 def _has_label(item: Any) -> bool:
@@ -320,7 +321,7 @@ def resolve_inputs(
         )
     names = list_images(source)
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
-    shape = transform.output_shape()
+    shape: tuple[int, ...] | None = transform.output_shape()
     if shape is None:  # no crop: the first readable image's shape gives the features' shapes
         if pool is None:
             _check_one_size(names, transform)
