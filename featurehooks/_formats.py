@@ -1,4 +1,4 @@
-"""Memory formats: which one a forward runs in, and the evidence ``"auto"`` decides by.
+"""Memory formats: which one a forward runs in, and the rule ``"auto"`` decides by.
 
 ``"auto"`` never changes what NCHW code would give beyond float32 rounding, and never in a graph:
 
@@ -7,8 +7,8 @@
   input gradients a few % of their largest element apart (VGG, ResNet): a speed-up that changes numbers is
   opt-in (``memory_format="channels_last"``).
 - A forward without a graph runs channels-last on CPUs and CUDA devices for a backbone whose 2-D
-  convolutions do most of the work up to the deepest requested layer (``ConvWork.share``, counted in FLOPs
-  on the meta device, where the channels-last forward must also run) when each convolution weight is used
+  convolutions do most of the work up to the deepest requested layer (``ConvWork.share``, counted in FLOPs by
+  the meta trace, which runs channels-last for it and must not fail there) when each convolution weight is used
   at least ``MIN_REUSE`` times in one image's forward (``ConvWork.reuse``). Only the images are converted:
   a channels-last forward then converts each weight again, a cost that grows with the weights while the
   gain grows with the work done on them. ``benchmarks/memory_formats.py --sizes`` measured channels-last
@@ -26,30 +26,21 @@ formats there.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from ._copy import meta_copy
-from ._taps import Site
-from ._trace import STATE, drop_hooks
+from ._trace import ConvWork
 from .errors import InvalidValueError
 
 __all__ = [
     "MEMORY_FORMATS",
     "TORCH_FORMATS",
+    "ConvWork",
     "MemoryFormat",
     "auto_format",
     "channels_last_pays",
     "check_memory_format",
-    "ConvWork",
-    "conv_work",
-    "deepest",
 ]
 
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
@@ -63,93 +54,11 @@ CONV_SHARE = 0.5
 MIN_REUSE = 1000
 # Devices whose convolution kernels were measured (CPU) or are documented (cuDNN) faster in channels_last.
 CHANNELS_LAST_DEVICES = ("cpu", "cuda")
-_CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
 
 
 def check_memory_format(memory_format: object) -> None:
     if memory_format not in MEMORY_FORMATS:
         raise InvalidValueError(f"memory_format must be 'auto', 'channels_last' or 'contiguous', not {memory_format!r}")
-
-
-class _Stop(BaseException):
-    """Raised by the hook on the deepest requested call: nothing after it runs in the extractor either.
-    A BaseException, as the session's own stop: a model's ``except Exception`` must not swallow it."""
-
-
-@dataclass(frozen=True)
-class ConvWork:
-    """What ``"auto"`` decides by, counted once on the meta device up to the deepest requested layer.
-
-    ``share``: the share of FLOPs in convolutions. ``reuse_per_pixel``: multiply-adds of the convolutions
-    per weight element, per image and per input pixel; times an image's pixels it says how often each
-    convolution weight is used in a forward of one image.
-    """
-
-    share: float
-    reuse_per_pixel: float
-
-    def reuse(self, height: int, width: int) -> float:
-        """How often a convolution weight is used, on average, in the forward of one ``height x width`` image."""
-        return self.reuse_per_pixel * height * width
-
-
-def conv_work(model: nn.Module, input_shape: tuple[int, ...], stop_at: Site | None) -> ConvWork | None:
-    """The convolution work of a channels-last forward on the meta device, up to the call ``stop_at`` (the
-    deepest requested layer); None when that forward fails in channels-last (a ``.view`` that needs NCHW
-    strides) or does no FLOPs at all."""
-    copied = meta_copy(model).to(memory_format=torch.channels_last)
-    dtype = next((p.dtype for p in copied.parameters() if p.is_floating_point()), torch.float32)
-    images = torch.empty(input_shape, dtype=dtype, device="meta").contiguous(memory_format=torch.channels_last)
-    calls: dict[str, int] = {}
-
-    def stop(path: str, *_: Any) -> None:
-        calls[path] = calls.get(path, 0) + 1
-        if stop_at is not None and (path, calls[path] - 1) == stop_at:
-            raise _Stop
-
-    ran: dict[int, int] = {}  # id -> weight elements of the convolution modules that ran
-
-    def note(module: nn.Module, _args: Any, output: Any) -> Any:
-        ran[id(module)] = module.weight.numel()
-        return _channels_last_output(output)
-
-    for module in copied.modules():
-        if isinstance(module, nn.Conv2d):  # meta convolutions return NCHW strides; CPU and cuDNN ones do not
-            module.register_forward_hook(note)
-    if stop_at is not None:
-        dict(copied.named_modules())[stop_at[0]].register_forward_hook(partial(stop, stop_at[0]))
-    counter = FlopCounterMode(display=False)
-    STATE.active, was_tracing = True, STATE.active
-    try:
-        with torch.no_grad(), counter:
-            copied.eval()(images)
-    except _Stop:
-        pass
-    except Exception:  # noqa: BLE001 - any failure means: no evidence that channels-last runs
-        return None
-    finally:
-        STATE.active = was_tracing
-        drop_hooks(copied)
-    counts = counter.get_flop_counts().get("Global", {})
-    total = sum(counts.values())
-    convolutions = sum(flops for op, flops in counts.items() if _op_name(op) in _CONVOLUTIONS)
-    if not total:
-        return None
-    weights = sum(ran.values())
-    pixels = input_shape[0] * input_shape[-2] * input_shape[-1]
-    return ConvWork(convolutions / total, convolutions / 2 / weights / pixels if weights else 0.0)
-
-
-def _channels_last_output(output: Any) -> Any:
-    """A convolution's output with the channels-last strides the real kernels give it, so that a later
-    ``.view`` that needs NCHW strides fails on the meta device as it would on the real one."""
-    is_map = isinstance(output, torch.Tensor) and output.dim() == 4
-    return output.contiguous(memory_format=torch.channels_last) if is_map else output
-
-
-def _op_name(op: Any) -> str:
-    """``aten.convolution.default`` -> ``convolution``."""
-    return str(getattr(op, "__name__", op)).split(".")[0]
 
 
 def auto_format(work: ConvWork | None, device_type: str, shape: tuple[int, ...]) -> str:
@@ -171,8 +80,3 @@ def channels_last_pays(work: ConvWork, shape: tuple[int, ...]) -> bool:
     resume cut the batches), and larger batches only favour channels-last more.
     """
     return work.reuse(shape[-2], shape[-1]) >= MIN_REUSE
-
-
-def deepest(sites: Collection[Site], order: dict[Site, int]) -> Site | None:
-    """The site of ``sites`` that fires last (None without sites)."""
-    return max(sites, key=lambda site: order[site], default=None)

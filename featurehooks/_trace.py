@@ -1,11 +1,18 @@
-"""One shape-only forward on the meta device: what each module call outputs, and which outputs change in place.
+"""One shape-only forward on the meta device: what each module call outputs, which outputs change in place, and on
+request the convolution work the forward does.
 
-Layer listings, ``feature_info`` and hook sessions all read the same ``Trace``: no compute, no
-download. It runs on a meta copy of the model, so the caller's model is never touched (attributes and
-caches a forward fills included), also while other threads run it. Each in-place change of a watched
-output is recorded with the module call it happened in, when that call was handed exactly that tensor
-(an in-place ReLU right after a tapped convolution), so an owner of the model can tell which changes
-switching such a module out of place would remove.
+Layer listings, ``feature_info``, hook sessions and the ``memory_format="auto"`` rule all read the same ``Trace``: no
+compute, no download. It runs on a meta copy of the model, so the caller's model is never touched (attributes and
+caches a forward fills included), also while other threads run it. Each in-place change of a watched output is
+recorded with the module call it happened in, when that call was handed exactly that tensor (an in-place ReLU right
+after a tapped convolution), so an owner of the model can tell which changes switching such a module out of place
+would remove.
+
+With ``count_conv`` the forward runs channels-last, as a forward under ``memory_format="auto"`` may, and counts FLOPs
+as it goes: after each module call, the share of the FLOPs so far done by convolutions and how often each convolution
+weight was used (:class:`ConvWork`, the evidence ``featurehooks._formats`` decides by). A forward that fails with
+channels-last strides (a ``.view`` that needs NCHW ones) is traced again in NCHW; the work counted up to the failure
+stands, so a failure after the deepest requested layer costs nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import contextlib
 import math
 import threading
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -22,6 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.flop_counter import FlopCounterMode
 
 from ._copy import meta_copy
 from ._taps import Site
@@ -30,13 +39,16 @@ __all__ = [
     "STATE",
     "CallOutput",
     "Change",
+    "ConvWork",
     "Trace",
-    "drop_hooks",
     "fixed_input_size",
     "trace",
     "trace_images",
     "tracing",
 ]
+
+# aten ops that count as convolutions (``aten.convolution.default`` -> ``convolution``)
+_CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
 
 
 class _TraceState(threading.local):
@@ -72,6 +84,34 @@ class Change:
 
 
 @dataclass(frozen=True)
+class ConvWork:
+    """The convolution work of a channels-last meta forward up to some module call.
+
+    ``share``: the share of FLOPs in convolutions. ``reuse_per_pixel``: multiply-adds of the 2-D convolutions per
+    weight element, per image and per input pixel; times an image's pixels it says how often each convolution
+    weight is used in a forward of one image.
+    """
+
+    share: float
+    reuse_per_pixel: float
+
+    def reuse(self, height: int, width: int) -> float:
+        """How often a convolution weight is used, on average, in the forward of one ``height x width`` image."""
+        return self.reuse_per_pixel * height * width
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """How a trace ran, to run it the same way again: its meta arguments, eval mode, and whether in channels-last
+    with FLOPs counted."""
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    eval_mode: bool
+    count_conv: bool
+
+
+@dataclass(frozen=True)
 class Trace:
     """What one meta forward of a model with input ``input_shape`` showed.
 
@@ -79,7 +119,8 @@ class Trace:
     order. ``changes``: for the watched sites whose output (any tensor leaf) was changed in place
     after the module returned, every change in the order seen. ``reread``: of the paths the trace was
     asked to check, those whose input was read again after one of their calls returned.
-    ``inputs``: the meta arguments, to trace the model the same way again.
+    ``conv_work`` (with ``count_conv``): the convolution work up to each module call, and of the whole forward
+    under the key None; calls a channels-last forward never reached, and work without FLOPs, are missing.
     """
 
     input_shape: tuple[int, ...]
@@ -87,11 +128,19 @@ class Trace:
     outputs: Mapping[Site, CallOutput]
     changes: Mapping[Site, tuple[Change, ...]]
     reread: frozenset[str]
-    inputs: tuple[tuple[Any, ...], Mapping[str, Any], bool] = field(repr=False, compare=False)
+    conv_work: Mapping[Site | None, ConvWork] = field(repr=False, compare=False)
+    inputs: _Inputs = field(repr=False, compare=False)
+
+    def last(self, sites: Collection[Site]) -> Site | None:
+        """The one of ``sites`` that fires last (None without sites): where an early exit stops."""
+        return max(sites, key=lambda site: self.outputs[site].order, default=None)
 
     def _stop(self, sites: Collection[Site], stop_early: bool) -> float:
         """The firing order after which the forward no longer runs (with early exit, the last of ``sites``)."""
-        return max((self.outputs[site].order for site in sites), default=-1) if stop_early else math.inf
+        if not stop_early:
+            return math.inf
+        last = self.last(sites)
+        return self.outputs[last].order if last is not None else -1
 
     def changed_by(self, sites: Collection[Site], stop_early: bool) -> dict[Site, frozenset[str | None]]:
         """For each of ``sites`` changed in place before the forward stops, what changed it (``Change.by``)."""
@@ -105,17 +154,52 @@ class Trace:
         return frozenset(self.changed_by(sites, stop_early))
 
     def again(self, model: nn.Module, *, watch: Collection[Site], check_reads: Collection[str] = ()) -> Trace:
-        """Trace ``model`` (this one, changed since) on the same inputs; ``check_reads`` as in :func:`trace`."""
-        args, kwargs, eval_mode = self.inputs
-        return trace(model, args, kwargs, watch=watch, eval_mode=eval_mode, check_reads=check_reads)
+        """Trace ``model`` (this one, changed since) the same way again; ``check_reads`` as in :func:`trace`."""
+        return _run(model, self.inputs, watch, check_reads, {})
+
+
+class _ConvCounter:
+    """Counts FLOPs while a channels-last trace runs, and after each module call notes the convolution work so far."""
+
+    def __init__(self, pixels: int, work: dict[Site | None, ConvWork]) -> None:
+        self.flops = FlopCounterMode(display=False)
+        self.pixels = pixels  # images times input pixels: the work is per image and pixel
+        self.work = work
+        self._ran: set[int] = set()  # ids of the 2-D convolutions that ran
+        self._weights = 0  # their weight elements
+
+    def note(self, key: Site | None, module: nn.Module | None) -> None:
+        """The work up to the call ``key`` (None: the whole forward), which ``module`` just made."""
+        if isinstance(module, nn.Conv2d) and id(module) not in self._ran:
+            self._ran.add(id(module))
+            self._weights += module.weight.numel()
+        counts = self.flops.flop_counts["Global"]
+        total = sum(counts.values())
+        if total:
+            convolutions = sum(flops for op, flops in counts.items() if _op_name(op) in _CONVOLUTIONS)
+            per_pixel = convolutions / 2 / self._weights / self.pixels if self._weights else 0.0
+            self.work[key] = ConvWork(convolutions / total, per_pixel)
+
+
+def _op_name(op: object) -> str:
+    """``aten.convolution.default`` -> ``convolution``."""
+    return str(getattr(op, "__name__", op)).split(".")[0]
+
+
+def _channels_last_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """A convolution's output with the channels-last strides the real kernels give it (meta ones give NCHW
+    strides), so that a later ``.view`` that needs NCHW strides fails on the meta device as on the real one."""
+    is_map = isinstance(output, torch.Tensor) and output.dim() == 4
+    return output.contiguous(memory_format=torch.channels_last) if is_map else output
 
 
 class _Recorder:
     """Hooks on every module that record calls, output shapes and in-place changes with the call they happened in."""
 
-    def __init__(self, watch: Collection[Site], reads: _Reads | None) -> None:
+    def __init__(self, watch: Collection[Site], reads: _Reads | None, counter: _ConvCounter | None) -> None:
         self.watch = set(watch)
         self.reads = reads
+        self.counter = counter
         self.calls: dict[str, int] = {}
         self.outputs: dict[Site, CallOutput] = {}
         self.changes: dict[Site, list[Change]] = {}
@@ -127,7 +211,7 @@ class _Recorder:
         self.note_changes(len(self.outputs))
         self._open.append((path, args[0] if args else None))
 
-    def hook(self, path: str, _module: nn.Module, _args: Any, output: Any) -> None:
+    def hook(self, path: str, module: nn.Module, _args: Any, output: Any) -> None:
         order = len(self.outputs)
         self.note_changes(order)
         call = self.calls.get(path, 0)
@@ -138,6 +222,8 @@ class _Recorder:
             if site in self.watch:
                 leaves = (leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
                 self._pending.extend([site, leaf, leaf._version] for leaf in leaves)
+            if self.counter is not None:
+                self.counter.note(site, module)
 
     def leave(self, path: str, _module: nn.Module, _args: Any, _output: Any) -> None:
         """Forward hook that also runs after an exception: close the innermost call (of ``path``)."""
@@ -156,7 +242,7 @@ class _Recorder:
                     pending[2] = leaf._version
 
 
-def _unseen() -> torch._C.DisableTorchFunction:
+def _unseen() -> AbstractContextManager[None]:
     """The recorder's own reads of shapes and versions: not the model's reads, and not worth a Python mode call each."""
     return torch._C.DisableTorchFunction()
 
@@ -195,41 +281,75 @@ def trace(
     watch: Collection[Site] = (),
     eval_mode: bool = False,
     check_reads: Collection[str] = (),
+    count_conv: bool = False,
 ) -> Trace:
     """Run ``model`` on meta tensors shaped like ``args`` and record every module call.
 
     ``watch`` names the sites whose in-place changes matter (the taps of a session).
     ``eval_mode`` runs in eval mode, as FeatureExtractor does (on the copy: the caller's flags stay).
     ``check_reads`` names modules whose inputs must not be read after their calls (``Trace.reread``).
+    ``count_conv`` runs the forward channels-last and counts its convolution work (``Trace.conv_work``).
     Raises whatever the model raises on meta tensors (data-dependent control flow, ops without
     meta kernels, fixed input sizes); callers decide what a failed trace means.
     """
     to_meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
-    meta_args, meta_kwargs = to_meta(tuple(args)), to_meta(dict(kwargs or {}))
+    inputs = _Inputs(to_meta(tuple(args)), to_meta(dict(kwargs or {})), eval_mode, count_conv)
+    work: dict[Site | None, ConvWork] = {}
+    if not count_conv:
+        return _run(model, inputs, watch, check_reads, work)
+    try:
+        return _run(model, inputs, watch, check_reads, work)
+    except Exception:  # noqa: BLE001 - fails in channels-last: traced in NCHW, the work counted so far stands
+        return _run(model, replace(inputs, count_conv=False), watch, check_reads, work)
+
+
+def _run(
+    model: nn.Module,
+    inputs: _Inputs,
+    watch: Collection[Site],
+    check_reads: Collection[str],
+    work: dict[Site | None, ConvWork],
+) -> Trace:
+    """The one meta forward of ``model`` on ``inputs``; with ``inputs.count_conv`` in channels-last, the convolution
+    work noted into ``work`` as it runs (what was noted before a failure stays there)."""
     copied = meta_copy(model)
+    shape = next((tuple(a.shape) for a in tree_leaves(inputs.args) if isinstance(a, torch.Tensor)), ())
     reads = _Reads(check_reads) if check_reads else None
-    recorder = _Recorder(watch, reads)
+    counter = _ConvCounter(math.prod(shape[:1] + shape[2:]), work) if inputs.count_conv else None
+    recorder = _Recorder(watch, reads, counter)
+    if counter is not None:
+        copied.to(memory_format=torch.channels_last)
     for path, module in copied.named_modules():
         module.register_forward_pre_hook(partial(recorder.enter, path))
+        if counter is not None and isinstance(module, nn.Conv2d):
+            module.register_forward_hook(_channels_last_output)
         module.register_forward_hook(partial(recorder.hook, path))
         module.register_forward_hook(partial(recorder.leave, path), always_call=True)
+    layout = torch.channels_last if counter is not None else torch.preserve_format
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:  # new meta tensors each run: a model may change its inputs in place
+        return torch.empty_like(t, memory_format=layout if t.dim() == 4 else torch.preserve_format)
+
+    args, kwargs = tree_map_only(torch.Tensor, fresh, (inputs.args, dict(inputs.kwargs)))
+    counting = counter.flops if counter is not None else contextlib.nullcontext()
     STATE.active, was_tracing = True, STATE.active
     try:
-        with torch.inference_mode(False), torch.no_grad(), reads or contextlib.nullcontext():  # versioned tensors
-            if eval_mode:
+        with torch.inference_mode(False), torch.no_grad(), reads or contextlib.nullcontext(), counting:
+            if inputs.eval_mode:  # versioned tensors, no graph
                 copied.eval()
-            copied(*to_meta(meta_args), **to_meta(meta_kwargs))
+            copied(*args, **kwargs)
+            if counter is not None:
+                counter.note(None, None)
         recorder.note_changes(len(recorder.outputs))
     finally:
         STATE.active = was_tracing
-        drop_hooks(copied)
-    shape = next((tuple(a.shape) for a in tree_leaves(args) if isinstance(a, torch.Tensor)), ())
+        _drop_hooks(copied)
     changes = {site: tuple(found) for site, found in recorder.changes.items()}
     reread = frozenset(reads.reread) if reads is not None else frozenset()
-    return Trace(shape, recorder.calls, recorder.outputs, changes, reread, (meta_args, meta_kwargs, eval_mode))
+    return Trace(shape, recorder.calls, recorder.outputs, changes, reread, work, inputs)
 
 
-def drop_hooks(copied: nn.Module) -> None:
+def _drop_hooks(copied: nn.Module) -> None:
     """Empty the hook dicts of a traced copy: copies of hook objects (a session's own taps) point back at
     the copied model, and that cycle would keep the copy, and what its hooks hold, alive until a gc run."""
     for module in copied.modules():
@@ -259,10 +379,16 @@ def fixed_input_size(model: nn.Module) -> tuple[int, int] | None:
 
 
 def trace_images(
-    model: nn.Module, size: int | tuple[int, int], channels: int | None = None, *, watch: Collection[Site] = ()
+    model: nn.Module,
+    size: int | tuple[int, int],
+    channels: int | None = None,
+    *,
+    watch: Collection[Site] = (),
+    count_conv: bool = False,
 ) -> tuple[Trace, int | None]:
     """Trace ``model`` on a batch of two ``(C, height, width)`` images (``size`` or a square of it), in eval
     mode; returns the trace and ``C``. Two, so that an output's leading axis of 1 is never taken for the batch.
+    ``watch`` and ``count_conv`` as in :func:`trace`.
 
     ``channels`` comes from the model's metadata when it has some; otherwise the first count that
     traces is taken, and ``None`` is returned for a model that accepts any count.
@@ -275,11 +401,11 @@ def trace_images(
         return torch.empty(2, count, height, width, dtype=dtype)  # the model's own dtype: a .double() module traces
 
     if channels is not None:
-        return trace(model, (image(channels),), watch=watch, eval_mode=True), channels
+        return trace(model, (image(channels),), watch=watch, eval_mode=True, count_conv=count_conv), channels
     error: Exception | None = None
     for candidate in _channel_candidates(model):
         try:
-            found = trace(model, (image(candidate),), watch=watch, eval_mode=True)
+            found = trace(model, (image(candidate),), watch=watch, eval_mode=True, count_conv=count_conv)
         except Exception as exc:  # the wrong channel count, or a model that cannot run on meta at all
             error = error or exc
             continue

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._formats import TORCH_FORMATS, ConvWork, MemoryFormat, auto_format, check_memory_format, conv_work, deepest
+from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
 from ._hooks import HookSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
@@ -184,9 +184,12 @@ class FeatureExtractor(nn.Module):
         self._check_prefix_names()
         size = self.preprocessing.crop_size or 224
         self._untraced = ""
+        # auto uses channels-last only without a graph, so only a detaching extractor under auto counts the
+        # convolution work for it, in its one meta trace
+        count_conv = memory_format == "auto" and mode == "detach"
         try:
             found, self.in_channels = trace_images(
-                model, fixed_input_size(model) or size, loaded.in_channels, watch=self.taps.sites
+                model, fixed_input_size(model) or size, loaded.in_channels, watch=self.taps.sites, count_conv=count_conv
             )
         except Exception as exc:  # the model cannot run on meta tensors: real forwards are checked instead
             found, self.in_channels = None, loaded.in_channels
@@ -199,8 +202,8 @@ class FeatureExtractor(nn.Module):
         self._trace: Trace | None = found
         self._register_normalization(self.preprocessing)
         self.memory_format: MemoryFormat = memory_format
-        # auto uses channels-last only without a graph, so a grad-mode extractor needs no evidence for it
-        self._conv_work = self._measure_conv_work() if memory_format == "auto" and mode == "detach" else None
+        # the convolution work of what the forward runs (None: not counted, or no evidence that channels-last runs)
+        self._conv_work = found.conv_work.get(self._stop_site) if found is not None else None
         self._auto_failed = False  # a channels-last forward under auto raised: NCHW from then on
         self._settle_format()
         self._format = memory_format if memory_format != "auto" else "contiguous"
@@ -236,13 +239,7 @@ class FeatureExtractor(nn.Module):
         (all of the model runs). Read from the trace, so None for an untraced model too."""
         if self._trace is None or not self.early_exit:
             return None
-        return deepest(self.taps.sites, {site: out.order for site, out in self._trace.outputs.items()})
-
-    def _measure_conv_work(self) -> ConvWork | None:
-        """The convolution work of what the forward runs (None for an untraced model)."""
-        if self._trace is None:
-            return None
-        return conv_work(self._model, self._trace.input_shape, self._stop_site)
+        return self._trace.last(self.taps.sites)
 
     @property
     def _conv_share(self) -> float | None:
