@@ -1,11 +1,12 @@
-"""What a user asked to tap: output names in request order, each the k-th call of one module."""
+"""What a user asked to hook: taps (output names in request order, each the k-th call of one module) for
+extractors and ``capture``, and a selection of module calls for probes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Site", "Tap", "Taps", "call_name"]
+__all__ = ["Selection", "Site", "Tap", "Taps", "call_name"]
 
 Site = tuple[str, int]  # (module path, call index): one output of one module call in a forward
 
@@ -61,3 +62,29 @@ class Taps:
         for tap in self.items:
             grouped.setdefault(tap.site, []).append(tap.name)
         return {site: tuple(names) for site, names in grouped.items()}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The module calls a probe observes: module path -> the call indices reported (None: every call), in the
+    model's module order. Built once, by ``layers.select_modules`` (names, aliases, ``path_k``, globs)."""
+
+    calls: Mapping[str, frozenset[int] | None]
+
+    @classmethod
+    def every(cls, paths: Iterable[str]) -> Selection:
+        """Every call of each of ``paths``."""
+        return cls(dict.fromkeys(paths))
+
+    @property
+    def paths(self) -> list[str]:
+        """The selected module paths, in module order."""
+        return list(self.calls)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def wants(self, path: str, call: int) -> bool:
+        """Whether call number ``call`` of the selected module ``path`` is reported."""
+        calls = self.calls[path]
+        return calls is None or call in calls

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
-from ._hooks import HookSession
+from ._hooks import TapSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
 from ._trace import Trace, fixed_input_size, trace, trace_images
@@ -209,7 +209,9 @@ class FeatureExtractor(nn.Module):
         self._format = memory_format if memory_format != "auto" else "contiguous"
         self._range_checked = False
         # the private copy: copies of the extractor copy its taps; in-place ReLUs after taps run out of place
-        self._session = HookSession(model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True)
+        self._session: TapSession[None] = TapSession(
+            model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True
+        )
         self._session.prepare(found)
 
     @property
@@ -616,7 +618,7 @@ def capture(
     taps = LayerIndex(module, type(module).__name__).taps(layers)
     # With grads, the session hands each output, as the module returned it, to _GradSlots (before any clone
     # of a tap changed in place later: a hook on a clone would never fire, the model does not use it).
-    session = HookSession(module, taps, detach=mode == "detach", stop_early=False, keep=_GradSlots if grads else None)
+    session = TapSession(module, taps, detach=mode == "detach", stop_early=False, keep=_GradSlots if grads else None)
     features = CapturedFeatures(taps.names, grads=grads)
     try:
         session.follow(

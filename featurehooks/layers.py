@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Union
 
 from torch import nn
 from torchvision.models import VGG, AlexNet, SqueezeNet
 
 from ._layout import classify, patch_size_of, prefix_tokens_of
-from ._taps import Site, Tap, Taps, call_name
+from ._taps import Selection, Site, Tap, Taps, call_name
 from ._trace import Trace, fixed_input_size, trace_images
 from .backbones import BackboneSpec, WeightsSpec, build_architecture
 from .errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, TraceError, did_you_mean
@@ -23,6 +24,7 @@ __all__ = [
     "alexnet_aliases",
     "describe",
     "list_layers",
+    "select_modules",
     "squeezenet_aliases",
     "vgg_aliases",
 ]
@@ -190,6 +192,56 @@ class LayerIndex:
             )
 
 
+def select_modules(
+    model: nn.Module,
+    layers: str | Sequence[str] | None,
+    *,
+    default: Callable[[nn.Module], list[str]],
+    what: str,
+) -> Selection:
+    """The module calls a probe observes (``what`` it does, for errors), in the model's module order.
+
+    ``layers``: module paths or aliases (a path means every call, ``path_k`` call k only), or glob
+    patterns over module paths; ``None`` takes every call of ``default(model)``, a list of paths.
+    """
+    label = type(model).__name__
+    if layers is None:
+        paths = default(model)
+        if not paths:
+            raise InvalidValueError(f"{label} has no modules to {what}; name the layers")
+        return Selection.every(paths)
+    if isinstance(layers, str):
+        layers = [layers]
+    index = LayerIndex(model, label)
+    chosen: dict[str, set[int] | None] = {}
+    for name in layers:
+        if not isinstance(name, str):
+            raise InvalidTypeError(f"layer names must be strings, got {name!r}")
+        if any(c in name for c in "*?["):
+            matched = [path for path in index.paths if fnmatchcase(path, name)]
+            if not matched:
+                hint = did_you_mean(name, index.paths)
+                raise LayerNotFoundError(f"no module path of {label} matches {name!r}; {hint}")
+            chosen.update(dict.fromkeys(matched))
+            continue
+        path, call = index.resolve(name)
+        if call == 0:
+            chosen[path] = None
+            continue
+        calls = chosen.setdefault(path, set())
+        if calls is not None:  # None: every call is chosen already
+            calls.add(call)
+    if not chosen:
+        raise InvalidValueError("no layers requested; pick some from featurehooks.list_layers(model)")
+    order = {path: k for k, path in enumerate(path for path, _ in model.named_modules())}
+    return Selection(
+        {
+            path: None if calls is None else frozenset(calls)
+            for path, calls in sorted(chosen.items(), key=lambda item: order[item[0]])
+        }
+    )
+
+
 def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
     """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace."""
     index = LayerIndex(model, label)
@@ -243,6 +295,7 @@ def list_layers(
         >>> [row.name for row in list_layers("vgg16")][:3]
         ['conv1_1', 'relu1_1', 'conv1_2']
     """
+    size: int | tuple[int, int]
     if isinstance(backbone, nn.Module):
         model, label, size, channels = backbone, type(backbone).__name__, input_size or 224, None
     else:

@@ -1,19 +1,23 @@
-"""The hook engine is one place: one meta forward (conv work counted by the trace itself) and one stop signal."""
+"""The hook engine is one place: one meta forward (conv work counted by the trace itself), one stop signal,
+sessions split by purpose over one base that owns the handles, and probes fed a selection of module calls."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
 
 import pytest
 import torch
 from test_memory_formats import FlattensWithView  # a .view that fails with channels-last strides
-from torch import nn
+from torch import Tensor, nn
 
 import featurehooks as fh
 from featurehooks import _copy, _trace
-from featurehooks._hooks import StopForward
+from featurehooks._hooks import Hooks, Observer, ObserverSession, StopForward
+from featurehooks._taps import Selection
 from featurehooks._trace import trace, trace_images
+from featurehooks.layers import select_modules
 
 
 def test_an_extractor_runs_one_meta_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,3 +66,56 @@ def test_stop_forward_is_the_only_stop_signal() -> None:
             if isinstance(value, type) and issubclass(value, BaseException) and not issubclass(value, Exception):
                 stops.add(value)
     assert stops == {StopForward}
+
+
+def test_hooks_remove_module_and_tensor_hooks_together() -> None:
+    net = nn.Linear(2, 2)
+    x = torch.ones(1, 2, requires_grad=True)
+    hooks = Hooks()
+    hooks.adopt(net.register_forward_hook(lambda *_: None))
+    hooks.hold(x, lambda grad: None)
+    assert hooks.active and net._forward_hooks and x._backward_hooks
+    hooks.remove()
+    hooks.remove()  # safe twice
+    assert not hooks.active and not net._forward_hooks and not x._backward_hooks
+
+
+class Calls(Observer[list[tuple[str, int]]]):
+    """Records the calls it is told of, per forward."""
+
+    def __init__(self) -> None:
+        self.forwards: list[list[tuple[str, int]]] = []
+
+    def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, int]]:
+        self.forwards.append([])
+        return self.forwards[-1]
+
+    def after(
+        self, state: list[tuple[str, int]], path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        state.append((path, call))
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.out = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.lin(self.lin(x)))
+
+
+def test_an_observer_hears_only_the_selected_calls() -> None:
+    model = Twice()
+    selection = select_modules(model, ["lin_1", "out*"], default=lambda m: [], what="observe")
+    assert selection == Selection({"lin": frozenset({1}), "out": None})
+    observer = Calls()
+    session = ObserverSession(model, selection, observer)
+    try:
+        model(torch.ones(1, 2))
+        model.lin(torch.ones(1, 2))  # a top-level call of a submodule: a forward of its own, call 0
+    finally:
+        session.remove()
+    assert observer.forwards == [[("lin", 1), ("out", 0)], []]
+    assert not session.active and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

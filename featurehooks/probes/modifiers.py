@@ -65,9 +65,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
-from .._hooks import InertInCopies
+from .._hooks import Hooks, InertInCopies
 from ..errors import InvalidTypeError, InvalidValueError
 
 __all__ = ["GradModifier", "GradTarget", "clip_grad", "reverse_grad", "scale_grad"]
@@ -84,23 +83,16 @@ class GradModifier:
 
     def __init__(self, description: str) -> None:
         self.description = description
-        self._handles: list[RemovableHandle] = []
-        self._active = True
+        self._hooks = Hooks()  # the engine's handles: module and parameter hooks, removed together
 
     @property
     def active(self) -> bool:
         """Whether the modifier still changes gradients."""
-        return self._active
+        return self._hooks.active
 
     def remove(self) -> None:
         """Take the modifier away (its hooks too); it changes no gradient from now on. Safe to call twice."""
-        self._active = False
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _keep(self, handle: RemovableHandle) -> None:
-        self._handles.append(handle)
+        self._hooks.remove()
 
     def __enter__(self) -> GradModifier:
         return self
@@ -109,7 +101,7 @@ class GradModifier:
         self.remove()
 
     def __repr__(self) -> str:
-        state = "active" if self._active else "removed"
+        state = "active" if self.active else "removed"
         return f"GradModifier({self.description}, {state})"
 
 
@@ -117,7 +109,7 @@ class _ChangeGrad(torch.autograd.Function):
     """Identity in forward (aliases, or copies where ``copy`` says so); ``change`` on each gradient in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, change: Callable[[Tensor], Tensor], copy: tuple[bool, ...], *tensors: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.change = change
@@ -125,7 +117,7 @@ class _ChangeGrad(torch.autograd.Function):
         return tuple(t.clone() if copied else t.detach() for t, copied in zip(tensors, copy))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         return (None, None, *(None if grad is None else ctx.change(grad) for grad in grads))
 
 
@@ -211,10 +203,10 @@ def _install(target: GradTarget, transform: Callable[[Tensor], Tensor], descript
 
     try:
         if isinstance(target, nn.Module):
-            modifier._keep(target.register_forward_hook(_OnOutput(modifier, change), with_kwargs=True))
+            modifier._hooks.adopt(target.register_forward_hook(_OnOutput(modifier, change), with_kwargs=True))
         else:
             for parameter in _parameters(target):
-                modifier._keep(parameter.register_hook(change))
+                modifier._hooks.hold(parameter, change)
     except BaseException:
         modifier.remove()
         raise

@@ -52,10 +52,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from .._hooks import HookSession, Observer
-from .._taps import Tap, Taps, call_name
+from .._hooks import Observer, ObserverSession
+from .._taps import Selection, call_name
 from ..errors import InvalidTypeError, NonFiniteError
-from .watch import select_modules
+from ..layers import select_modules
 
 __all__ = ["INPUT", "OUTPUT", "NonFiniteDetector", "detect_nonfinite"]
 
@@ -217,7 +217,7 @@ def _leading(forward: _Forward, nonfinite: Callable[[int], bool]) -> set[_Call]:
     return leading
 
 
-class NonFiniteDetector(Observer):
+class NonFiniteDetector(Observer[_Forward]):
     """The hooks of :func:`detect_nonfinite`: a context manager and a handle with :meth:`close`."""
 
     wants_inputs = True
@@ -226,9 +226,9 @@ class NonFiniteDetector(Observer):
         if not isinstance(model, nn.Module):
             raise InvalidTypeError(f"detect_nonfinite needs an nn.Module, got {type(model).__name__}")
         if layers is None:  # every submodule; none at all still checks the model's own input and output
-            self._calls: dict[str, frozenset[int] | None] = {path: None for path in _submodules(model)}
+            selection = Selection.every(_submodules(model))
         else:
-            self._calls = select_modules(model, layers, default=_submodules, what="check")
+            selection = select_modules(model, layers, default=_submodules, what="check")
         modules = dict(model.named_modules())
         self._types = {path: type(module).__name__ for path, module in modules.items()}
         self._leaf = {path: next(module.children(), None) is None for path, module in modules.items()}
@@ -236,14 +236,10 @@ class NonFiniteDetector(Observer):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._backwards: dict[int, list[tuple[_GradFlag, Tensor, Tensor]]] = {}
-        taps = Taps(tuple(Tap(path, path, 0) for path in self._calls))
-        self._session = HookSession(model, taps, observer=self)
+        self._selection = selection
+        self._session = ObserverSession(model, selection, self)
 
     # forward -------------------------------------------------------------------------------------
-
-    def _wanted(self, path: str, call: int) -> bool:
-        calls = self._calls[path]
-        return calls is None or call in calls
 
     def _check(
         self, forward: _Forward, path: str, call: int, kind: str, tensors: list[Tensor], is_output: bool
@@ -280,18 +276,16 @@ class NonFiniteDetector(Observer):
     def before(
         self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._wanted(path, call):
-            tensors, main = _arguments(args, kwargs)
-            inputs = self._check(state, path, call, "input", tensors, is_output=False)
-            state.running.append(_Call(path, call, inputs, main, state.running[-1] if state.running else state.root))
+        tensors, main = _arguments(args, kwargs)
+        inputs = self._check(state, path, call, "input", tensors, is_output=False)
+        state.running.append(_Call(path, call, inputs, main, state.running[-1] if state.running else state.root))
 
     def after(
         self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
-        if self._wanted(path, call):
-            record = _ending(state, path, call)
-            record.outputs = self._check(state, path, call, "output", _float_leaves(output), is_output=True)
-            state.calls.append(record)
+        record = _ending(state, path, call)
+        record.outputs = self._check(state, path, call, "output", _float_leaves(output), is_output=True)
+        state.calls.append(record)
 
     def end(self, state: _Forward, output: Any) -> None:
         state.root.outputs = self._check(state, "", 0, "output", _float_leaves(output), is_output=True)
@@ -446,7 +440,7 @@ class NonFiniteDetector(Observer):
         self.close()
 
     def __repr__(self) -> str:
-        return f"NonFiniteDetector({len(self._calls)} modules, {'active' if self.active else 'closed'})"
+        return f"NonFiniteDetector({len(self._selection)} modules, {'active' if self.active else 'closed'})"
 
 
 def _submodules(model: nn.Module) -> list[str]:

@@ -32,17 +32,16 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
-from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from .._hooks import HookSession, Observer
-from .._taps import Tap, Taps, call_name
-from ..errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
-from ..layers import LayerIndex
+from .._hooks import Observer, ObserverSession
+from .._taps import call_name
+from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
+from ..layers import select_modules
 
 __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
@@ -182,7 +181,7 @@ def _sum_of_squares(flat: Tensor) -> Tensor:
     body = n - n % _ROW
     if body == 0:
         return torch.dot(flat, flat)
-    squares = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).square_().sum()
+    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).square_().sum()
     if body < n:
         tail = flat[body:]
         squares = squares + torch.dot(tail, tail)
@@ -193,7 +192,8 @@ def _flat(x: Tensor) -> Tensor:
     """The elements of ``x`` as a 1-D view in memory order (a copy only when ``x`` is not dense)."""
     if x.is_contiguous():
         return x.view(-1)
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: -strides[d])
     permuted = x.permute(order)
     return permuted.view(-1) if permuted.is_contiguous() else x.reshape(-1)
 
@@ -278,7 +278,7 @@ class _GradStats:
         self.owner._add(self.path, self.call, "grad", grad)
 
 
-class Watch(Observer):
+class Watch(Observer[None]):
     """Statistics of the outputs (and gradients) of a model's layers; see :func:`watch`.
 
     A context manager and a handle: hooks are registered on construction and removed by
@@ -298,21 +298,20 @@ class Watch(Observer):
         self.stats = _check_stats(stats)
         self.grads = bool(grads)
         self._need = _Need.of(self.stats)
-        self._calls = select_modules(model, layers, default=_leaves_with_parameters, what="watch")
-        self._order = {path: k for k, path in enumerate(self._calls)}
-        self._types = {path: type(model.get_submodule(path)).__name__ for path in self._calls}
+        selection = select_modules(model, layers, default=_leaves_with_parameters, what="watch")
+        self._order = {path: k for k, path in enumerate(selection.paths)}
+        self._types = {path: type(model.get_submodule(path)).__name__ for path in selection.paths}
         self._lock = threading.Lock()
         self._sums: dict[tuple[str, int, str, torch.device], _Sums] = {}
         self._scratch = _Scratch()
-        taps = Taps(tuple(Tap(path, path, 0) for path in self._calls))
-        self._session = HookSession(model, taps, observer=self)
+        self._session = ObserverSession(model, selection, self)
 
     # Observer ------------------------------------------------------------------------------------
 
-    def after(self, state: Any, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        calls = self._calls[path]
-        if calls is not None and call not in calls:
-            return
+    def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        return None  # statistics add up across forwards: nothing is kept per forward
+
+    def after(self, state: None, path: str, call: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         tensor = _first_float(output)
         if tensor is None:
             return
@@ -456,7 +455,7 @@ class Watch(Observer):
 
     def __repr__(self) -> str:
         state = "active" if self.active else "closed"
-        return f"Watch({len(self._calls)} layers, grads={self.grads}, {state})"
+        return f"Watch({len(self._order)} layers, grads={self.grads}, {state})"
 
 
 def watch(
@@ -516,47 +515,3 @@ def _leaves_with_parameters(model: nn.Module) -> list[str]:
         for path, module in model.named_modules()
         if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None
     ]
-
-
-def select_modules(
-    model: nn.Module, layers: str | Sequence[str] | None, *, default: Any, what: str
-) -> dict[str, frozenset[int] | None]:
-    """Module path -> the calls to probe (None: every call), in the model's module order.
-
-    ``layers``: module paths or aliases (a path means every call, ``path_k`` call k only), or glob
-    patterns over module paths; ``None`` takes ``default(model)``, a list of paths.
-    """
-    label = type(model).__name__
-    if layers is None:
-        paths = default(model)
-        if not paths:
-            raise InvalidValueError(f"{label} has no modules to {what}; name the layers")
-        return {path: None for path in paths}
-    if isinstance(layers, str):
-        layers = [layers]
-    index = LayerIndex(model, label)
-    all_paths = [path for path, _ in model.named_modules() if path]
-    chosen: dict[str, set[int] | None] = {}
-    for name in layers:
-        if not isinstance(name, str):
-            raise InvalidTypeError(f"layer names must be strings, got {name!r}")
-        if any(c in name for c in "*?["):
-            matched = [path for path in all_paths if fnmatchcase(path, name)]
-            if not matched:
-                hint = did_you_mean(name, all_paths)
-                raise LayerNotFoundError(f"no module path of {label} matches {name!r}; {hint}")
-            for path in matched:
-                chosen[path] = None
-            continue
-        path, call = index.resolve(name)
-        if call == 0:
-            chosen[path] = None
-        elif path not in chosen or chosen[path] is not None:
-            chosen.setdefault(path, set()).add(call)  # type: ignore[union-attr]
-    if not chosen:
-        raise InvalidValueError("no layers requested; pick some from featurehooks.list_layers(model)")
-    order = {path: k for k, path in enumerate(path for path, _ in model.named_modules())}
-    return {
-        path: None if calls is None else frozenset(calls)
-        for path, calls in sorted(chosen.items(), key=lambda item: order[item[0]])
-    }
