@@ -8,11 +8,12 @@ recorded with the module call it happened in, when that call was handed exactly 
 after a tapped convolution), so an owner of the model can tell which changes switching such a module out of place
 would remove.
 
-With ``count_conv`` the forward runs channels-last, as a forward under ``memory_format="auto"`` may, and counts FLOPs
-as it goes: after each module call, the share of the FLOPs so far done by convolutions and how often each convolution
-weight was used (:class:`ConvWork`, the evidence ``featurehooks._formats`` decides by). A forward that fails with
-channels-last strides (a ``.view`` that needs NCHW ones) is traced again in NCHW; the work counted up to the failure
-stands, so a failure after the deepest requested layer costs nothing.
+With ``count_conv`` the forward also counts FLOPs as it goes: after each module call, the share of the FLOPs so far
+done by convolutions and how often each convolution weight was used (:class:`ConvWork`, the evidence
+``featurehooks._formats`` decides by). The work does not depend on the memory format, so the trace runs as every
+trace does, in the images' own format: the in-place changes it records (which taps a session clones) are those of
+the NCHW forward ``memory_format="auto"`` runs by default. A model that fails in channels-last is found by its first
+real channels-last forward, which the extractor runs again in NCHW.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import threading
 from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -85,7 +86,7 @@ class Change:
 
 @dataclass(frozen=True)
 class ConvWork:
-    """The convolution work of a channels-last meta forward up to some module call.
+    """The convolution work of a meta forward up to some module call.
 
     ``share``: the share of FLOPs in convolutions. ``reuse_per_pixel``: multiply-adds of the 2-D convolutions per
     weight element, per image and per input pixel; times an image's pixels it says how often each convolution
@@ -102,8 +103,7 @@ class ConvWork:
 
 @dataclass(frozen=True)
 class _Inputs:
-    """How a trace ran, to run it the same way again: its meta arguments, eval mode, and whether in channels-last
-    with FLOPs counted."""
+    """How a trace ran, to run it the same way again: its meta arguments, eval mode, and whether FLOPs were counted."""
 
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
@@ -120,7 +120,7 @@ class Trace:
     after the module returned, every change in the order seen. ``reread``: of the paths the trace was
     asked to check, those whose input was read again after one of their calls returned.
     ``conv_work`` (with ``count_conv``): the convolution work up to each module call, and of the whole forward
-    under the key None; calls a channels-last forward never reached, and work without FLOPs, are missing.
+    under the key None; calls without FLOPs before them are missing.
     """
 
     input_shape: tuple[int, ...]
@@ -159,7 +159,7 @@ class Trace:
 
 
 class _ConvCounter:
-    """Counts FLOPs while a channels-last trace runs, and after each module call notes the convolution work so far."""
+    """Counts FLOPs while a trace runs, and after each module call notes the convolution work so far."""
 
     def __init__(self, pixels: int, work: dict[Site | None, ConvWork]) -> None:
         self.flops = FlopCounterMode(display=False)
@@ -184,13 +184,6 @@ class _ConvCounter:
 def _op_name(op: object) -> str:
     """``aten.convolution.default`` -> ``convolution``."""
     return str(getattr(op, "__name__", op)).split(".")[0]
-
-
-def _channels_last_output(_module: nn.Module, _args: Any, output: Any) -> Any:
-    """A convolution's output with the channels-last strides the real kernels give it (meta ones give NCHW
-    strides), so that a later ``.view`` that needs NCHW strides fails on the meta device as on the real one."""
-    is_map = isinstance(output, torch.Tensor) and output.dim() == 4
-    return output.contiguous(memory_format=torch.channels_last) if is_map else output
 
 
 class _Recorder:
@@ -288,19 +281,13 @@ def trace(
     ``watch`` names the sites whose in-place changes matter (the taps of a session).
     ``eval_mode`` runs in eval mode, as FeatureExtractor does (on the copy: the caller's flags stay).
     ``check_reads`` names modules whose inputs must not be read after their calls (``Trace.reread``).
-    ``count_conv`` runs the forward channels-last and counts its convolution work (``Trace.conv_work``).
+    ``count_conv`` counts the forward's convolution work (``Trace.conv_work``).
     Raises whatever the model raises on meta tensors (data-dependent control flow, ops without
     meta kernels, fixed input sizes); callers decide what a failed trace means.
     """
     to_meta = partial(tree_map_only, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
     inputs = _Inputs(to_meta(tuple(args)), to_meta(dict(kwargs or {})), eval_mode, count_conv)
-    work: dict[Site | None, ConvWork] = {}
-    if not count_conv:
-        return _run(model, inputs, watch, check_reads, work)
-    try:
-        return _run(model, inputs, watch, check_reads, work)
-    except Exception:  # noqa: BLE001 - fails in channels-last: traced in NCHW, the work counted so far stands
-        return _run(model, replace(inputs, count_conv=False), watch, check_reads, work)
+    return _run(model, inputs, watch, check_reads, {})
 
 
 def _run(
@@ -310,25 +297,20 @@ def _run(
     check_reads: Collection[str],
     work: dict[Site | None, ConvWork],
 ) -> Trace:
-    """The one meta forward of ``model`` on ``inputs``; with ``inputs.count_conv`` in channels-last, the convolution
-    work noted into ``work`` as it runs (what was noted before a failure stays there)."""
+    """The one meta forward of ``model`` on ``inputs``; with ``inputs.count_conv`` the convolution work is noted into
+    ``work`` as it runs."""
     copied = meta_copy(model)
     shape = next((tuple(a.shape) for a in tree_leaves(inputs.args) if isinstance(a, torch.Tensor)), ())
     reads = _Reads(check_reads) if check_reads else None
     counter = _ConvCounter(math.prod(shape[:1] + shape[2:]), work) if inputs.count_conv else None
     recorder = _Recorder(watch, reads, counter)
-    if counter is not None:
-        copied.to(memory_format=torch.channels_last)
     for path, module in copied.named_modules():
         module.register_forward_pre_hook(partial(recorder.enter, path))
-        if counter is not None and isinstance(module, nn.Conv2d):
-            module.register_forward_hook(_channels_last_output)
         module.register_forward_hook(partial(recorder.hook, path))
         module.register_forward_hook(partial(recorder.leave, path), always_call=True)
-    layout = torch.channels_last if counter is not None else torch.preserve_format
 
     def fresh(t: torch.Tensor) -> torch.Tensor:  # new meta tensors each run: a model may change its inputs in place
-        return torch.empty_like(t, memory_format=layout if t.dim() == 4 else torch.preserve_format)
+        return torch.empty_like(t)
 
     args, kwargs = tree_map_only(torch.Tensor, fresh, (inputs.args, dict(inputs.kwargs)))
     counting = counter.flops if counter is not None else contextlib.nullcontext()

@@ -45,16 +45,18 @@ def conv_weights(extractor: fh.FeatureExtractor) -> list[Tensor]:
 @pytest.mark.parametrize(
     ("backbone", "layers", "expected"),
     [
-        ("vgg16", ["relu3_3"], "channels_last"),
+        pytest.param("vgg16", ["relu3_3"], "channels_last", marks=pytest.mark.slow),
         ("resnet18", ["layer2", "layer4"], "channels_last"),
         ("efficientnet_b0", ["features.5"], "channels_last"),
         ("mobilenet_v3_small", ["features.8"], "channels_last"),
-        ("densenet121", ["features.denseblock2"], "channels_last"),
+        pytest.param("densenet121", ["features.denseblock2"], "channels_last", marks=pytest.mark.slow),
         ("timm/resnet18", ["layer3"], "channels_last"),
-        ("convnext_tiny", ["features.5"], "contiguous"),  # its work is in Linear layers on permuted maps
-        ("vit_b_16", ["encoder.layers.encoder_layer_2"], "contiguous"),
-        ("swin_t", ["features.3"], "contiguous"),
-        ("maxvit_t", ["blocks.1"], "contiguous"),  # 46% of its FLOPs are convolutions
+        # its work is in Linear layers on permuted maps
+        pytest.param("convnext_tiny", ["features.5"], "contiguous", marks=pytest.mark.slow),
+        pytest.param("vit_b_16", ["encoder.layers.encoder_layer_2"], "contiguous", marks=pytest.mark.slow),
+        pytest.param("swin_t", ["features.3"], "contiguous", marks=pytest.mark.slow),
+        # 46% of its FLOPs are convolutions
+        pytest.param("maxvit_t", ["blocks.1"], "contiguous", marks=pytest.mark.slow),
         ("timm/vit_tiny_patch16_224", ["blocks.3"], "contiguous"),
     ],
 )
@@ -89,12 +91,12 @@ def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> N
 @pytest.mark.parametrize(
     ("backbone", "layers", "side"),
     [
-        ("vgg16", ["relu1_2", "relu3_3"], 64),
+        pytest.param("vgg16", ["relu1_2", "relu3_3"], 64, marks=pytest.mark.slow),
         ("resnet18", ["layer1", "layer3"], 64),
-        ("mobilenet_v3_large", ["features.4", "features.12"], 96),
-        ("efficientnet_b0", ["features.3", "features.6"], 96),
+        pytest.param("mobilenet_v3_large", ["features.4", "features.12"], 96, marks=pytest.mark.slow),
+        pytest.param("efficientnet_b0", ["features.3", "features.6"], 96, marks=pytest.mark.slow),
         ("squeezenet1_1", ["fire4", "fire7"], 64),
-        ("regnet_y_400mf", ["trunk_output.block2", "trunk_output.block3"], 96),
+        pytest.param("regnet_y_400mf", ["trunk_output.block2", "trunk_output.block3"], 96, marks=pytest.mark.slow),
     ],
 )
 def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: list[str], side: int) -> None:
@@ -129,6 +131,7 @@ def test_each_format_equals_float64_values_and_gradients(backbone: str, layers: 
     assert errors["channels_last"] <= 2 * errors["contiguous"] + 1e-5, errors
 
 
+@pytest.mark.slow
 def test_features_keep_their_shape_and_say_their_strides() -> None:
     images = torch.rand(2, 3, 64, 64)
     last = seeded_extractor("vgg16", ["relu2_2"])(images)["relu2_2"]
@@ -162,6 +165,7 @@ def test_inputs_of_any_strides_and_dtype_give_the_same_features_and_gradients(ma
     assert leaf.grad is not None and reference.grad is not None
 
 
+@pytest.mark.slow
 def test_explicit_formats_are_obeyed_on_any_model() -> None:
     vit = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_1"], memory_format="channels_last")
     assert vit.memory_format_in_use == "channels_last"
@@ -190,14 +194,18 @@ class FlattensWithView(nn.Module):
         return self.head(nn.functional.adaptive_avg_pool2d(self.conv(x), 8).view(x.shape[0], -1))
 
 
-def test_auto_keeps_nchw_for_a_model_that_fails_in_channels_last() -> None:
-    extractor = fh.FeatureExtractor(FlattensWithView(), ["conv", "head"], weights=None)
-    assert extractor._trace is not None  # traced: the channels-last meta forward is what failed
-    assert extractor._conv_share is None and extractor.memory_format_in_use == "contiguous"
-    assert extractor(torch.rand(2, 3, 8, 8))["head"].shape == (2, 2)
-    forced = fh.FeatureExtractor(FlattensWithView(), ["head"], weights=None, memory_format="channels_last")
+def test_auto_runs_nchw_again_for_a_model_that_fails_in_channels_last() -> None:
+    model = FlattensWithView()
+    images = torch.rand(2, 3, 64, 64)
+    extractor = fh.FeatureExtractor(model, ["conv", "head"], weights=None)
+    assert extractor.memory_format_for(images.shape) == "channels_last"  # the rule: convolutions, 4096 pixels
+    got = extractor(images)  # fails in channels-last, runs again in NCHW
+    assert extractor.memory_format_in_use == "contiguous" and extractor.memory_format_for(images.shape) == "contiguous"
+    want = fh.FeatureExtractor(model, ["conv", "head"], weights=None, memory_format="contiguous")(images)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    forced = fh.FeatureExtractor(model, ["head"], weights=None, memory_format="channels_last")
     with pytest.raises(RuntimeError, match="view"):
-        forced(torch.rand(2, 3, 8, 8))
+        forced(images)
 
 
 def test_untraceable_models_stay_nchw_under_auto() -> None:
@@ -231,6 +239,7 @@ def test_auto_decides_by_share_device_and_the_work_per_weight_of_one_image(
     assert _formats.auto_format(work, device, shape) == expected
 
 
+@pytest.mark.slow
 def test_the_work_per_weight_is_counted_up_to_the_deepest_layer() -> None:
     """VGG16 up to relu3_3 at 64x64: multiply-adds of its seven convolutions over their weight elements."""
     extractor = seeded_extractor("vgg16", ["relu3_3"])
@@ -287,6 +296,7 @@ def test_a_bad_memory_format_is_refused() -> None:
         fh.FeatureExtractor("resnet18", ["layer1"], weights=None, memory_format="nhwc")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_losses_and_lpips_take_the_format_and_agree_across_formats() -> None:
     images, target = torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)
     for make in (
@@ -312,6 +322,7 @@ def test_a_shared_extractor_brings_its_own_format() -> None:
         PerceptualLoss(shared, memory_format="channels_last")
 
 
+@pytest.mark.slow
 def test_activation_bytes_is_the_largest_output_per_image_up_to_the_deepest_layer() -> None:
     resnet = seeded_extractor("resnet18", ["layer4"])
     assert resnet.activation_bytes(224, 224) == 64 * 112 * 112 * 4  # conv1's output (bn1, relu the same size)
@@ -455,8 +466,8 @@ def test_without_early_exit_the_whole_forward_must_run_in_channels_last() -> Non
     assert early(torch.rand(2, 3, 128, 128))["act"].shape == (2, 8, 128, 128)
     assert early.memory_format_in_use == "channels_last"
     whole = fh.FeatureExtractor(ViewAfterTheTap(), ["act"], weights=None, early_exit=False)
-    assert whole.memory_format_for(LARGE) == "contiguous"
-    assert whole(torch.rand(2, 3, 128, 128))["act"].shape == (2, 8, 128, 128)
+    assert whole(torch.rand(2, 3, 128, 128))["act"].shape == (2, 8, 128, 128)  # the .view runs: NCHW again
+    assert whole.memory_format_in_use == "contiguous" and whole.memory_format_for(LARGE) == "contiguous"
 
 
 def test_a_model_catching_every_exception_cannot_stretch_the_share_past_the_tap() -> None:
@@ -491,6 +502,7 @@ def test_input_gradients_come_back_in_the_inputs_own_memory_format(layout: torch
     assert torch.autograd.grad(loss, output)[0].is_contiguous()
 
 
+@pytest.mark.slow
 def test_without_early_exit_activation_bytes_cover_the_whole_forward() -> None:
     assert seeded_extractor("resnet18", ["conv1"]).activation_bytes(32, 32) == 64 * 16 * 16 * 4
     assert seeded_extractor("vgg16", ["pool5"]).activation_bytes(32, 32) == 64 * 32 * 32 * 4
