@@ -11,7 +11,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -206,7 +206,7 @@ class FeatureExtractor(nn.Module):
         self._conv_work = found.conv_work.get(self._stop_site) if found is not None else None
         self._auto_failed = False  # a channels-last forward under auto raised: NCHW from then on
         self._settle_format()
-        self._format = memory_format if memory_format != "auto" else "contiguous"
+        self._format: str = memory_format if memory_format != "auto" else "contiguous"
         self._range_checked = False
         # the private copy: copies of the extractor copy its taps; in-place ReLUs after taps run out of place
         self._session: TapSession[None] = TapSession(
@@ -424,9 +424,9 @@ class FeatureExtractor(nn.Module):
     # -- end of what input pipelines ask ------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         if recurse:
-            self._model._apply(fn)
+            self._model._apply(fn)  # type: ignore[no-untyped-call]
             if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
                 self._settle_format()
         return self
@@ -556,7 +556,7 @@ def _in_format(images: Tensor, memory_format: str) -> Tensor:
     if images.is_contiguous(memory_format=layout):
         return images
     if images.requires_grad and torch.is_grad_enabled():
-        return _AsFormat.apply(images, layout)
+        return cast(Tensor, _AsFormat.apply(images, layout))
     return images.contiguous(memory_format=layout)
 
 
@@ -648,7 +648,7 @@ class _GradSlots:
         self.leaf_handles: list[RemovableHandle] = []
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                handle = leaf.register_hook(self._setter(index))
+                handle = leaf.register_hook(self._setter(index))  # type: ignore[no-untyped-call]
                 if leaf.grad_fn is None:
                     self.leaf_handles.append(handle)
 
