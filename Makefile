@@ -26,8 +26,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
 
+# ruff (lint and format) everywhere; mypy on the library, strict on the engine (pyproject.toml, [tool.mypy])
 lint: $(STAMP)
 	$(VENV)/bin/ruff check featurehooks tests benchmarks examples
+	$(VENV)/bin/ruff format --check featurehooks tests benchmarks examples
+	$(PY) -m mypy
+
+# the CPU benchmarks, one after another (about an hour on 2 quiet cores); results land in benchmarks/results/
+BENCHMARKS := extraction losses memory_formats metrics probes dump_throughput dump_memory compile
+bench: $(STAMP)
+	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache
