@@ -1,4 +1,5 @@
-"""Builders the test files share: a tiny seeded extractor and a folder of seeded random PNGs.
+"""What the test files share: a tiny seeded extractor, a folder of seeded random PNGs, sweeps sampled for
+``make test-fast``.
 
 The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
 because module-level helpers of the test files (``dump(...)``) call them too.
@@ -7,9 +8,12 @@ because module-level helpers of the test files (``dump(...)``) call them too.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torch import nn
@@ -46,3 +50,14 @@ def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), s
     for i in range(count):
         Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
     return folder
+
+
+def slow_unless(values: Iterable[Any], fast: Collection[Any]) -> list[Any]:
+    """``values`` for ``pytest.mark.parametrize``, each marked slow unless it is in ``fast``: ``make test-fast``
+    runs the sample, ``make test`` every value. A tuple value holds the arguments of several argnames."""
+    return [
+        pytest.param(
+            *(value if isinstance(value, tuple) else (value,)), marks=() if value in fast else pytest.mark.slow
+        )
+        for value in values
+    ]

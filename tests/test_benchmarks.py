@@ -11,6 +11,8 @@ import pytest
 import torch
 from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
+pytestmark = pytest.mark.slow  # each runs a benchmark script's timing rounds
+
 pytest.importorskip("matplotlib")
 
 

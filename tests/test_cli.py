@@ -186,6 +186,7 @@ def run_cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "featurehooks", *args], capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_real_process_error_exit_has_no_traceback(tmp_path: Path) -> None:
     done = run_cli("extract", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--backbone", "vgg16",
                    "--layers", "relu3_3", "--weights", "none")  # fmt: skip
@@ -193,6 +194,7 @@ def test_real_process_error_exit_has_no_traceback(tmp_path: Path) -> None:
     one_error_line(done.stderr)
 
 
+@pytest.mark.slow
 def test_closed_pipe_exits_quietly() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # like `featurehooks layers vgg16 | head -0`

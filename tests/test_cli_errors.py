@@ -250,6 +250,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, exc: Excepti
         main(["layers", "vgg16"])
 
 
+@pytest.mark.slow
 def test_a_bug_in_a_real_process_prints_a_traceback_and_exits_1(tmp_path: Path) -> None:
     import subprocess
     import sys

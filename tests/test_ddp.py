@@ -73,6 +73,7 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_losses_train_under_ddp_with_two_cpu_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD_SIZE, join=True)

@@ -142,6 +142,7 @@ except RuntimeError as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_by_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)

@@ -12,6 +12,7 @@ from bench_helpers import load_script, restore_global_state  # noqa: F401 - an a
 pytest.importorskip("skimage")
 
 
+@pytest.mark.slow
 def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
     bench = load_script("dump_throughput")
     argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]

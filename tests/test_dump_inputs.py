@@ -128,6 +128,7 @@ def test_real_photos_equal_the_weights_own_transforms_exactly(photos: list[Path]
         assert torch.equal(ours, theirs), photo.name
 
 
+@pytest.mark.slow
 def test_equal_on_cpus_without_avx2_where_torchs_uint8_resize_differs(photos: list[Path]) -> None:
     """The issue's 18%: without AVX2, torch resizes uint8 through floats and rounds a level off."""
     out = run_script(
@@ -204,6 +205,7 @@ def test_thin_images_are_invalid_rows_with_the_reason(tmp_path: Path) -> None:
         prepare_image(paths[2], ext, resize_size=256)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
 def test_thin_images_cost_no_memory(tmp_path: Path) -> None:
     """Before the budget, the 1000x1 PNG took +457 MiB and the 100000x1 one asked for about 20 GB."""

@@ -463,6 +463,7 @@ dump(Slow(), sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_a_second_dump_into_a_folder_in_use_gets_one_line_naming_the_first(
     tmp_path: Path, reference: Callable[[int], Path]
 ) -> None:

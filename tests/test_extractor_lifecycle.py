@@ -141,6 +141,7 @@ def test_buffers_follow_to_and_stay_out_of_state_dict(vgg16_cached: Path, images
     assert extractor.state_dict() == {}
 
 
+@pytest.mark.slow
 def test_normalization_comes_from_the_weights(vgg16_cached: Path, seeded_weights) -> None:
     v1 = fh.FeatureExtractor("vgg16", ["relu1_2"])
     assert v1.preprocessing.mean == pytest.approx((0.485, 0.456, 0.406))
@@ -206,6 +207,7 @@ def test_in_place_change_found_at_runtime_is_cloned_with_a_warning(images: torch
     torch.testing.assert_close(second, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["detach", "grad"])
 def test_compiles_to_one_graph_with_early_exit(vgg16_cached: Path, images: torch.Tensor, mode: str) -> None:
     extractor = fh.FeatureExtractor("vgg16", ["conv1_2", "relu2_2"], mode=mode)
@@ -220,6 +222,7 @@ def test_compiles_to_one_graph_with_early_exit(vgg16_cached: Path, images: torch
         assert x.grad is not None
 
 
+@pytest.mark.slow
 def test_compiled_first_call_then_a_recompile(vgg16_cached: Path, images: torch.Tensor) -> None:
     """The per-thread forward stack first created inside a compiled frame must not fail the recompile's guard."""
     torch._dynamo.reset()

@@ -19,6 +19,7 @@ def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
     return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home), "--sizes", "32,128"]
 
 
+@pytest.mark.slow
 def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
     bench = load_script("memory_formats")
     argv = _argv(tmp_path, torch_home)

@@ -64,6 +64,7 @@ def paths_of(extractor: fh.FeatureExtractor, names: list[str]) -> list[str]:
     return [tap.path for tap in extractor.taps if tap.name in names]
 
 
+@pytest.mark.slow
 def test_vgg16_conv_and_relu_taps_and_input_gradients_equal_fx_with_no_clone(
     vgg16_cached: Path, images: torch.Tensor, clones: list[int]
 ) -> None:

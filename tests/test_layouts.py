@@ -261,6 +261,7 @@ def _loss_by_hand(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tens
     return total.mean()
 
 
+@pytest.mark.slow
 def test_dino_preset_loads_a_local_file_and_matches_timm(tmp_path: Path) -> None:
     state = _dino_state()
     path = tmp_path / "dino.safetensors"
@@ -275,6 +276,7 @@ def test_dino_preset_loads_a_local_file_and_matches_timm(tmp_path: Path) -> None
     assert small.grad is not None and torch.isfinite(small.grad).all()
 
 
+@pytest.mark.slow
 def test_dino_preset_loads_from_the_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 

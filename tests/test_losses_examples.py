@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # the examples run end to end
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

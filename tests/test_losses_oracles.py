@@ -57,6 +57,7 @@ def test_style_with_unnormalized_grams_equals_piq_style_loss(vgg16_default, pair
     torch.testing.assert_close(mean, reference.mean(), rtol=RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_normalized_features_with_channel_weights_equal_lpips_baseline(vgg16_cached, pair) -> None:
     x, y = (2 * t - 1 for t in pair)  # LPIPS takes images in [-1, 1]
     ours = fl.PerceptualLoss(

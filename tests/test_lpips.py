@@ -25,6 +25,8 @@ from featurehooks.metrics.pairs import ImagePair, pair_files, score_pairs
 lpips = pytest.importorskip("lpips")
 
 NETS = ("alex", "vgg", "squeeze")
+# the VGG16 trunk, the slowest of the three, only in make test (not in make test-fast)
+NETS_FAST_ALEX_SQUEEZE = [pytest.param(net, marks=pytest.mark.slow) if net == "vgg" else net for net in NETS]
 TRUNKS = {"alex": "alexnet", "vgg": "vgg16", "squeeze": "squeezenet1_1"}
 ATOL = 1e-5
 
@@ -57,7 +59,7 @@ def input_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
 # ------------------------------------------------------------------------------------------------- oracles
 
 
-@pytest.mark.parametrize("net", NETS)
+@pytest.mark.parametrize("net", NETS_FAST_ALEX_SQUEEZE)
 def test_equals_lpips_per_sample_spatial_and_in_gradients(trunks: None, pair, net: str) -> None:
     x, y = pair
     x1, y1 = 2 * x - 1, 2 * y - 1  # lpips' own range
@@ -78,7 +80,7 @@ def test_equals_lpips_per_sample_spatial_and_in_gradients(trunks: None, pair, ne
     torch.testing.assert_close(spatial, expected_map, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("net", NETS)
+@pytest.mark.parametrize("net", NETS_FAST_ALEX_SQUEEZE)
 def test_uncalibrated_equals_lpips_baseline(trunks: None, pair, net: str) -> None:
     x, y = pair
     expected = reference(net, lpips=False)(2 * x - 1, 2 * y - 1).flatten()
@@ -129,6 +131,7 @@ def test_reductions(trunks: None, pair) -> None:
 # --------------------------------------------------------------------------------------------------- heads
 
 
+@pytest.mark.slow
 def test_finds_lpips_heads_without_importing_lpips() -> None:
     assert find_heads("alex") == Path(lpips.__file__).parent / "weights" / "v0.1" / "alex.pth"
     assert find_heads("vgg16", "0.0") == Path(lpips.__file__).parent / "weights" / "v0.0" / "vgg.pth"
@@ -233,6 +236,7 @@ def test_identical_and_black_images_give_zero_with_finite_gradients(trunks: None
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_compiles_to_one_graph(trunks: None, pair) -> None:
     x, y = pair
     metric = LPIPS("alex", reduction="none")
@@ -340,7 +344,9 @@ def test_score_pairs_errors_name_the_file(trunks: None, tmp_path: Path) -> None:
         score_pairs(LPIPS("alex"), [(tmp_path / "a.png", tmp_path / "a.png")], num_workers=0)
 
 
-@pytest.mark.parametrize(("net", "smallest"), [("alex", 31), ("vgg", 16), ("squeeze", 17)])
+@pytest.mark.parametrize(
+    ("net", "smallest"), [("alex", 31), pytest.param("vgg", 16, marks=pytest.mark.slow), ("squeeze", 17)]
+)
 def test_too_small_images_are_refused_before_the_trunk_fails(net: str, smallest: int) -> None:
     torch.manual_seed(0)
     metric = LPIPS(net, weights=None, reduction="none")

@@ -69,9 +69,12 @@ CASES = {
     "inception_v3 Mixed_6e": ("inception_v3", "Mixed_6e", fx_node("Mixed_6e")),
     "timm resnet18d stage 3": ("timm/resnet18d", "layer3", timm_stage(3)),
 }
+SLOW_CASES = ("vgg19 relu5_4", "inception_v3 Mixed_6e")  # left out by make test-fast
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case for case in CASES]
+)
 def test_default_grad_mode_gives_the_nchw_features_and_input_gradients_bitwise(case: str) -> None:
     backbone, layer, by_hand = CASES[case]
     extractor = seeded(backbone, [layer], mode="grad")
@@ -106,6 +109,7 @@ def test_a_perceptual_loss_gives_the_gradients_of_the_nchw_loss_bitwise() -> Non
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow
 def test_without_a_graph_channels_last_stays_within_float32_rounding_of_nchw() -> None:
     auto = seeded("vgg16", ["relu2_2", "relu3_3"])
     nchw = seeded("vgg16", ["relu2_2", "relu3_3"], memory_format="contiguous")

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 import featurehooks as fh
 from featurehooks.losses import presets
 
+pytestmark = pytest.mark.slow  # a client's loss written out on seeded VGG16/VGG19, per recipe
+
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 VGG19_BLOCKS = (2, 2, 4, 4, 4)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.models as tvm
+from helpers import slow_unless
 from PIL import Image
 from torch import nn
 from torchvision.transforms import Compose, Normalize
@@ -177,7 +178,15 @@ def test_torchvision_pixels_equal_the_weights_transforms_of_each_kind(photos: li
             assert torch.equal(ours(read_image(photo)), theirs), (str(member), photo.name)
 
 
-@pytest.mark.parametrize("name", sorted(tvm.list_models(module=tvm)))
+# make test-fast: names whose DEFAULT preprocessing differs (resize, crop, interpolation, mean), and a wide ResNet
+# told apart from its plain sibling by its shapes alone
+FAST_INSTANCES = (
+    "alexnet", "efficientnet_b0", "efficientnet_v2_s", "inception_v3", "resnet50", "swin_v2_s", "vit_b_16",
+    "wide_resnet50_2",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", slow_unless(sorted(tvm.list_models(module=tvm)), FAST_INSTANCES))
 def test_every_torchvision_instance_gets_the_preprocessing_of_its_name(name: str) -> None:
     """An instance (on the meta device: its architecture is all that counts) prepares images as its name does."""
     with warnings.catch_warnings():
@@ -197,6 +206,7 @@ def test_an_instance_no_builder_matches_gets_what_its_class_shares() -> None:
     assert load_backbone(alexnet).preprocessing == preprocessing_of(tvm.AlexNet_Weights.IMAGENET1K_V1)
 
 
+@pytest.mark.slow
 def test_a_vgg16_instance_runs_as_its_name(vgg16_cached: object) -> None:
     """The issue's case: torchvision.models.vgg16(weights=...) passed as an instance normalizes as "vgg16" does."""
     model = tvm.vgg16(weights="IMAGENET1K_V1")

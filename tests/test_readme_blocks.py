@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # VGG backbones built as the README builds them
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTIONS = ("Porting a perceptual loss",)
 

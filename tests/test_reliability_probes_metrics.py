@@ -84,6 +84,7 @@ def test_watch_huge_gradients_are_finite_and_correct() -> None:
 # item 13: FD warns on sets smaller than their dimension, KID refuses sets smaller than its subsets
 
 
+@pytest.mark.slow
 def test_fd_of_fewer_vectors_than_dimensions_warns_naming_the_minimum() -> None:
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 2048, generator=generator), torch.randn(8, 2048, generator=generator)

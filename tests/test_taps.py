@@ -146,6 +146,7 @@ def test_tuple_outputs_changed_in_place_later_are_cloned(mode: str) -> None:
             torch.testing.assert_close(value, reference.detach())
 
 
+@pytest.mark.slow
 def test_hrnet_stage_tuple_with_a_deeper_tap() -> None:
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
@@ -158,6 +159,7 @@ def test_hrnet_stage_tuple_with_a_deeper_tap() -> None:
         torch.testing.assert_close(value, reference, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tresnet_m", "csatv2"])
 def test_input_channels_come_from_the_model_not_its_first_conv(name: str) -> None:
     timm = pytest.importorskip("timm")

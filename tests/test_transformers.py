@@ -421,6 +421,7 @@ def test_gradients_flow_through_nchw_views(
     assert all(not p.requires_grad for p in ext.backbone.parameters())
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_matches_eager() -> None:
     """aot_eager traces the views through AOT autograd; inductor's C++ compile takes ~40 s here, too slow."""
     model = create("vit_tiny_patch16_224", img_size=32, depth=2, dynamic_img_size=True)

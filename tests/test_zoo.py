@@ -14,7 +14,12 @@ For each model of ``torchvision.models.list_models(module=torchvision.models)`` 
   moment it is computed (FX's own outputs are overwritten by later in-place ops), on the smallest
   input the model takes from 64 pixels up; input gradients agree to float32 rounding.
 - Under the default ``memory_format="auto"`` a graph runs NCHW, so every model's input gradients are those
-  of the NCHW code a user ports; ``channels_last`` (opt-in) keeps values to 1e-5 of scale.
+  of the NCHW code a user ports; ``channels_last`` (opt-in) keeps values to 1e-5 of scale. That last check runs
+  on ``CHANNELS_LAST_SAMPLE``, one model of each family and the variants whose blocks differ: its NCHW run is
+  the code path the FX check covers on every model.
+
+``make test-fast`` runs these checks on ``FAST`` (channels-last: ``FAST_CHANNELS_LAST``); the other models are
+marked slow.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import pytest
 import torch
 import torchvision
 import torchvision.models as tvm
+from helpers import slow_unless
 from torch import Tensor, fx, nn
 from torchvision.models.feature_extraction import NodePathTracer, create_feature_extractor
 
@@ -52,6 +58,20 @@ TOO_SLOW = {
     "vit_l_16": "a forward and backward of ViT-L at its fixed 224x224 input take 6.5 s, the whole check 9 s",
 }
 STAGE_LAYOUTS = ("NCHW", "NHWC", "NLC")
+# The smallest model of each family, and the variants whose blocks differ: batch norm (VGG), bottlenecks and
+# grouped convolutions (ResNet, ResNeXt), squeeze-excitation (RegNetY), fused MBConv (EfficientNetV2), V1 and
+# V2 blocks (SqueezeNet, Swin). Deeper and wider members repeat these blocks.
+CHANNELS_LAST_SAMPLE = (
+    "alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "googlenet", "inception_v3",
+    "maxvit_t", "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf", "regnet_y_400mf", "resnet18",
+    "resnet50", "resnext50_32x4d", "shufflenet_v2_x0_5", "squeezenet1_0", "squeezenet1_1", "swin_t", "swin_v2_t",
+    "vgg11", "vgg11_bn", "vit_b_32",
+)  # fmt: skip
+# make test-fast: quick models of each kind (residual CNN, inverted residuals with SE, fire modules, windowed
+# attention, ViT tokens); channels-last on the CNNs, where "auto" would choose it.
+FAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "swin_t", "vit_b_32")
+FAST_CHANNELS_LAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_1")
+
 _NUMBERED = re.compile(r"_[0-9]+$")
 
 
@@ -207,7 +227,7 @@ def weighted_sum(features: Mapping[str, Tensor], weights: Mapping[str, Tensor]) 
     return sum(((features[key] * weight).sum() for key, weight in weights.items()), torch.zeros(()))
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", slow_unless(MODELS, FAST))
 def test_list_layers_names_every_fx_leaf_call(name: str) -> None:
     rows = layer_rows(name)
     graph = fx_graph(name)
@@ -223,7 +243,7 @@ def test_list_layers_names_every_fx_leaf_call(name: str) -> None:
     assert fx_visible_sites(rows, graph.leaves) == {(call.path, call.call) for call in graph.calls}
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", slow_unless(MODELS, FAST))
 def test_features_and_input_gradients_match_fx(name: str) -> None:
     if name in TOO_SLOW:
         pytest.skip(TOO_SLOW[name])
@@ -269,9 +289,9 @@ def _run_in_format(
     return extractor, values, images.grad.double() if grad else None
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", slow_unless(CHANNELS_LAST_SAMPLE, FAST_CHANNELS_LAST))
 def test_channels_last_matches_nchw(name: str) -> None:
-    """Every model runs in channels-last when asked, with the NCHW values to float32 rounding, 1e-5 of each
+    """Each model of the sample runs in channels-last when asked, with the NCHW values to float32 rounding, 1e-5 of each
     feature's scale. Where "auto" picks channels-last, input gradients too: their norm-relative error from
     a float64 run is at most twice NCHW's (deep random networks amplify float32 rounding in either format,
     a ReLU tie decided the other way moves a whole path: 1% of the norm between the two formats on
