@@ -86,8 +86,11 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
         found = [t for t in targets if t["claim"] == claim]
         assert len(found) == len(groups) and all(t["limit"] == 1.03 and t["kind"] == "<=" for t in found)
     headline = [t for t in targets if t["group"].startswith(f"{vgg}:")]
-    speedups = {(t["claim"], t["group"].split("mode=")[1].split(",")[0]): t for t in headline
-                if t["claim"].endswith("(speed-up)")}
+    speedups = {
+        (t["claim"], t["group"].split("mode=")[1].split(",")[0]): t
+        for t in headline
+        if t["claim"].endswith("(speed-up)")
+    }
     assert set(speedups) == {(f"{other} / {e.FE} (speed-up)", "no-grad") for other in (e.FLOOR, e.FX)}
     assert all(t["limit"] == 1.1 and t["kind"] == ">=" for t in speedups.values())
     assert f"{e.FE_CONTIGUOUS} / {e.FLOOR} (hook overhead)" in claims and f"{e.FE} / {e.TIMM}" in claims
@@ -103,8 +106,14 @@ def _group(module: ModuleType, group: dict, **params: object) -> object:
     """A saved group back as a harness Group, with some params replaced."""
     H = module.H
     rows = [H.Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"], {}) for r in group["rows"]]
-    return H.Group(group["case"], {**group["params"], **params}, group["baseline"], group["rounds"],
-                   group["calls_per_sample"], rows)
+    return H.Group(
+        group["case"],
+        {**group["params"], **params},
+        group["baseline"],
+        group["rounds"],
+        group["calls_per_sample"],
+        rows,
+    )
 
 
 def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> None:
@@ -210,8 +219,11 @@ def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
     }
     for group in groups:
         rows = {row["name"]: row for row in group["rows"]}
-        expected = [metrics.FH, metrics.FH_ONE, metrics.FH_TWO, metrics.REF] if group["case"] == metrics.METRIC \
+        expected = (
+            [metrics.FH, metrics.FH_ONE, metrics.FH_TWO, metrics.REF]
+            if group["case"] == metrics.METRIC
             else [metrics.FH, metrics.FH_ONE, metrics.REF]
+        )
         assert list(rows) == expected and group["baseline"] == metrics.REF
         for row in rows.values():  # every contender computes lpips' distances (metric) or input gradients (loss)
             assert row["max_abs_diff"] <= 1e-4, row

@@ -173,8 +173,14 @@ def test_timm_in_channels_come_from_the_config_not_the_stem() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["resnet18", "vit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "convnext_atto", "tresnet_m",
-     "maxvit_tiny_tf_224"],
+    [
+        "resnet18",
+        "vit_tiny_patch16_224",
+        "swin_tiny_patch4_window7_224",
+        "convnext_atto",
+        "tresnet_m",
+        "maxvit_tiny_tf_224",
+    ],
 )
 def test_timm_architectures_build_on_meta(name: str) -> None:
     pytest.importorskip("timm")

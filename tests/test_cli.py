@@ -137,7 +137,14 @@ def test_help_describes_every_command(command: list[str], capsys: pytest.Capture
     expected = {
         (): ["extract", "layers", "show", "lpips", "fd", "stats", "exit status"],
         ("extract",): [
-            "--layers", "--pool", "--dtype", "--resume", "--overwrite", "torchrun", "index.csv", "--output-format"
+            "--layers",
+            "--pool",
+            "--dtype",
+            "--resume",
+            "--overwrite",
+            "torchrun",
+            "index.csv",
+            "--output-format",
         ],
         ("layers",): ["backbone", "--input-size"],
         ("show",): ["IMAGE", "--channels", "--out"],

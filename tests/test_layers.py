@@ -91,14 +91,22 @@ def test_extractor_feature_info_follows_request_order(vgg16_cached) -> None:
 def test_alexnet_and_squeezenet_aliases_name_the_taps_lpips_uses() -> None:
     alex = {row.alias: (row.path, row.channels) for row in fh.list_layers("alexnet", weights=None) if row.alias}
     assert [alex[f"relu{k}"] for k in range(1, 6)] == [
-        ("features.1", 64), ("features.4", 192), ("features.7", 384), ("features.9", 256), ("features.11", 256)
+        ("features.1", 64),
+        ("features.4", 192),
+        ("features.7", 384),
+        ("features.9", 256),
+        ("features.11", 256),
     ]
     assert alex["conv1"][0] == "features.0" and alex["pool5"][0] == "features.12"
     rows = fh.list_layers("squeezenet1_1", weights=None)
     squeeze = {row.alias: (row.path, row.channels) for row in rows if row.alias}
     assert squeeze["relu1"] == ("features.1", 64)
     assert [squeeze[f"fire{k}"] for k in (3, 5, 6, 7, 8, 9)] == [
-        ("features.4", 128), ("features.7", 256), ("features.9", 384), ("features.10", 384), ("features.11", 512),
+        ("features.4", 128),
+        ("features.7", 256),
+        ("features.9", 384),
+        ("features.10", 384),
+        ("features.11", 512),
         ("features.12", 512),
     ]
     paper = {row.alias for row in fh.list_layers("squeezenet1_0", weights=None) if row.alias}

@@ -122,8 +122,9 @@ def test_style_loss_on_nchw_tokens_leaves_the_class_token_out() -> None:
     images = torch.rand(2, 3, 16, 16)
     with_prefix = fh.FeatureExtractor(ConvNet("NLC", prefix=1), ["out"], weights=None, output_format="nchw")
     plain = fh.FeatureExtractor(ConvNet("NCHW"), ["out"], weights=None)
-    loss = fh.StyleLoss(fh.FeatureExtractor(ConvNet("NLC", prefix=1), ["out"], weights=None, mode="grad",
-                                            output_format="nchw"), ["out"])
+    loss = fh.StyleLoss(
+        fh.FeatureExtractor(ConvNet("NLC", prefix=1), ["out"], weights=None, mode="grad", output_format="nchw"), ["out"]
+    )
     reference = fh.StyleLoss(fh.FeatureExtractor(ConvNet("NCHW"), ["out"], weights=None, mode="grad"), ["out"])
     torch.testing.assert_close(with_prefix(images)["out"], plain(images)["out"])
     target = torch.rand(1, 3, 16, 16)
@@ -188,8 +189,19 @@ def test_nchw_dump_writes_patch_maps_and_refuses_what_it_cannot_pool(photos: Pat
 
 
 def test_cli_extract_takes_output_format_and_cls(photos: Path, tmp_path: Path) -> None:
-    common = ["--backbone", "timm/vit_tiny_patch16_224", "--layers", "blocks.1", "--weights", "none",
-              "--resize", "224", "--workers", "0", "-q"]
+    common = [
+        "--backbone",
+        "timm/vit_tiny_patch16_224",
+        "--layers",
+        "blocks.1",
+        "--weights",
+        "none",
+        "--resize",
+        "224",
+        "--workers",
+        "0",
+        "-q",
+    ]
     assert main(["extract", str(photos), "--out", str(tmp_path / "maps"), "--output-format", "nchw", *common]) == 0
     assert main(["extract", str(photos), "--out", str(tmp_path / "cls"), "--pool", "cls", *common]) == 0
     maps = np.load(tmp_path / "maps" / "blocks.1.npy")
@@ -199,8 +211,23 @@ def test_cli_extract_takes_output_format_and_cls(photos: Path, tmp_path: Path) -
 
 def test_cli_show_draws_vit_tokens_as_maps(photos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "grid.png"
-    argv = ["show", str(photos / "0.png"), "--out", str(out), "--backbone", "timm/vit_tiny_patch16_224",
-            "--layers", "blocks.1", "patch_embed", "--weights", "none", "--resize", "224", "--channels", "3"]
+    argv = [
+        "show",
+        str(photos / "0.png"),
+        "--out",
+        str(out),
+        "--backbone",
+        "timm/vit_tiny_patch16_224",
+        "--layers",
+        "blocks.1",
+        "patch_embed",
+        "--weights",
+        "none",
+        "--resize",
+        "224",
+        "--channels",
+        "3",
+    ]
     assert main(argv) == 0
     assert Image.open(out).size[0] > 0 and "blocks.1" in capsys.readouterr().out
 
@@ -223,8 +250,20 @@ def test_a_prefix_count_that_leaves_no_patch_tokens_is_named() -> None:
 def test_cli_show_refuses_outputs_that_are_no_maps(
     photos: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["show", str(photos / "0.png"), "--out", str(tmp_path / "g.png"), "--backbone",
-            "timm/vit_tiny_patch16_224", "--layers", "blocks.0.attn.q_norm", "--weights", "none", "--resize", "224"]
+    argv = [
+        "show",
+        str(photos / "0.png"),
+        "--out",
+        str(tmp_path / "g.png"),
+        "--backbone",
+        "timm/vit_tiny_patch16_224",
+        "--layers",
+        "blocks.0.attn.q_norm",
+        "--weights",
+        "none",
+        "--resize",
+        "224",
+    ]
     assert main(argv) == 2
     assert "not a feature map" in capsys.readouterr().err and not (tmp_path / "g.png").exists()
 

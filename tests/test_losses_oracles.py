@@ -41,8 +41,9 @@ def test_perceptual_times_channels_equals_piq_content_loss(vgg16_default, pair) 
 def test_perceptual_l1_on_two_layers_equals_piq(vgg16_default, pair) -> None:
     x, y = pair
     layers = ("relu2_2", "relu3_3")
-    ours = fl.PerceptualLoss(vgg16_default, layers, layer_weights=[128 * 0.5, 256 * 2.0], distance="l1",
-                             reduction="none")(x, y)
+    ours = fl.PerceptualLoss(
+        vgg16_default, layers, layer_weights=[128 * 0.5, 256 * 2.0], distance="l1", reduction="none"
+    )(x, y)
     reference = piq.ContentLoss(layers=layers, weights=[0.5, 2.0], distance="mae", reduction="none")(x, y)
     torch.testing.assert_close(ours, reference, rtol=RTOL, atol=0)
 
