@@ -67,9 +67,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
     p.add_argument("--tag", default="", help="suffix for the result file names (e.g. _cuda)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: time.perf_counter; cpu: time.process_time, which leaves out time the process waits "
-                        "for a core (for a shared CPU machine; use with --threads 1). Both are recorded.")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter; cpu: time.process_time, which leaves out time the process waits "
+        "for a core (for a shared CPU machine; use with --threads 1). Both are recorded.",
+    )
     return p
 
 
@@ -317,8 +321,10 @@ def max_rel_diff(a: Any, reference: Any) -> float:
     Memory formats sum in another order: channels-last outputs differ from NCHW ones at float32 rounding,
     which is ~1e-6 of the values' scale whatever that scale is; this is the number to hold to a bound.
     """
-    a, reference = (list(v.values()) if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else list(v)
-                    for v in (a, reference))
+    a, reference = (
+        list(v.values()) if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else list(v)
+        for v in (a, reference)
+    )
     if len(a) != len(reference):
         raise ValueError(f"contenders returned {len(a)} and {len(reference)} outputs")
     worst = 0.0
@@ -427,10 +433,16 @@ def _git_commit() -> str | None:
         return _COMMIT_AT_START[0]
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=here).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../featurehooks"], capture_output=True,
-                               text=True, check=True, cwd=here).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=here
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "../featurehooks"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=here,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return f"{head}+dirty" if dirty else head or None
@@ -494,8 +506,12 @@ def summary(groups: Sequence[Group]) -> list[str]:
     lines = []
     for case, gs in cases.items():
         names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
-        lines += [f"**{case}**: ratio to *{gs[0].baseline}* (lower is faster)", "",
-                  "| " + " | ".join(["params", *names]) + " |", "|---|" + "---:|" * len(names)]
+        lines += [
+            f"**{case}**: ratio to *{gs[0].baseline}* (lower is faster)",
+            "",
+            "| " + " | ".join(["params", *names]) + " |",
+            "|---|" + "---:|" * len(names),
+        ]
         for g in gs:
             ratios = {r.name: f"{r.ratio:.2f}" for r in g.rows}
             lines.append(f"| {_fmt_params(g.params)} | " + " | ".join(ratios.get(n, "–") for n in names) + " |")
@@ -503,33 +519,52 @@ def summary(groups: Sequence[Group]) -> list[str]:
     return lines
 
 
-def markdown(title: str, cfg: Settings, info: dict[str, Any], groups: Sequence[Group], targets: Sequence[Target],
-             notes: Sequence[str] = (), extra_columns: Sequence[tuple[str, str, str]] = ()) -> str:
+def markdown(
+    title: str,
+    cfg: Settings,
+    info: dict[str, Any],
+    groups: Sequence[Group],
+    targets: Sequence[Target],
+    notes: Sequence[str] = (),
+    extra_columns: Sequence[tuple[str, str, str]] = (),
+) -> str:
     """A Markdown report: command, machine, target verdicts, then one table per group.
 
     ``extra_columns``: (row.extra key, column header, format spec) appended to every table.
     """
     if cfg.clock == "cpu":
         extra_columns = [("wall_ratio", "wall ratio", ".3f"), *extra_columns]
-    lines = [f"## {title}", "", f"Command: `{cfg.command}`  ", f"Machine: {machine_line(info)}  ",
-             f"Clock: {CLOCKS[cfg.clock]}; load average at the end: {info.get('load_average_at_end')}", ""]
+    lines = [
+        f"## {title}",
+        "",
+        f"Command: `{cfg.command}`  ",
+        f"Machine: {machine_line(info)}  ",
+        f"Clock: {CLOCKS[cfg.clock]}; load average at the end: {info.get('load_average_at_end')}",
+        "",
+    ]
     if cfg.quick:
         lines += ["**Quick mode**: tiny sizes, two rounds; these numbers check the script, not speed.", ""]
     if targets:
         lines += ["| target | group | measured | limit | met |", "|---|---|---:|---:|:---:|"]
         for t in targets:
             measured = f"{t.measured:.3f}x" if t.unit == "x" else f"{t.measured:g}"
-            lines.append(f"| {t.claim} | {t.group} | {measured} | {t.kind} {t.limit:g}{t.unit} | "
-                         f"{'yes' if t.met else '**no**'} |")
+            lines.append(
+                f"| {t.claim} | {t.group} | {measured} | {t.kind} {t.limit:g}{t.unit} | "
+                f"{'yes' if t.met else '**no**'} |"
+            )
         lines.append("")
     lines += summary(groups)
     lines += [f"- {n}" for n in notes]
     if notes:
         lines.append("")
     for g in groups:
-        lines += [f"### {g.case} ({_fmt_params(g.params)})", "",
-                  f"{g.rounds} interleaved rounds, {g.calls_per_sample} call(s) per sample; ratio = median / "
-                  f"median of *{g.baseline}*.", ""]
+        lines += [
+            f"### {g.case} ({_fmt_params(g.params)})",
+            "",
+            f"{g.rounds} interleaved rounds, {g.calls_per_sample} call(s) per sample; ratio = median / "
+            f"median of *{g.baseline}*.",
+            "",
+        ]
         header = "| contender | median ms | IQR ms | ratio |" + "".join(f" {h} |" for _, h, _ in extra_columns)
         lines += [header, "|---|---:|---:|---:|" + "---:|" * len(extra_columns)]
         for r in g.rows:
@@ -539,8 +574,13 @@ def markdown(title: str, cfg: Settings, info: dict[str, Any], groups: Sequence[G
     return "\n".join(lines)
 
 
-def chart(path: Path, title: str, groups: Sequence[Group], subtitle: str = "",
-          xlabel: str = "time / baseline (lower is faster)") -> None:
+def chart(
+    path: Path,
+    title: str,
+    groups: Sequence[Group],
+    subtitle: str = "",
+    xlabel: str = "time / baseline (lower is faster)",
+) -> None:
     """One panel per case; per contender one bar per variant (mode, batch, size, precision); saved small."""
     import textwrap
 
@@ -558,15 +598,19 @@ def chart(path: Path, title: str, groups: Sequence[Group], subtitle: str = "",
     for gs in cases.values():
         names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
         heights.append(0.5 + len(names) * (0.12 * len(gs) + 0.12))
-    fig, axes = plt.subplots(len(cases), 1, figsize=(8, sum(heights) + 1.2), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(cases), 1, figsize=(8, sum(heights) + 1.2), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
     for ax, (case, gs) in zip(axes[:, 0], cases.items()):
         names = list(dict.fromkeys(r.name for g in gs for r in g.rows))
         bar = 0.8 / len(gs)
         for k, g in enumerate(gs):
             ratios = {r.name: r.ratio for r in g.rows}
-            ys = [len(names) - 1 - i + (len(gs) - 1 - k - (len(gs) - 1) / 2) * bar for i, n in enumerate(names)
-                  if n in ratios]
+            ys = [
+                len(names) - 1 - i + (len(gs) - 1 - k - (len(gs) - 1) / 2) * bar
+                for i, n in enumerate(names)
+                if n in ratios
+            ]
             vals = [ratios[n] for n in names if n in ratios]
             ax.barh(ys, vals, height=bar * 0.9, color=colors(variants.index(_fmt_params(g.params)) % 10))
             for y, v in zip(ys, vals):
@@ -589,9 +633,17 @@ def chart(path: Path, title: str, groups: Sequence[Group], subtitle: str = "",
     plt.close(fig)
 
 
-def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets: Sequence[Target],
-         config: dict[str, Any], notes: Sequence[str] = (),
-         extra_columns: Sequence[tuple[str, str, str]] = (), partial: bool = False) -> dict[str, Any]:
+def save(
+    name: str,
+    title: str,
+    cfg: Settings,
+    groups: Sequence[Group],
+    targets: Sequence[Target],
+    config: dict[str, Any],
+    notes: Sequence[str] = (),
+    extra_columns: Sequence[tuple[str, str, str]] = (),
+    partial: bool = False,
+) -> dict[str, Any]:
     """Write ``<name><tag>.json``, ``.md`` and ``.png`` under ``cfg.out``; return the JSON payload.
 
     ``partial``: the run is still going (scripts save after every group, so a run cut short by a
@@ -612,10 +664,22 @@ def save(name: str, title: str, cfg: Settings, groups: Sequence[Group], targets:
         "targets": [{**t.__dict__, "met": t.met} for t in targets],
         "groups": [
             {
-                "case": g.case, "params": g.params, "baseline": g.baseline, "rounds": g.rounds,
+                "case": g.case,
+                "params": g.params,
+                "baseline": g.baseline,
+                "rounds": g.rounds,
                 "calls_per_sample": g.calls_per_sample,
-                "rows": [{"name": r.name, "median_ms": r.median_ms, "p25_ms": r.p25_ms, "p75_ms": r.p75_ms,
-                          "ratio": r.ratio, **r.extra} for r in g.rows],
+                "rows": [
+                    {
+                        "name": r.name,
+                        "median_ms": r.median_ms,
+                        "p25_ms": r.p25_ms,
+                        "p75_ms": r.p75_ms,
+                        "ratio": r.ratio,
+                        **r.extra,
+                    }
+                    for r in g.rows
+                ],
             }
             for g in groups
         ],
@@ -636,25 +700,64 @@ def render(json_path: Path, *, plot: bool = True) -> None:
     """Rewrite the ``.md`` (and ``.png``) next to a results ``.json`` from its contents."""
     data = json.loads(Path(json_path).read_text())
     groups = [
-        Group(g["case"], g["params"], g["baseline"], g["rounds"], g["calls_per_sample"], [
-            Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"],
-                {k: v for k, v in r.items() if k not in ("name", "median_ms", "p25_ms", "p75_ms", "ratio")})
-            for r in g["rows"]])
+        Group(
+            g["case"],
+            g["params"],
+            g["baseline"],
+            g["rounds"],
+            g["calls_per_sample"],
+            [
+                Row(
+                    r["name"],
+                    r["median_ms"],
+                    r["p25_ms"],
+                    r["p75_ms"],
+                    r["ratio"],
+                    {k: v for k, v in r.items() if k not in ("name", "median_ms", "p25_ms", "p75_ms", "ratio")},
+                )
+                for r in g["rows"]
+            ],
+        )
         for g in data["groups"]
     ]
-    targets = [Target(t["claim"], t["group"], t["measured"], t["limit"], t["kind"], t.get("unit", "x"))
-               for t in data["targets"]]
+    targets = [
+        Target(t["claim"], t["group"], t["measured"], t["limit"], t["kind"], t.get("unit", "x"))
+        for t in data["targets"]
+    ]
     clock = data.get("clock", "wall")
-    cfg = Settings(torch.device(data["machine"]["device"]), data["quick"], 0.0, 0, 0, 0, Path(json_path).parent,
-                   "", plot, data["command"], data["machine"]["torch_threads"], clock)
-    text = markdown(data["title"], cfg, data["machine"], groups, targets, data["notes"],
-                    [tuple(c) for c in data.get("extra_columns", [])])
+    cfg = Settings(
+        torch.device(data["machine"]["device"]),
+        data["quick"],
+        0.0,
+        0,
+        0,
+        0,
+        Path(json_path).parent,
+        "",
+        plot,
+        data["command"],
+        data["machine"]["torch_threads"],
+        clock,
+    )
+    text = markdown(
+        data["title"],
+        cfg,
+        data["machine"],
+        groups,
+        targets,
+        data["notes"],
+        [tuple(c) for c in data.get("extra_columns", [])],
+    )
     if data.get("partial"):
         text = text.replace("\n\n", "\n\n**Partial results**: the run had not finished when this was written.\n\n", 1)
     Path(json_path).with_suffix(".md").write_text(text + "\n")
     if plot and groups:
-        chart(Path(json_path).with_suffix(".png"), data["title"], groups,
-              subtitle=f"{machine_line(data['machine'])}; clock: {clock}")
+        chart(
+            Path(json_path).with_suffix(".png"),
+            data["title"],
+            groups,
+            subtitle=f"{machine_line(data['machine'])}; clock: {clock}",
+        )
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:

@@ -60,8 +60,9 @@ def counting_backend(backend: str, stats: dict[str, int]) -> Callable[..., Any]:
     return count
 
 
-def compiled_call(name: str, fn: Callable[[], Any], stats: dict[str, int], extras: dict[str, dict[str, Any]],
-                  calls: int = 3) -> None:
+def compiled_call(
+    name: str, fn: Callable[[], Any], stats: dict[str, int], extras: dict[str, dict[str, Any]], calls: int = 3
+) -> None:
     """Call a freshly compiled contender ``calls`` times (compiles and recompiles happen here); record the cost."""
     from torch._dynamo.utils import counters
 
@@ -167,8 +168,10 @@ def run(cfg: H.Settings, backend: str, batch: int, size: int, precision: str) ->
 
     params = {"batch": batch, "size": size, "precision": precision, "backend": backend}
     groups = []
-    for title, fns, floor in ((EXTRACT, {**extract, **compiled_extract}, "bare truncated forward (eager)"),
-                              (LOSS, {**loss_steps, **compiled_steps}, "hand-written floor (eager)")):
+    for title, fns, floor in (
+        (EXTRACT, {**extract, **compiled_extract}, "bare truncated forward (eager)"),
+        (LOSS, {**loss_steps, **compiled_steps}, "hand-written floor (eager)"),
+    ):
         timing = H.time_interleaved(fns, cfg)
         group = H.make_group(title, params, timing, floor, extras)
         H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows))
@@ -183,20 +186,57 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
     for g in groups:
         label = ", ".join(f"{k}={v}" for k, v in g.params.items())
         if g.case == EXTRACT:
-            found.append(H.Target("FeatureExtractor compiled / FX compiled", label,
-                                  H.ratio(g, "FeatureExtractor (compiled)", "torchvision FX (compiled)"), 1.05, "<="))
-            found.append(H.Target("FeatureExtractor compiled / eager", label,
-                                  H.ratio(g, "FeatureExtractor (compiled)", "FeatureExtractor (eager)"), 1.05, "<="))
+            found.append(
+                H.Target(
+                    "FeatureExtractor compiled / FX compiled",
+                    label,
+                    H.ratio(g, "FeatureExtractor (compiled)", "torchvision FX (compiled)"),
+                    1.05,
+                    "<=",
+                )
+            )
+            found.append(
+                H.Target(
+                    "FeatureExtractor compiled / eager",
+                    label,
+                    H.ratio(g, "FeatureExtractor (compiled)", "FeatureExtractor (eager)"),
+                    1.05,
+                    "<=",
+                )
+            )
         if g.case == LOSS:
-            found.append(H.Target("PerceptualLoss compiled / eager", label,
-                                  H.ratio(g, "PerceptualLoss (compiled)", "PerceptualLoss (eager)"), 1.05, "<="))
+            found.append(
+                H.Target(
+                    "PerceptualLoss compiled / eager",
+                    label,
+                    H.ratio(g, "PerceptualLoss (compiled)", "PerceptualLoss (eager)"),
+                    1.05,
+                    "<=",
+                )
+            )
             row = g.row("PerceptualLoss (compiled)").extra
-            found.append(H.Target("PerceptualLoss compiled: graph breaks + frames run eagerly", label,
-                                  float(row["graph_breaks"] + row["frames_skipped"]), 0, "<=", unit=""))
+            found.append(
+                H.Target(
+                    "PerceptualLoss compiled: graph breaks + frames run eagerly",
+                    label,
+                    float(row["graph_breaks"] + row["frames_skipped"]),
+                    0,
+                    "<=",
+                    unit="",
+                )
+            )
         for name, convs in (("FeatureExtractor (compiled)", 7), ("PerceptualLoss (compiled)", 14)):
             if g.has(name):  # relu3_3 needs 7 convolutions; a loss runs them for input and target
-                found.append(H.Target(f"{name}: convolutions in compiled graphs", label,
-                                      float(g.row(name).extra["convs_compiled"]), convs, ">=", unit=""))
+                found.append(
+                    H.Target(
+                        f"{name}: convolutions in compiled graphs",
+                        label,
+                        float(g.row(name).extra["convs_compiled"]),
+                        convs,
+                        ">=",
+                        unit="",
+                    )
+                )
     return found
 
 
@@ -209,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = H.settings(args, budget=20.0)
     backend = args.backend or ("eager" if cfg.quick else "inductor")
     shape = args.shape or ("1x32" if cfg.quick else ("32x224" if cfg.cuda else "1x224"))
-    (batch, size), = H.parse_shapes(shape)
+    ((batch, size),) = H.parse_shapes(shape)
     precision = args.precision or ("bf16" if cfg.cuda else "fp32")
     with H.seeded_torch_home(args.torch_home):
         groups = run(cfg, backend, batch, size, precision)
@@ -220,11 +260,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gave up on, which it does not count as graph breaks) from dynamo's counters.",
     ]
     config = {"backend": backend, "shape": [batch, size], "precision": precision, "budget_s": cfg.budget}
-    payload = H.save("compile", "torch.compile: time / eager floor", cfg, groups, targets(groups), config, notes,
-                     extra_columns=[("first_calls_s", "first 3 calls s", ".1f"), ("graphs", "graphs", "d"),
-                                    ("convs_compiled", "convs compiled", "d"), ("graph_breaks", "graph breaks", "d"),
-                                    ("frames_skipped", "frames run eagerly", "d"),
-                                    ("max_abs_diff", "max abs diff", ".1e"), ("break_reason", "break reasons", "")])
+    payload = H.save(
+        "compile",
+        "torch.compile: time / eager floor",
+        cfg,
+        groups,
+        targets(groups),
+        config,
+        notes,
+        extra_columns=[
+            ("first_calls_s", "first 3 calls s", ".1f"),
+            ("graphs", "graphs", "d"),
+            ("convs_compiled", "convs compiled", "d"),
+            ("graph_breaks", "graph breaks", "d"),
+            ("frames_skipped", "frames run eagerly", "d"),
+            ("max_abs_diff", "max abs diff", ".1e"),
+            ("break_reason", "break reasons", ""),
+        ],
+    )
     print((cfg.out / f"compile{cfg.tag}.md").read_text())
     return payload
 

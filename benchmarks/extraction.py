@@ -148,19 +148,21 @@ class Models:
         return [*self.all_extractors(), self.plain, self.plain_cl, *extra]
 
 
-def _extractors(backbone: Any, layers: list[str], *, headline: bool, extra: dict[str, dict[str, Any]] | None = None,
-                **kwargs: Any) -> dict[str, tuple[fh.FeatureExtractor, fh.FeatureExtractor]]:
+def _extractors(
+    backbone: Any, layers: list[str], *, headline: bool, extra: dict[str, dict[str, Any]] | None = None, **kwargs: Any
+) -> dict[str, tuple[fh.FeatureExtractor, fh.FeatureExtractor]]:
     """(no-grad, grad) extractors for every FeatureExtractor contender of a case."""
     variants = {**VARIANTS, **(extra or {}), **({NO_EE: {"early_exit": False}} if headline else {})}
     return {
-        name: (fh.FeatureExtractor(backbone, layers, mode="detach", **kwargs, **options),
-               fh.FeatureExtractor(backbone, layers, mode="grad", **kwargs, **options))
+        name: (
+            fh.FeatureExtractor(backbone, layers, mode="detach", **kwargs, **options),
+            fh.FeatureExtractor(backbone, layers, mode="grad", **kwargs, **options),
+        )
         for name, options in variants.items()
     }
 
 
-def _tv_fx(plain: nn.Module, paths: list[str], tracer_kwargs: dict[str, Any] | None = None
-           ) -> tuple[nn.Module, Loop]:
+def _tv_fx(plain: nn.Module, paths: list[str], tracer_kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, Loop]:
     from torchvision.models.feature_extraction import create_feature_extractor
 
     graph = create_feature_extractor(plain, return_nodes={p: p for p in paths}, tracer_kwargs=tracer_kwargs).eval()
@@ -266,8 +268,15 @@ def build_vit(layers: list[str]) -> Models:
     plain.eval().requires_grad_(False)
     data = timm.data.resolve_data_config({}, model=plain)  # the normalization FeatureExtractor gives timm/<name>
     # each extractor deep-copies plain: the same weights everywhere
-    extractors = _extractors(plain, layers, headline=False, extra={FE_NCHW: {"output_format": "nchw"}},
-                             weights=None, mean=data["mean"], std=data["std"])
+    extractors = _extractors(
+        plain,
+        layers,
+        headline=False,
+        extra={FE_NCHW: {"output_format": "nchw"}},
+        weights=None,
+        mean=data["mean"],
+        std=data["std"],
+    )
     paths = extractors[FE][0].taps.paths
     indices = sorted(int(p.split(".")[1]) for p in paths)
     prefix = plain.num_prefix_tokens
@@ -290,17 +299,20 @@ def build_vit(layers: list[str]) -> Models:
         return [t[:, prefix:].reshape(t.shape[0], rows, cols, t.shape[-1]).permute(0, 3, 1, 2) for t in tokens]
 
     def intermediates(x: Tensor) -> list[Tensor]:
-        return plain.forward_intermediates(x, indices=indices, stop_early=True, intermediates_only=True,
-                                           output_fmt="NCHW")
+        return plain.forward_intermediates(
+            x, indices=indices, stop_early=True, intermediates_only=True, output_fmt="NCHW"
+        )
 
     graph, fx = None, None
     try:  # plain torch.fx cannot trace dynamic_img_size's pos-embed resampling; timm says what to leave opaque
-        graph, fx = _tv_fx(plain, paths,
-                           {"leaf_modules": get_notrace_modules(), "autowrap_functions": get_notrace_functions()})
+        graph, fx = _tv_fx(
+            plain, paths, {"leaf_modules": get_notrace_modules(), "autowrap_functions": get_notrace_functions()}
+        )
     except Exception as exc:  # noqa: BLE001 - a finding, not a crash
         H.log(f"torchvision FX cannot trace {VIT_MODEL}: {type(exc).__name__}: {exc}")
-    return Models(extractors, plain, loop, fx, intermediates, graph, to_maps=to_maps,
-                  maps_out=frozenset({FE_NCHW, TIMM}))
+    return Models(
+        extractors, plain, loop, fx, intermediates, graph, to_maps=to_maps, maps_out=frozenset({FE_NCHW, TIMM})
+    )
 
 
 CASES: dict[str, tuple[str, Callable[[], Models]]] = {
@@ -317,8 +329,9 @@ def _normalizer(ext: fh.FeatureExtractor) -> Callable[[Tensor], Tensor]:
     return lambda x: (x - mean) / std
 
 
-def _timed(fn: Callable[[Tensor], list[Tensor]], x: Tensor, mode: str, precision: str,
-           device: torch.device) -> Callable[[], Any]:
+def _timed(
+    fn: Callable[[Tensor], list[Tensor]], x: Tensor, mode: str, precision: str, device: torch.device
+) -> Callable[[], Any]:
     """A zero-argument call of ``fn`` on ``x``: its features (no-grad) or the input gradient of their summed means."""
     if mode == "no-grad":
 
@@ -380,8 +393,9 @@ def references(m: Models, x: Tensor, mode: str, precision: str, device: torch.de
     if m.to_maps is not None:
         to_maps = m.to_maps
         refs["floor as maps"] = _timed(lambda t: to_maps(m.truncated(norm(t)), t), x, mode, precision, device)()
-        refs["channels_last floor as maps"] = _timed(lambda t: to_maps(m.truncated_cl(norm(_channels_last(t))), t),
-                                                     x, mode, precision, device)()
+        refs["channels_last floor as maps"] = _timed(
+            lambda t: to_maps(m.truncated_cl(norm(_channels_last(t))), t), x, mode, precision, device
+        )()
     return refs
 
 
@@ -403,8 +417,9 @@ def compared_with(m: Models, mode: str, names: list[str]) -> dict[str, str]:
     return against
 
 
-def run_group(case: str, title: str, m: Models, batch: int, size: int, mode: str, precision: str,
-              cfg: H.Settings, budget: float) -> H.Group:
+def run_group(
+    case: str, title: str, m: Models, batch: int, size: int, mode: str, precision: str, cfg: H.Settings, budget: float
+) -> H.Group:
     # NCHW images under bf16 too: each contender converts them (or not) to its own memory format
     x = H.images(batch, size, cfg, precision).contiguous()
     fns = contenders(m, x, mode, precision, cfg.device)
@@ -417,8 +432,15 @@ def run_group(case: str, title: str, m: Models, batch: int, size: int, mode: str
     del outputs
     timing = H.time_interleaved(fns, cfg, budget=budget, min_sample_s=0.02 if cfg.cuda else 0.0)
     layout = formats(m, mode)
-    extras = {name: {"format": layout[name], "max_abs_diff": abs_diffs.get(name),
-                     "max_rel_diff": rel_diffs.get(name), "compared_with": against.get(name)} for name in fns}
+    extras = {
+        name: {
+            "format": layout[name],
+            "max_abs_diff": abs_diffs.get(name),
+            "max_rel_diff": rel_diffs.get(name),
+            "compared_with": against.get(name),
+        }
+        for name in fns
+    }
     params = {"mode": mode, "batch": batch, "size": size, "precision": precision}
     group = H.make_group(title, params, timing, FLOOR, extras)
     H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows))
@@ -438,11 +460,17 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
         found.append(H.Target(f"{FE} / {FE_CONTIGUOUS}", where, H.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
         found.append(H.Target(f"{FE} / {FLOOR}", where, H.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
         if g.case == CASES[HEADLINE][0]:
-            found.append(H.Target(f"{FE_CONTIGUOUS} / {FLOOR} (hook overhead)", where,
-                                  H.ratio(g, FE_CONTIGUOUS, FLOOR), 1.05, "<="))
+            found.append(
+                H.Target(
+                    f"{FE_CONTIGUOUS} / {FLOOR} (hook overhead)", where, H.ratio(g, FE_CONTIGUOUS, FLOOR), 1.05, "<="
+                )
+            )
             if g.has(FX):
-                found.append(H.Target(f"{FE_CONTIGUOUS} / {FX} (hook overhead)", where,
-                                      H.ratio(g, FE_CONTIGUOUS, FX), 1.05, "<="))
+                found.append(
+                    H.Target(
+                        f"{FE_CONTIGUOUS} / {FX} (hook overhead)", where, H.ratio(g, FE_CONTIGUOUS, FX), 1.05, "<="
+                    )
+                )
             if device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad":
                 found.append(H.Target(f"{FLOOR} / {FE} (speed-up)", where, H.ratio(g, FLOOR, FE), SPEEDUP, ">="))
                 if g.has(FX):
@@ -450,8 +478,9 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             if g.params["mode"] == "no-grad":  # FLOPs cap: 1 / 0.60 = 1.66x
                 found.append(H.Target(f"{NO_EE} / {FE}", where, H.ratio(g, NO_EE, FE), 1.4, ">="))
             else:  # frozen weights: backward ~ forward FLOPs up to relu3_3, so the cap is (1 + .6) / (2 * .6) = 1.33x
-                found.append(H.Target(f"{NO_EE} / {FE} (grad: FLOPs cap 1.33x)", where,
-                                      H.ratio(g, NO_EE, FE), 1.0, ">="))
+                found.append(
+                    H.Target(f"{NO_EE} / {FE} (grad: FLOPs cap 1.33x)", where, H.ratio(g, NO_EE, FE), 1.0, ">=")
+                )
         if g.has(TIMM):
             found.append(H.Target(f"{FE} / {TIMM}", where, H.ratio(g, FE, TIMM), 1.05, "<="))
         if g.has(TIMM) and g.has(FE_NCHW):  # the same (B, C, H, W) maps from a token model
@@ -512,16 +541,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "random init copied into every contender.",
     ]
     if cfg.cuda:
-        notes.append("bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
-                     "memory format (nothing is converted for the whole group).")
-    config = {"cases": cases, "modes": modes, "shapes": shapes, "precisions": precisions, "budget_s": cfg.budget,
-              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+        notes.append(
+            "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
+            "memory format (nothing is converted for the whole group)."
+        )
+    config = {
+        "cases": cases,
+        "modes": modes,
+        "shapes": shapes,
+        "precisions": precisions,
+        "budget_s": cfg.budget,
+        "min_reps": cfg.min_reps,
+        "max_reps": cfg.max_reps,
+        "warmup": cfg.warmup,
+    }
 
     def save(partial: bool) -> dict[str, Any]:
-        return H.save("extraction", "Feature extraction: time / hand-written NCHW loop", cfg, groups,
-                      targets(groups, cfg.device.type), config, notes, partial=partial,
-                      extra_columns=[("format", "format", ""), ("compared_with", "compared with", ""),
-                                     ("max_abs_diff", "max abs diff", ".1e"), ("max_rel_diff", "max rel diff", ".1e")])
+        return H.save(
+            "extraction",
+            "Feature extraction: time / hand-written NCHW loop",
+            cfg,
+            groups,
+            targets(groups, cfg.device.type),
+            config,
+            notes,
+            partial=partial,
+            extra_columns=[
+                ("format", "format", ""),
+                ("compared_with", "compared with", ""),
+                ("max_abs_diff", "max abs diff", ".1e"),
+                ("max_rel_diff", "max rel diff", ".1e"),
+            ],
+        )
 
     with H.seeded_torch_home(args.torch_home):
         for key in cases:

@@ -81,8 +81,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in (ALL, CAPTURE)
     ]
     notes = ["*µs per tap* = (median - median of the bare forward) / number of taps, in microseconds."]
-    payload = H.save("hook_overhead", "Hook overhead on a tiny model: time / bare forward", cfg, [group], targets,
-                     {"budget_s": cfg.budget}, notes, extra_columns=[("us_per_tap", "µs per tap", ".1f")])
+    payload = H.save(
+        "hook_overhead",
+        "Hook overhead on a tiny model: time / bare forward",
+        cfg,
+        [group],
+        targets,
+        {"budget_s": cfg.budget},
+        notes,
+        extra_columns=[("us_per_tap", "µs per tap", ".1f")],
+    )
     print((cfg.out / f"hook_overhead{cfg.tag}.md").read_text())
     return payload
 

@@ -78,8 +78,11 @@ FH_STYLE_FIXED = "featurehooks StyleLoss (auto), fixed target"
 PIQ_STYLE = "piq StyleLoss"
 
 # (auto, contiguous, NCHW floor): "auto" may be at most 3% slower than either, in every group
-FORMAT_PAIRS = ((PL, PL_CONTIGUOUS, FLOOR), (FH_LPIPS, FH_LPIPS_CONTIGUOUS, LPIPS_FLOOR),
-                (FH_STYLE, FH_STYLE_CONTIGUOUS, STYLE_FLOOR))
+FORMAT_PAIRS = (
+    (PL, PL_CONTIGUOUS, FLOOR),
+    (FH_LPIPS, FH_LPIPS_CONTIGUOUS, LPIPS_FLOOR),
+    (FH_STYLE, FH_STYLE_CONTIGUOUS, STYLE_FLOOR),
+)
 SPEEDUP = 1.3  # PerceptualLoss (auto) vs piq, CPU, batch >= 2
 AUTO_SLACK = 1.03
 
@@ -96,9 +99,18 @@ class Floor(nn.Module):
     ``concatenate``: one forward of ``cat([x, y])`` instead of two (the target half detached).
     """
 
-    def __init__(self, features: nn.Sequential, layers: tuple[str, ...], mean: Tensor, std: Tensor, *,
-                 gram: bool = False, lpips: bool = False, channels_last: bool = False,
-                 concatenate: bool = False) -> None:
+    def __init__(
+        self,
+        features: nn.Sequential,
+        layers: tuple[str, ...],
+        mean: Tensor,
+        std: Tensor,
+        *,
+        gram: bool = False,
+        lpips: bool = False,
+        channels_last: bool = False,
+        concatenate: bool = False,
+    ) -> None:
         super().__init__()
         self.features = features
         self.taps = {VGG16_INDEX[name] for name in layers}
@@ -123,7 +135,7 @@ class Floor(nn.Module):
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         if self.concatenate:
             both = self.feats(torch.cat([x, y]))
-            fx, fy = [f[: len(x)] for f in both], [f[len(x):].detach() for f in both]
+            fx, fy = [f[: len(x)] for f in both], [f[len(x) :].detach() for f in both]
         else:
             fx = self.feats(x)
             with torch.no_grad():
@@ -170,8 +182,9 @@ def build(cfg: H.Settings) -> dict[str, nn.Module]:
         LPIPS_BASE: lp_base,
         STYLE_FLOOR: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
         FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
-        FH_STYLE_CONTIGUOUS: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none",
-                                       memory_format="contiguous"),
+        FH_STYLE_CONTIGUOUS: StyleLoss(
+            "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous"
+        ),
         FH_STYLE_FIXED: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
         PIQ_STYLE: piq.StyleLoss(feature_extractor="vgg16", layers=STYLE_LAYERS, weights=[1.0] * len(STYLE_LAYERS)),
     }
@@ -188,8 +201,9 @@ def memory_format_of(name: str, module: nn.Module) -> str:
     return "channels_last" if getattr(module, "channels_last", False) else "contiguous"
 
 
-def steps(modules: dict[str, nn.Module], names: list[str], x: Tensor, y: Tensor, precision: str,
-          device: torch.device) -> tuple[dict[str, Callable[[], Tensor]], dict[str, float]]:
+def steps(
+    modules: dict[str, nn.Module], names: list[str], x: Tensor, y: Tensor, precision: str, device: torch.device
+) -> tuple[dict[str, Callable[[], Tensor]], dict[str, float]]:
     """One training step per contender (loss, then grad to the input) and each contender's loss value."""
     leaf = x.detach().clone().requires_grad_(True)
     losses: dict[str, Callable[[Tensor], Tensor]] = {}
@@ -218,8 +232,16 @@ def steps(modules: dict[str, nn.Module], names: list[str], x: Tensor, y: Tensor,
     return {name: step(fn) for name, fn in losses.items()}, values
 
 
-def run_group(title: str, names: list[str], modules: dict[str, nn.Module], batch: int, size: int,
-              precision: str, cfg: H.Settings, notes: dict[str, str]) -> H.Group:
+def run_group(
+    title: str,
+    names: list[str],
+    modules: dict[str, nn.Module],
+    batch: int,
+    size: int,
+    precision: str,
+    cfg: H.Settings,
+    notes: dict[str, str],
+) -> H.Group:
     # NCHW images under bf16 too: each contender converts them (or not) to its own memory format
     x = H.images(batch, size, cfg, precision, seed=1).contiguous()
     y = H.images(batch, size, cfg, precision, seed=2).contiguous()
@@ -230,14 +252,19 @@ def run_group(title: str, names: list[str], modules: dict[str, nn.Module], batch
     timing = H.time_interleaved(fns, cfg, min_sample_s=0.02 if cfg.cuda else 0.0)
     peaks = {name: H.peak_memory(fn, cfg.device) for name, fn in fns.items()}
     extras = {
-        name: {"format": memory_format_of(name, modules[name]), "loss": values[name],
-               "peak_mib": peaks[name] / 2**20, "note": notes.get(name, "")}
+        name: {
+            "format": memory_format_of(name, modules[name]),
+            "loss": values[name],
+            "peak_mib": peaks[name] / 2**20,
+            "note": notes.get(name, ""),
+        }
         for name in names
     }
     params = {"batch": batch, "size": size, "precision": precision}
     group = H.make_group(title, params, timing, names[0], extras)
-    H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)"
-                                           for r in group.rows))
+    H.log(
+        f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)" for r in group.rows)
+    )
     return group
 
 
@@ -275,17 +302,26 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             for other in (PIQ, LPIPS):
                 limit = SPEEDUP if speedup and other == PIQ else 1.0
                 found.append(H.Target(f"{other} time / {PL} time", where, H.ratio(g, other, PL), limit, ">="))
-                found.append(H.Target(f"{PL} peak / {other} peak", where,
-                                      pl.extra["peak_mib"] / max(g.row(other).extra["peak_mib"], 1e-9), 1.0, "<="))
-            found.append(H.Target(f"{FLOOR_CAT} / {FLOOR} (two forwards stay)", where,
-                                  H.ratio(g, FLOOR_CAT, FLOOR), 1.0, ">="))
+                found.append(
+                    H.Target(
+                        f"{PL} peak / {other} peak",
+                        where,
+                        pl.extra["peak_mib"] / max(g.row(other).extra["peak_mib"], 1e-9),
+                        1.0,
+                        "<=",
+                    )
+                )
+            found.append(
+                H.Target(f"{FLOOR_CAT} / {FLOOR} (two forwards stay)", where, H.ratio(g, FLOOR_CAT, FLOOR), 1.0, ">=")
+            )
         for auto, contiguous, floor in FORMAT_PAIRS:
             if g.has(auto) and g.has(contiguous):
                 found.append(H.Target(f"{auto} / {contiguous}", where, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
                 found.append(H.Target(f"{auto} / {floor}", where, H.ratio(g, auto, floor), AUTO_SLACK, "<="))
         if g.case == STYLE:
-            found.append(H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where,
-                                  H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">="))
+            found.append(
+                H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where, H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">=")
+            )
     return found
 
 
@@ -312,16 +348,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
     ]
     if cfg.cuda:
-        notes.append("bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
-                     "memory format (nothing is converted for the whole group).")
-    config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), "budget_s": cfg.budget,
-              "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+        notes.append(
+            "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
+            "memory format (nothing is converted for the whole group)."
+        )
+    config = {
+        "shapes": shapes,
+        "groups": wanted,
+        "precisions": H.precisions(cfg),
+        "budget_s": cfg.budget,
+        "min_reps": cfg.min_reps,
+        "max_reps": cfg.max_reps,
+        "warmup": cfg.warmup,
+    }
 
     def save(partial: bool) -> dict[str, Any]:
-        return H.save("losses", "Loss step (loss + gradient to the input): time / hand-written NCHW floor", cfg,
-                      groups, targets(groups, cfg.device.type), config, notes, partial=partial,
-                      extra_columns=[("format", "format", ""), ("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"),
-                                     ("note", "note", "")])
+        return H.save(
+            "losses",
+            "Loss step (loss + gradient to the input): time / hand-written NCHW floor",
+            cfg,
+            groups,
+            targets(groups, cfg.device.type),
+            config,
+            notes,
+            partial=partial,
+            extra_columns=[
+                ("format", "format", ""),
+                ("peak_mib", "peak MiB", ".0f"),
+                ("loss", "loss", ".4g"),
+                ("note", "note", ""),
+            ],
+        )
 
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")

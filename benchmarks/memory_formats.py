@@ -141,14 +141,19 @@ def build(case: Case) -> Built:
                 extractors[name][mode] = first
                 continue
             # an nn.Module is deep-copied: the same weights everywhere, converted to each format separately
-            extractors[name][mode] = fh.FeatureExtractor(first.backbone, {path: case.layer}, weights=None,
-                                                         mode=ext_mode, mean=mean, std=std,
-                                                         memory_format=memory_format)
+            extractors[name][mode] = fh.FeatureExtractor(
+                first.backbone,
+                {path: case.layer},
+                weights=None,
+                mode=ext_mode,
+                mean=mean,
+                std=std,
+                memory_format=memory_format,
+            )
     return Built(case, extractors, extractors[AUTO]["no-grad"]._conv_work)
 
 
-def _timed(ext: fh.FeatureExtractor, x: Tensor, mode: str, precision: str, device: torch.device
-           ) -> Callable[[], Any]:
+def _timed(ext: fh.FeatureExtractor, x: Tensor, mode: str, precision: str, device: torch.device) -> Callable[[], Any]:
     """A zero-argument call: the features (no-grad) or the input gradient of their summed means (grad)."""
     if mode == "no-grad":
 
@@ -185,24 +190,36 @@ def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cf
     # NCHW images under bf16 too: each extractor converts them to its own memory format
     x = H.images(batch, size, cfg, precision).contiguous()
     kept: dict[str, Any] = {}
-    fns = {name: _keeping_first(_timed(by_mode[mode], x, mode, precision, cfg.device), kept, name)
-           for name, by_mode in built.extractors.items()}
+    fns = {
+        name: _keeping_first(_timed(by_mode[mode], x, mode, precision, cfg.device), kept, name)
+        for name, by_mode in built.extractors.items()
+    }
     timing = H.time_interleaved(fns, cfg, min_sample_s=0.02 if cfg.cuda else 0.0)
     reference = kept[CONTIGUOUS]
     extras = {
-        name: {"format": by_mode[mode].memory_format_in_use,
-               "conv_share": built.conv_share if name == AUTO else None,
-               "reuse": built.work.reuse(size, size) if name == AUTO and built.work is not None else None,
-               "max_abs_diff": H.max_abs_diff(kept[name], reference),
-               "max_rel_diff": H.max_rel_diff(kept[name], reference)}
+        name: {
+            "format": by_mode[mode].memory_format_in_use,
+            "conv_share": built.conv_share if name == AUTO else None,
+            "reuse": built.work.reuse(size, size) if name == AUTO and built.work is not None else None,
+            "max_abs_diff": H.max_abs_diff(kept[name], reference),
+            "max_rel_diff": H.max_rel_diff(kept[name], reference),
+        }
         for name, by_mode in built.extractors.items()
     }
     del kept, reference
-    params = {"mode": mode, "batch": batch, "size": size, "precision": precision,
-              "auto ran": by_mode_format(built, mode)}
+    params = {
+        "mode": mode,
+        "batch": batch,
+        "size": size,
+        "precision": precision,
+        "auto ran": by_mode_format(built, mode),
+    }
     group = H.make_group(built.title(), params, timing, CONTIGUOUS, extras)
-    H.log(f"{group.case} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows)
-          + f"; auto/best={best_ratio(group):.3f}")
+    H.log(
+        f"{group.case} {params}: "
+        + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows)
+        + f"; auto/best={best_ratio(group):.3f}"
+    )
     return group
 
 
@@ -237,22 +254,31 @@ def overview(groups: list[H.Group]) -> list[str]:
         cl = [g.row(CHANNELS_LAST).ratio for g in gs]
         auto = [g.row(AUTO).ratio for g in gs]
         best = [best_ratio(g) for g in gs]
-        lines.append(f"{case}: NCHW / channels_last {1 / max(cl):.2f}–{1 / min(cl):.2f} (channels_last faster "
-                     f"above 1); auto / NCHW at most {max(auto):.3f}, auto / best at most {max(best):.3f} "
-                     f"over {len(gs)} groups")
+        lines.append(
+            f"{case}: NCHW / channels_last {1 / max(cl):.2f}–{1 / min(cl):.2f} (channels_last faster "
+            f"above 1); auto / NCHW at most {max(auto):.3f}, auto / best at most {max(best):.3f} "
+            f"over {len(gs)} groups"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated keys (default: every full-mode case, or the --quick ones): {', '.join(ALL)}")
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated keys (default: every full-mode case, or the --quick ones): {', '.join(ALL)}",
+    )
     p.add_argument("--modes", default="no-grad,grad", help="no-grad, grad or both")
-    p.add_argument("--batches", default=None,
-                   help="comma-separated batch sizes; default 1,8 (cuda: 1,8,64; quick: 1,2)")
-    p.add_argument("--sizes", default=None,
-                   help="comma-separated image sizes of models that take any size; default 224 (quick: 64); "
-                        "the size sweep: 32,64,128,224,384,512")
+    p.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes; default 1,8 (cuda: 1,8,64; quick: 1,2)"
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated image sizes of models that take any size; default 224 (quick: 64); "
+        "the size sweep: 32,64,128,224,384,512",
+    )
     p.set_defaults(warmup=1)  # one untimed call per contender, whose output is also the one checked
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=1.0, quick_budget=0.0)
@@ -286,17 +312,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Where auto chose contiguous, *{AUTO}* / *{CONTIGUOUS}* compares identical configurations: its spread "
         "is the noise of this run.",
     ]
-    config = {"models": keys, "modes": modes, "batches": batches, "sizes": sizes, "precisions": precisions,
-              "budget_s": cfg.budget, "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup,
-              "cases": cases}
+    config = {
+        "models": keys,
+        "modes": modes,
+        "batches": batches,
+        "sizes": sizes,
+        "precisions": precisions,
+        "budget_s": cfg.budget,
+        "min_reps": cfg.min_reps,
+        "max_reps": cfg.max_reps,
+        "warmup": cfg.warmup,
+        "cases": cases,
+    }
 
     def save(partial: bool) -> dict[str, Any]:
-        return H.save("memory_formats", "Memory formats: time / FeatureExtractor contiguous (NCHW)", cfg, groups,
-                      targets(groups), config, [*notes, *overview(groups)], partial=partial,
-                      extra_columns=[("format", "format", ""), ("conv_share", "conv share", ".2f"),
-                                     ("reuse", "reuse", ".0f"),
-                                     ("max_abs_diff", "max abs diff", ".1e"),
-                                     ("max_rel_diff", "max rel diff", ".1e")])
+        return H.save(
+            "memory_formats",
+            "Memory formats: time / FeatureExtractor contiguous (NCHW)",
+            cfg,
+            groups,
+            targets(groups),
+            config,
+            [*notes, *overview(groups)],
+            partial=partial,
+            extra_columns=[
+                ("format", "format", ""),
+                ("conv_share", "conv share", ".2f"),
+                ("reuse", "reuse", ".0f"),
+                ("max_abs_diff", "max abs diff", ".1e"),
+                ("max_rel_diff", "max rel diff", ".1e"),
+            ],
+        )
 
     with H.seeded_torch_home(args.torch_home):
         for key in keys:
@@ -308,9 +354,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for ext in built.all():
                     ext.to(cfg.device)
                 work = None if built.work is None else dataclasses.asdict(built.work)
-                cases[key] = {"backbone": case.backbone, "layer": case.layer, "conv_share": built.conv_share,
-                              "conv_work": work,
-                              "title": built.title()}
+                cases[key] = {
+                    "backbone": case.backbone,
+                    "layer": case.layer,
+                    "conv_share": built.conv_share,
+                    "conv_work": work,
+                    "title": built.title(),
+                }
                 for precision in precisions:
                     for side in [case.size] if case.size else sizes:
                         for batch in batches:

@@ -90,8 +90,9 @@ def distance_fn(name: str, module: nn.Module) -> Callable[[Tensor, Tensor], Tens
     return lambda a, b: module(a, b)
 
 
-def contenders(modules: dict[str, nn.Module], mode: str, x: Tensor, y: Tensor,
-               precision: str, device: torch.device) -> dict[str, Callable[[], Tensor]]:
+def contenders(
+    modules: dict[str, nn.Module], mode: str, x: Tensor, y: Tensor, precision: str, device: torch.device
+) -> dict[str, Callable[[], Tensor]]:
     """Zero-argument calls: distances under no_grad (metric) or the gradient to the input (loss step)."""
     names = [FH, FH_ONE, FH_TWO, REF] if mode == METRIC else [FH, FH_ONE, REF]
     leaf = x.detach().clone().requires_grad_(True)
@@ -99,21 +100,25 @@ def contenders(modules: dict[str, nn.Module], mode: str, x: Tensor, y: Tensor,
     for name in names:
         dist = distance_fn(name, modules[name])
         if mode == METRIC:
+
             def call(d: Callable[[Tensor, Tensor], Tensor] = dist) -> Tensor:
                 with torch.no_grad(), H.autocast(precision, device):
                     return d(x, y)
         else:
+
             def call(d: Callable[[Tensor, Tensor], Tensor] = dist) -> Tensor:
                 with H.autocast(precision, device):
                     loss = d(leaf, y).float().mean()
                 (grad,) = torch.autograd.grad(loss, leaf)
                 return grad
+
         fns[name] = call
     return fns
 
 
-def run_group(net: str, modules: dict[str, nn.Module], mode: str, batch: int, size: int, precision: str,
-              cfg: H.Settings) -> H.Group:
+def run_group(
+    net: str, modules: dict[str, nn.Module], mode: str, batch: int, size: int, precision: str, cfg: H.Settings
+) -> H.Group:
     x = H.images(batch, size, cfg, precision, seed=1)
     y = H.images(batch, size, cfg, precision, seed=2)
     fns = contenders(modules, mode, x, y, precision, cfg.device)
@@ -135,8 +140,9 @@ def run_group(net: str, modules: dict[str, nn.Module], mode: str, batch: int, si
     extras[FH]["forward"] = "one" if chosen == FH_ONE else "two"
     params = {"net": net, "batch": batch, "size": size, "precision": precision}
     group = H.make_group(mode, params, timing, REF, extras)
-    H.log(f"{mode} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)"
-                                          for r in group.rows))
+    H.log(
+        f"{mode} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)" for r in group.rows)
+    )
     return group
 
 
@@ -150,13 +156,27 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
             found.append(H.Target("metric: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
             chosen, other = (FH_ONE, FH_TWO) if g.row(FH).extra.get("forward") == "one" else (FH_TWO, FH_ONE)
             # two forwards trade a little time for memory: allowed up to 10% over one concatenated forward
-            found.append(H.Target(f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
-                                  label, H.ratio(g, chosen, other), 1.1, "<="))
+            found.append(
+                H.Target(
+                    f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
+                    label,
+                    H.ratio(g, chosen, other),
+                    1.1,
+                    "<=",
+                )
+            )
         else:
             found.append(H.Target("loss: lpips time / LPIPS time (faster)", label, H.ratio(g, REF, FH), 1.0, ">="))
             found.append(H.Target("loss: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
-            found.append(H.Target("loss: graph-free target forward / one concatenated forward", label,
-                                  H.ratio(g, FH, FH_ONE), 1.0, "<="))
+            found.append(
+                H.Target(
+                    "loss: graph-free target forward / one concatenated forward",
+                    label,
+                    H.ratio(g, FH, FH_ONE),
+                    1.0,
+                    "<=",
+                )
+            )
     return found
 
 
@@ -184,14 +204,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, where they cost 0.66-0.8x "
         "the memory at about the same time; loss: always a graph-free target forward).",
     ]
-    config = {"nets": nets, "modes": modes, "shapes": shapes, "precisions": H.precisions(cfg),
-              "budget_s": cfg.budget, "min_reps": cfg.min_reps, "max_reps": cfg.max_reps, "warmup": cfg.warmup}
+    config = {
+        "nets": nets,
+        "modes": modes,
+        "shapes": shapes,
+        "precisions": H.precisions(cfg),
+        "budget_s": cfg.budget,
+        "min_reps": cfg.min_reps,
+        "max_reps": cfg.max_reps,
+        "warmup": cfg.warmup,
+    }
 
     def save(partial: bool) -> dict[str, Any]:
-        return H.save("metrics", "LPIPS as a metric and as a loss step: time / lpips.LPIPS", cfg, groups,
-                      targets(groups), config, notes, partial=partial,
-                      extra_columns=[("peak_mib", "peak MiB", ".1f"), ("max_abs_diff", "max abs diff", ".2g"),
-                                     ("lpips", "LPIPS", ".4g"), ("forward", "forward", "")])
+        return H.save(
+            "metrics",
+            "LPIPS as a metric and as a loss step: time / lpips.LPIPS",
+            cfg,
+            groups,
+            targets(groups),
+            config,
+            notes,
+            partial=partial,
+            extra_columns=[
+                ("peak_mib", "peak MiB", ".1f"),
+                ("max_abs_diff", "max abs diff", ".2g"),
+                ("lpips", "LPIPS", ".4g"),
+                ("forward", "forward", ""),
+            ],
+        )
 
     with H.seeded_torch_home(args.torch_home):
         for net in nets:

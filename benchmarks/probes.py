@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--shape", default=None, help="BATCHxSIZE; default 8x224 (2x32 with --quick)")
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=120.0)
-    (batch, size), = H.parse_shapes(args.shape or ("2x32" if cfg.quick else "8x224"))
+    ((batch, size),) = H.parse_shapes(args.shape or ("2x32" if cfg.quick else "8x224"))
     H.log(f"ResNet50 training step, batch {batch}, {size}x{size}")
     group, facts = run(cfg, batch, size)
     H.log(", ".join(f"{row.name}={row.median_ms:.0f}ms ({row.ratio:.3f}x)" for row in group.rows))
@@ -179,11 +179,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]
-    config = {"batch": batch, "size": size, "lr": LR, "budget_s": cfg.budget, "min_reps": cfg.min_reps,
-              "max_reps": cfg.max_reps, "warmup": cfg.warmup, **facts}
-    payload = H.save("probes", "Probes during a ResNet50 training step: time / step without probes", cfg, [group],
-                     targets, config, notes,
-                     extra_columns=[("max_abs_diff", "max |Δ loss|", ".2g"), ("steps", "steps", "d")])
+    config = {
+        "batch": batch,
+        "size": size,
+        "lr": LR,
+        "budget_s": cfg.budget,
+        "min_reps": cfg.min_reps,
+        "max_reps": cfg.max_reps,
+        "warmup": cfg.warmup,
+        **facts,
+    }
+    payload = H.save(
+        "probes",
+        "Probes during a ResNet50 training step: time / step without probes",
+        cfg,
+        [group],
+        targets,
+        config,
+        notes,
+        extra_columns=[("max_abs_diff", "max |Δ loss|", ".2g"), ("steps", "steps", "d")],
+    )
     print((cfg.out / f"probes{cfg.tag}.md").read_text())
     return payload
 

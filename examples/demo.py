@@ -23,8 +23,11 @@ def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
     try:
         return fh.FeatureExtractor("vgg16", layers)
     except fh.WeightsUnavailableError as exc:
-        print(f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
-              "using seeded random weights", file=sys.stderr)
+        print(
+            f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
+            "using seeded random weights",
+            file=sys.stderr,
+        )
         torch.manual_seed(0)
         return fh.FeatureExtractor("vgg16", layers, weights=None)
 

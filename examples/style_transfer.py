@@ -42,8 +42,16 @@ def load_image(path: Path, size: int) -> torch.Tensor:
 def save_image(images: list[torch.Tensor], path: Path) -> None:
     """Save images side by side (each (1, 3, H, W) in [0, 1], resized to the first one's height) as a PNG."""
     height = images[0].shape[-2]
-    tiles = [torch.nn.functional.interpolate(img, size=(height, round(img.shape[-1] * height / img.shape[-2])),
-                                             mode="bilinear", antialias=True, align_corners=False) for img in images]
+    tiles = [
+        torch.nn.functional.interpolate(
+            img,
+            size=(height, round(img.shape[-1] * height / img.shape[-2])),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )
+        for img in images
+    ]
     strip = torch.cat(tiles, dim=-1)[0].clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(strip).save(path, optimize=True)
@@ -53,8 +61,11 @@ def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
     try:
         return fh.FeatureExtractor("vgg19", layers, mode="grad")
     except fh.WeightsUnavailableError as exc:
-        print(f"note: pretrained VGG19 weights are not available offline ({type(exc).__name__}); "
-              "using seeded random weights", file=sys.stderr)
+        print(
+            f"note: pretrained VGG19 weights are not available offline ({type(exc).__name__}); "
+            "using seeded random weights",
+            file=sys.stderr,
+        )
         torch.manual_seed(0)
         return fh.FeatureExtractor("vgg19", layers, mode="grad", weights=None)
 
@@ -68,8 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("demo-output/style_transfer.png"), help="output PNG")
     parser.add_argument("--side-by-side", action="store_true", help="write content | style | result in one PNG")
     parser.add_argument("--content-weight", type=float, default=1.0)
-    parser.add_argument("--style-weight", type=float, default=None,
-                        help="default 1e6 with pretrained weights, 1e8 with random ones (their features are weaker)")
+    parser.add_argument(
+        "--style-weight",
+        type=float,
+        default=None,
+        help="default 1e6 with pretrained weights, 1e8 with random ones (their features are weaker)",
+    )
     parser.add_argument("--tv-weight", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=0.05, help="Adam learning rate on pixels in [0, 1]")
     parser.add_argument("--seed", type=int, default=0)

@@ -36,7 +36,7 @@ def random_batch(images: torch.Tensor, batch: int, size: int, generator: torch.G
     index = torch.randint(len(images), (batch,), generator=generator)
     top = torch.randint(images.shape[-2] - size + 1, (batch,), generator=generator)
     left = torch.randint(images.shape[-1] - size + 1, (batch,), generator=generator)
-    crops = torch.stack([images[i, :, t:t + size, s:s + size] for i, t, s in zip(index, top, left)])
+    crops = torch.stack([images[i, :, t : t + size, s : s + size] for i, t, s in zip(index, top, left)])
     flip = torch.rand(batch, generator=generator) < 0.5
     return torch.where(flip.view(-1, 1, 1, 1), crops.flip(-1), crops)
 
@@ -47,8 +47,10 @@ class Denoiser(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
             nn.Conv2d(width, 3, 3, padding=1),
         )
 
@@ -60,8 +62,11 @@ def make_loss() -> fh.PerceptualLoss:
     try:
         return fh.PerceptualLoss("vgg16", layers=["relu2_2"])
     except fh.WeightsUnavailableError as exc:
-        print(f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
-              "using seeded random weights", file=sys.stderr)
+        print(
+            f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
+            "using seeded random weights",
+            file=sys.stderr,
+        )
         torch.manual_seed(0)
         return fh.PerceptualLoss("vgg16", layers=["relu2_2"], weights=None)
 
@@ -99,13 +104,15 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         optimizer.step()
         history.append(loss_p.item())
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            recent = history[-args.log_every:]
+            recent = history[-args.log_every :]
             print(f"step {step:4d}  perceptual loss {sum(recent) / len(recent):.4g}")
     first = sum(history[:10]) / len(history[:10])
     last = sum(history[-10:]) / len(history[-10:])
-    print(f"perceptual loss fell from {first:.4g} to {last:.4g} ({last / first:.0%} of the start) "
-          f"in {time.perf_counter() - start:.0f} s; checkpoint keys: {len(model.state_dict())} "
-          f"(the loss adds {len(perceptual.state_dict())})")
+    print(
+        f"perceptual loss fell from {first:.4g} to {last:.4g} ({last / first:.0%} of the start) "
+        f"in {time.perf_counter() - start:.0f} s; checkpoint keys: {len(model.state_dict())} "
+        f"(the loss adds {len(perceptual.state_dict())})"
+    )
     return first, last
 
 

@@ -15,8 +15,23 @@ from featurehooks.backbones import load_backbone, torchvision_models
 
 def test_registry_lists_the_promised_families() -> None:
     names = fh.available_backbones()
-    for name in ["vgg11", "vgg13", "vgg16", "vgg19", "vgg11_bn", "vgg19_bn", "resnet18", "resnet34", "resnet50",
-                 "resnet101", "resnet152", "alexnet", "squeezenet1_0", "squeezenet1_1", "convnext_tiny"]:
+    for name in [
+        "vgg11",
+        "vgg13",
+        "vgg16",
+        "vgg19",
+        "vgg11_bn",
+        "vgg19_bn",
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+        "alexnet",
+        "squeezenet1_0",
+        "squeezenet1_1",
+        "convnext_tiny",
+    ]:
         assert name in names
     assert fh.available_backbones("vgg1?_bn") == ["vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn"]
 

@@ -264,13 +264,19 @@ def test_each_thread_reads_the_gradients_of_its_own_forward(images: torch.Tensor
 
 def test_bad_requests() -> None:
     net = UsesStructured()
-    with pytest.raises(fh.InvalidValueError, match="grads=True needs mode='grad'"), fh.capture(
-        net, ["block"], mode="detach", grads=True
+    with (
+        pytest.raises(fh.InvalidValueError, match="grads=True needs mode='grad'"),
+        fh.capture(net, ["block"], mode="detach", grads=True),
     ):
         pass
     assert hooks(net) == 0
-    with pytest.raises(fh.InvalidTypeError, match="grads must be True or False"), fh.capture(
-        net, ["block"], grads="yes"  # type: ignore[arg-type]
+    with (
+        pytest.raises(fh.InvalidTypeError, match="grads must be True or False"),
+        fh.capture(
+            net,
+            ["block"],
+            grads="yes",  # type: ignore[arg-type]
+        ),
     ):
         pass
     with fh.capture(net, ["block"]) as feats:

@@ -56,8 +56,9 @@ class ForwardCounter:
 
 def test_perceptual_is_weighted_sum_of_per_layer_means(ext, pair) -> None:
     x, y = pair
-    loss = fl.PerceptualLoss(ext, ["relu1_2", "relu3_3"], layer_weights={"relu1_2": 0.5, "relu3_3": 2.0},
-                             reduction="none")
+    loss = fl.PerceptualLoss(
+        ext, ["relu1_2", "relu3_3"], layer_weights={"relu1_2": 0.5, "relu3_3": 2.0}, reduction="none"
+    )
     fx, fy = ext(x), ext(y)
     expected = 0.5 * ((fx["relu1_2"] - fy["relu1_2"]) ** 2).mean((1, 2, 3)) + 2.0 * (
         (fx["relu3_3"] - fy["relu3_3"]) ** 2
@@ -65,8 +66,9 @@ def test_perceptual_is_weighted_sum_of_per_layer_means(ext, pair) -> None:
     value = loss(x, y)
     assert value.shape == (2,)
     torch.testing.assert_close(value, expected)
-    torch.testing.assert_close(fl.PerceptualLoss(ext, ["relu1_2", "relu3_3"], layer_weights=[0.5, 2.0])(x, y),
-                               expected.mean())
+    torch.testing.assert_close(
+        fl.PerceptualLoss(ext, ["relu1_2", "relu3_3"], layer_weights=[0.5, 2.0])(x, y), expected.mean()
+    )
     sum_loss = fl.PerceptualLoss(ext, ["relu1_2", "relu3_3"], layer_weights=[0.5, 2.0], reduction="sum")
     torch.testing.assert_close(sum_loss(x, y), expected.sum())
 
@@ -74,8 +76,9 @@ def test_perceptual_is_weighted_sum_of_per_layer_means(ext, pair) -> None:
 def test_perceptual_distances_and_normalized_features(ext, pair) -> None:
     x, y = pair
     fx, fy = ext(x)["relu2_2"], ext(y)["relu2_2"]
-    torch.testing.assert_close(fl.PerceptualLoss(ext, "relu2_2", distance="l1", reduction="none")(x, y),
-                               (fx - fy).abs().mean((1, 2, 3)))
+    torch.testing.assert_close(
+        fl.PerceptualLoss(ext, "relu2_2", distance="l1", reduction="none")(x, y), (fx - fy).abs().mean((1, 2, 3))
+    )
     unit = fl.PerceptualLoss(ext, "relu2_2", normalize_features=True, reduction="none")(x, y)
     nx, ny = (f / f.pow(2).sum(1, keepdim=True).sqrt() for f in (fx, fy))
     torch.testing.assert_close(unit, ((nx - ny) ** 2).mean((1, 2, 3)))
@@ -233,12 +236,14 @@ def test_fixed_style_grams_are_computed_once_and_kept_out_of_state_dict(ext, pai
 
 def test_finite_losses_and_gradients_under_bf16_autocast(ext, pair) -> None:
     x, y = pair
-    group = fl.LossGroup({
-        "perceptual": fl.PerceptualLoss(ext, LAYERS),
-        "normalized": fl.PerceptualLoss(ext, LAYERS, normalize_features=True),
-        "style": fl.StyleLoss(ext, LAYERS),
-        "style_none": fl.StyleLoss(ext, LAYERS, gram_normalization="none"),
-    })
+    group = fl.LossGroup(
+        {
+            "perceptual": fl.PerceptualLoss(ext, LAYERS),
+            "normalized": fl.PerceptualLoss(ext, LAYERS, normalize_features=True),
+            "style": fl.StyleLoss(ext, LAYERS),
+            "style_none": fl.StyleLoss(ext, LAYERS, gram_normalization="none"),
+        }
+    )
     x = x.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert ext(x[:1])["relu3_3"].dtype == torch.bfloat16  # the backbone really runs in bf16
@@ -328,8 +333,9 @@ def test_feature_matching_on_dicts_lists_and_multiscale() -> None:
     expected = (fake["a"] - real["a"]).abs().mean((1, 2, 3)) + 0.5 * (fake["b"] - real["b"]).abs().mean((1, 2, 3))
     value = loss(fake, real)
     torch.testing.assert_close(value, expected)
-    torch.testing.assert_close(fl.FeatureMatchingLoss([1.0, 0.5])(list(fake.values()), list(real.values())),
-                               expected.mean())
+    torch.testing.assert_close(
+        fl.FeatureMatchingLoss([1.0, 0.5])(list(fake.values()), list(real.values())), expected.mean()
+    )
     value.sum().backward()
     assert fake["a"].grad is not None and real["a"].grad is None  # the real side is detached
     scale2_fake = [torch.randn(2, 4, 4, 4), torch.randn(2, 8, 2, 2)]
@@ -337,8 +343,10 @@ def test_feature_matching_on_dicts_lists_and_multiscale() -> None:
     multi = fl.FeatureMatchingLoss([1.0, 0.5], distance="mse")(
         [list(fake.values()), scale2_fake], [list(real.values()), scale2_real]
     )
-    per_scale = [fl.FeatureMatchingLoss([1.0, 0.5], distance="mse")(f, r)
-                 for f, r in ((list(fake.values()), list(real.values())), (scale2_fake, scale2_real))]
+    per_scale = [
+        fl.FeatureMatchingLoss([1.0, 0.5], distance="mse")(f, r)
+        for f, r in ((list(fake.values()), list(real.values())), (scale2_fake, scale2_real))
+    ]
     torch.testing.assert_close(multi, (per_scale[0] + per_scale[1]) / 2)
 
 
@@ -359,8 +367,9 @@ def test_feature_matching_errors() -> None:
 
 def test_feature_matching_with_capture_on_a_discriminator() -> None:
     torch.manual_seed(0)
-    disc = nn.Sequential(nn.Conv2d(3, 8, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(8, 16, 4, 2, 1), nn.LeakyReLU(0.2),
-                         nn.Conv2d(16, 1, 3))
+    disc = nn.Sequential(
+        nn.Conv2d(3, 8, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(8, 16, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(16, 1, 3)
+    )
     gen = nn.Conv2d(3, 3, 3, padding=1)
     real = torch.rand(2, 3, 16, 16)
     fake = gen(torch.rand(2, 3, 16, 16))

@@ -172,8 +172,11 @@ def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor) -> No
 
 def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
     model = Twice()
-    with watch(model, grads=False) as w, fh.capture(model, ["conv1", "conv2"], mode="detach") as feats, \
-            torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        watch(model, grads=False) as w,
+        fh.capture(model, ["conv1", "conv2"], mode="detach") as feats,
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         model(images)
     assert feats["conv1"].dtype == torch.bfloat16
     rows = rows_by(w.summary())
@@ -183,12 +186,14 @@ def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
 
 def test_watch_rows_per_call_of_a_module_called_twice(images: torch.Tensor) -> None:
     model = Twice()
-    with watch(model, ["act", "conv*"], grads=False) as w, \
-            fh.capture(model, ["act", "act_1"], mode="detach") as feats:
+    with watch(model, ["act", "conv*"], grads=False) as w, fh.capture(model, ["act", "act_1"], mode="detach") as feats:
         model(images)
     rows = w.summary()
     assert [(row.name, row.path, row.call) for row in rows] == [
-        ("conv1", "conv1", 0), ("conv2", "conv2", 0), ("act", "act", 0), ("act_1", "act", 1)
+        ("conv1", "conv1", 0),
+        ("conv2", "conv2", 0),
+        ("act", "act", 0),
+        ("act_1", "act", 1),
     ]
     by = rows_by(rows)
     assert_row(by[("act", "output")], direct(feats["act"]))
@@ -206,8 +211,10 @@ def test_watch_only_the_requested_call() -> None:
 def test_watch_gradients_equal_autograd_grad(images: torch.Tensor) -> None:
     model = Twice()
     outputs: list[Tensor] = []  # conv1, act, act_1, head: the very tensors of the graph, not clones
-    handles = [getattr(model, name).register_forward_hook(lambda _m, _a, out: outputs.append(out))
-               for name in ("conv1", "act", "head")]
+    handles = [
+        getattr(model, name).register_forward_hook(lambda _m, _a, out: outputs.append(out))
+        for name in ("conv1", "act", "head")
+    ]
     try:
         with watch(model, ["conv1", "act", "head"]) as w:
             loss = model(images).pow(2).sum()
@@ -593,7 +600,6 @@ def test_probes_across_inference_mode_and_training(probe: Any) -> None:
 
 def test_stats_names() -> None:
     assert STATS == ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
-
 
 
 def test_std_survives_a_mean_far_larger_than_the_spread() -> None:
