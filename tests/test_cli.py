@@ -193,7 +193,7 @@ def run_cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "featurehooks", *args], capture_output=True, text=True, **kwargs)
 
 
-@pytest.mark.slow
+# not slow: make test-fast's one run of the entry point (`python -m featurehooks`) in a process of its own
 def test_real_process_error_exit_has_no_traceback(tmp_path: Path) -> None:
     done = run_cli("extract", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--backbone", "vgg16",
                    "--layers", "relu3_3", "--weights", "none")  # fmt: skip
