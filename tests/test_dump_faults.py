@@ -122,7 +122,9 @@ def test_a_dataset_item_that_raises_becomes_an_invalid_row(tmp_path: Path) -> No
 
 
 SCRIPT = """
-import sys, time, torch
+import signal, sys, time, torch
+# Ctrl-C raises KeyboardInterrupt even in a process started with SIGINT ignored (a shell's background job, some CI)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from collections import OrderedDict
 from torch import nn
 from featurehooks import FeatureExtractor
@@ -159,8 +161,8 @@ def committed_lines(out: Path) -> int:
 
 def interrupt(tmp_path: Path, out: Path, sig: int) -> subprocess.CompletedProcess:
     script = tmp_path / "slow_dump.py"
-    # rows from the fourth chunk on stall: on a busy machine (parallel test workers) the signal may come seconds
-    # after the second commit, when a dump of short delays alone would already have finished
+    # rows from the fourth chunk on stall until the signal comes: on a busy machine (parallel test workers) the
+    # parent may poll the journal late
     stall_from = 3 * BATCH
     script.write_text(
         textwrap.dedent(SCRIPT.format(rows=ROWS, delay=0.05, stall_from=stall_from, crop=CROP, batch=BATCH))
