@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# pytest-xdist workers: one per core (at most 8: each holds torch and its models); WORKERS=0 runs in one process
+# pytest-xdist workers: one per core, at most 4 (a worker's memory peaks at about 9.5 GB, as the whole suite's in
+# one process does); WORKERS=0 runs in one process
 WORKERS ?= auto
-PYTEST := $(PY) -m pytest -q -n $(WORKERS) --maxprocesses 8 --dist worksteal
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --maxprocesses 4 --dist worksteal
 
 .PHONY: demo test test-fast lint bench clean
 
