@@ -6,7 +6,8 @@ before downloading, so the real ``weights="DEFAULT"`` code path runs without a n
 Under pytest-xdist (``make test``) every worker has its own TORCH_HOME, as a single process has, and
 each seeded file is written once per run into a store the workers share, then hard-linked into the
 worker's cache. Each worker's math libraries get an equal share of the cores: two workers running two
-threads each on two cores wait on each other (a 2048-dimensional FD took 130 s instead of 4).
+threads each on two cores wait on each other (a 2048-dimensional FD took 130 s instead of 4). torch and the
+helpers are imported where they are used: xdist's controller, which runs no test, starts its workers 5 s sooner.
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-import torchvision.models as tvm
 from filelock import FileLock
-from helpers import SEED, write_pngs
 
-from featurehooks.backbones._files import hub_checkpoint_path
-from featurehooks.backbones.torchvision_models import random_init_kwargs, resolve_weights
+if TYPE_CHECKING:
+    import torch
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -66,6 +65,13 @@ def write_seeded_weights(store: Path, name: str, member: str = "DEFAULT") -> Pat
     would. The caller's RNG state is left as it was. The file is written once into ``store`` (under a
     lock: xdist workers share it) and linked into this process's cache.
     """
+    import torch
+    import torchvision.models as tvm
+    from helpers import SEED
+
+    from featurehooks.backbones._files import hub_checkpoint_path
+    from featurehooks.backbones.torchvision_models import random_init_kwargs, resolve_weights
+
     weights = resolve_weights(name, member)
     path = hub_checkpoint_path(weights.url)
     if path.exists():
@@ -109,6 +115,8 @@ def resnet18_cached(seeded_weights: Callable[..., Path]) -> Path:
 def png_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``png_folder(count=5, size=(40, 44), seed=0)``: a folder of ``helpers.write_pngs`` images, written once per
     session for each set of arguments. Shared by the tests that ask for it: read it, never write into it."""
+    from helpers import SEED, write_pngs
+
     made: dict[tuple[int, tuple[int, int], int], Path] = {}
 
     def folder(count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
@@ -124,5 +132,8 @@ def png_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture
 def images() -> torch.Tensor:
     """A small seeded batch in [0, 1]."""
+    import torch
+    from helpers import SEED
+
     generator = torch.Generator().manual_seed(SEED)
     return torch.rand(2, 3, 64, 64, generator=generator)

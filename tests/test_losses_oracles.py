@@ -48,6 +48,7 @@ def test_perceptual_l1_on_two_layers_equals_piq(vgg16_default, pair) -> None:
     torch.testing.assert_close(ours, reference, rtol=RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_style_with_unnormalized_grams_equals_piq_style_loss(vgg16_default, pair) -> None:
     x, y = pair
     layers = ("relu1_2", "relu2_2", "relu3_3")

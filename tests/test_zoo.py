@@ -18,8 +18,7 @@ For each model of ``torchvision.models.list_models(module=torchvision.models)`` 
   on ``CHANNELS_LAST_SAMPLE``, one model of each family and the variants whose blocks differ: its NCHW run is
   the code path the FX check covers on every model.
 
-``make test-fast`` runs these checks on ``FAST`` (channels-last: ``FAST_CHANNELS_LAST``); the other models are
-marked slow.
+``make test-fast`` runs these checks on ``FAST``; the other models are marked slow.
 """
 
 from __future__ import annotations
@@ -67,10 +66,9 @@ CHANNELS_LAST_SAMPLE = (
     "resnet50", "resnext50_32x4d", "shufflenet_v2_x0_5", "squeezenet1_0", "squeezenet1_1", "swin_t", "swin_v2_t",
     "vgg11", "vgg11_bn", "vit_b_32",
 )  # fmt: skip
-# make test-fast: quick models of each kind (residual CNN, inverted residuals with SE, fire modules, windowed
-# attention, ViT tokens); channels-last on the CNNs, where "auto" would choose it.
-FAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_1", "swin_t", "vit_b_32")
-FAST_CHANNELS_LAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_1")
+# make test-fast: three quick CNNs (residual blocks, inverted residuals with SE, fire modules); transformers by
+# name are in test_transformers.py
+FAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_1")
 
 _NUMBERED = re.compile(r"_[0-9]+$")
 
@@ -289,7 +287,7 @@ def _run_in_format(
     return extractor, values, images.grad.double() if grad else None
 
 
-@pytest.mark.parametrize("name", slow_unless(CHANNELS_LAST_SAMPLE, FAST_CHANNELS_LAST))
+@pytest.mark.parametrize("name", slow_unless(CHANNELS_LAST_SAMPLE, FAST))
 def test_channels_last_matches_nchw(name: str) -> None:
     """Each model of the sample runs in channels-last when asked, with the NCHW values to float32 rounding, 1e-5 of each
     feature's scale. Where "auto" picks channels-last, input gradients too: their norm-relative error from
