@@ -1,5 +1,5 @@
 """What the test files share: a tiny seeded extractor, a folder of seeded random PNGs, sweeps sampled for
-``make test-fast``.
+``make test-fast``, a deadline for code that could hang, a scaling module for the probes.
 
 The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
 because module-level helpers of the test files (``dump(...)``) call them too.
@@ -7,8 +7,10 @@ because module-level helpers of the test files (``dump(...)``) call them too.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,30 @@ def slow_unless(values: Iterable[Any], fast: Collection[Any]) -> list[Any]:
         )
         for value in values
     ]
+
+
+@contextlib.contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging for ever (a FIFO opened for reading, a symlink cycle)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Scale(nn.Module):
+    """Multiplies by ``value`` (``math.nan`` or ``math.inf`` makes a non-finite output on purpose)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.value

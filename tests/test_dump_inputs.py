@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import signal
 import struct
 import subprocess
 import sys
 import textwrap
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import helpers
@@ -52,22 +49,6 @@ def dump(source: object, out: Path, **kwargs: object):
 def reasons(result) -> dict[str, str]:
     """File name -> reason of every invalid row."""
     return {Path(item["path"]).name: item["reason"] for item in result.skipped}
-
-
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fail instead of hanging for ever (a FIFO read, a symlink cycle)."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def run_script(code: str, **env: str) -> str:
@@ -270,7 +251,7 @@ def test_budgets_are_module_constants_a_user_can_raise(tmp_path: Path, monkeypat
 def test_fifos_and_devices_are_invalid_rows_not_a_hang(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "pipe.png")
     sources = [SAMPLES / "sample_00_shapes.png", tmp_path / "pipe.png", "/dev/zero"]
-    with deadline(30):
+    with helpers.deadline(30):
         result = dump(sources, tmp_path / "out")
     assert reasons(result) == {
         "pipe.png": "OSError: not a regular file: fifo",
@@ -295,7 +276,7 @@ def test_special_files_in_a_folder_or_glob_are_invalid_rows_not_dropped(tmp_path
         "gone.jpg",
         "sub/pipe.png",
     ]
-    with deadline(30):
+    with helpers.deadline(30):
         result = dump(source, tmp_path / "out")
     assert result.num_rows == 3
     assert reasons(result)["pipe.png"] == "OSError: not a regular file: fifo"
@@ -309,7 +290,7 @@ def test_a_fifo_swapped_in_after_the_check_does_not_block(tmp_path: Path, monkey
     regular = os.stat(SAMPLES / "sample_00_shapes.png")
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda path, *a, **k: regular if Path(path).name == "pipe.png" else real_stat(path))
-    with deadline(10), pytest.raises(OSError, match="not a regular file: fifo"):
+    with helpers.deadline(10), pytest.raises(OSError, match="not a regular file: fifo"):
         read_image(tmp_path / "pipe.png")
 
 
@@ -444,7 +425,7 @@ def test_globs_do_not_follow_symlink_cycles(tmp_path: Path) -> None:
     (tmp_path / "imgs" / "sub" / "up").symlink_to("..")  # two cycles: glob.glob's ** would run for ever
     (tmp_path / "imgs" / "again").symlink_to(".")
     expected = [str(tmp_path / "imgs" / "a.png"), str(tmp_path / "imgs" / "sub" / "b.png")]
-    with deadline(20):
+    with helpers.deadline(20):
         assert list_images(str(tmp_path / "imgs" / "**" / "*.png")) == expected
         assert list_images(str(tmp_path / "imgs" / "**")) == expected
         assert len(list_images(tmp_path / "imgs")) == 4  # a folder lists hidden files too, each once

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Scale
 from torch import Tensor, nn
 
 from featurehooks.errors import NonFiniteError
@@ -45,15 +46,6 @@ def padded(length: int = L, as_float: bool = False) -> Tensor:
     mask = torch.zeros(2, length, dtype=torch.bool)
     mask[1, -2:] = True
     return torch.zeros(mask.shape).masked_fill(mask, -math.inf) if as_float else mask
-
-
-class Scale(nn.Module):
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.value = value
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.value
 
 
 class _NanBackward(torch.autograd.Function):

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Scale
 from torch import Tensor, nn
 
 import featurehooks as fh
@@ -35,15 +36,6 @@ class Twice(nn.Module):
         h = self.act(self.conv1(x))
         h = self.act(self.conv2(h) - 0.05)
         return self.head(h.mean((2, 3)))
-
-
-class Scale(nn.Module):
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.value = value
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.value
 
 
 class _InfBackward(torch.autograd.Function):

@@ -3,14 +3,13 @@ outputs that cannot be written, and special files in the folders of `featurehook
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -43,22 +42,6 @@ def _one_line(err: str) -> str:
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "weights=" not in err and "pool=" not in err, err
     return err
-
-
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fail instead of hanging for ever (a FIFO opened for reading)."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _recorded(monkeypatch: pytest.MonkeyPatch, name: str) -> list[object]:
@@ -229,7 +212,7 @@ def test_unwritable_outputs_are_refused_before_any_compute(
     if hasattr(os, "mkfifo"):
         pipe = tmp_path / "pipe.csv"
         os.mkfifo(pipe)
-        with deadline(30):
+        with helpers.deadline(30):
             assert main([*lpips, "--out", str(pipe)]) == 2
         assert "it is not a regular file" in _one_line(capsys.readouterr().err)
         assert stat.S_ISFIFO(os.lstat(pipe).st_mode)  # not replaced by a file
@@ -250,7 +233,7 @@ def test_a_fifo_in_an_input_folder_is_reported_not_dropped(tmp_path: Path, capsy
     _image(b / "pipe.png", (40, 44), 99)
     (b / "sub").mkdir()
     os.mkfifo(b / "sub" / "lonely.png")  # in b only
-    with deadline(60):
+    with helpers.deadline(60):
         with pytest.warns(UserWarning) as caught:
             pairs, only_a, only_b = pair_files(a, b)
         assert main(["lpips", str(a), str(b), "--weights", "none", *RUN]) == 0
