@@ -53,6 +53,7 @@ from ._trace import Trace, trace
 from .errors import LayerNotRunError
 
 __all__ = [
+    "ClosedOnExit",
     "HookSession",
     "Hooks",
     "InertInCopies",
@@ -85,6 +86,23 @@ class _Inert:
 
     def __call__(self, *args: object) -> None:
         return None
+
+
+class ClosedOnExit(ABC):
+    """A hook owner as a context manager: ``with`` gives the owner itself and closes it on the way out."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Remove the owner's hooks; safe to call twice."""
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_Owner = TypeVar("_Owner", bound=ClosedOnExit)
 
 
 class InertInCopies:

@@ -9,6 +9,7 @@ import itertools
 import math
 import threading
 import warnings
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -19,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
-from ._hooks import TapSession
+from ._hooks import ClosedOnExit, TapSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._taps import Site
 from ._trace import Trace, fixed_input_size, trace, trace_images
@@ -66,7 +67,7 @@ def _floating_tensor(model: nn.Module) -> Tensor:
     return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
-class FeatureExtractor(nn.Module):
+class FeatureExtractor(nn.Module, ClosedOnExit):
     """A frozen pretrained backbone that returns the named intermediate features you ask for.
 
     The backbone is built (or deep-copied, for an ``nn.Module``), loaded, frozen and pinned to eval
@@ -533,12 +534,6 @@ class FeatureExtractor(nn.Module):
         """Remove every hook from the backbone; the extractor cannot be called afterwards."""
         self._session.remove()
 
-    def __enter__(self) -> FeatureExtractor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def extra_repr(self) -> str:
         layout = "" if self.output_format == "native" else f", output_format={self.output_format!r}"
         prefix = ", return_prefix_tokens=True" if self.return_prefix_tokens else ""
@@ -675,7 +670,24 @@ def _release(slots: Iterable[_GradSlots]) -> None:
         one.release()
 
 
-class CapturedFeatures(Mapping[str, Any]):
+class _LiveMapping(Mapping[str, Any]):
+    """A read-only mapping whose names are those of the dictionary ``_current()`` returns at each access."""
+
+    @abstractmethod
+    def _current(self) -> Mapping[str, Any]:
+        """What the calling thread reads now."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self._current())})"
+
+
+class CapturedFeatures(_LiveMapping):
     """The outputs of the latest completed forward inside a ``capture`` block, in request order.
 
     Forwards in several threads each publish their own outputs: a thread reads those of its own
@@ -764,33 +776,15 @@ class CapturedFeatures(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         return self._current()[name]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._current())
 
-    def __len__(self) -> int:
-        return len(self._current())
-
-    def __repr__(self) -> str:
-        return f"CapturedFeatures({list(self._current())})"
-
-
-class CapturedGrads(Mapping[str, Any]):
+class CapturedGrads(_LiveMapping):
     """``CapturedFeatures.grads``: the gradients of the captured outputs, by name, per thread as the features."""
 
     def __init__(self, features: CapturedFeatures) -> None:
         self._features = features
 
-    def _slots(self) -> dict[str, _GradSlots]:
+    def _current(self) -> dict[str, _GradSlots]:
         return self._features._published()[1]
 
     def __getitem__(self, name: str) -> Any:
-        return self._slots()[name].value()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._slots())
-
-    def __len__(self) -> int:
-        return len(self._slots())
-
-    def __repr__(self) -> str:
-        return f"CapturedGrads({list(self._slots())})"
+        return self._current()[name].value()

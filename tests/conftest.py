@@ -67,10 +67,11 @@ def write_seeded_weights(store: Path, name: str, member: str = "DEFAULT") -> Pat
     """
     import torch
     import torchvision.models as tvm
-    from helpers import SEED
 
     from featurehooks.backbones._files import hub_checkpoint_path
     from featurehooks.backbones.torchvision_models import random_init_kwargs, resolve_weights
+
+    from helpers import SEED
 
     weights = resolve_weights(name, member)
     path = hub_checkpoint_path(weights.url)
@@ -133,6 +134,7 @@ def png_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 def images() -> torch.Tensor:
     """A small seeded batch in [0, 1]."""
     import torch
+
     from helpers import SEED
 
     generator = torch.Generator().manual_seed(SEED)

@@ -1,5 +1,6 @@
-"""What the test files share: a tiny seeded extractor, a folder of seeded random PNGs, sweeps sampled for
-``make test-fast``, a deadline for code that could hang, a scaling module for the probes.
+"""What the test files share: the repository's root, scripts loaded by path, a tiny seeded extractor, a folder of
+seeded random PNGs, sweeps sampled for ``make test-fast``, a deadline for code that could hang, a scaling module
+for the probes.
 
 The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
 because module-level helpers of the test files (``dump(...)``) call them too.
@@ -8,10 +9,13 @@ because module-level helpers of the test files (``dump(...)``) call them too.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import signal
+import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,19 @@ from torch import nn
 from featurehooks import FeatureExtractor
 
 SEED = 0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """The script ``REPO/relative`` (``benchmarks/losses.py``) as a module, registered in ``sys.modules``
+    (dataclasses look their module up there)."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(f"_fh_{path.parent.name}_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_extractor(

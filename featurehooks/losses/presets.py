@@ -1,5 +1,5 @@
 """Published loss configurations, one function each: with the defaults, each gives the value and the input
-gradients of the code it is named after (tested in ``tests/test_porting.py`` against the published formulas).
+gradients of the code it is named after (tested in ``tests/losses/test_porting.py`` against the published formulas).
 
 Presets that combine terms build one extractor over the union of their layers, so one backbone
 forward of the input serves every term. Every preset forwards ``**extractor_options`` (``weights``,

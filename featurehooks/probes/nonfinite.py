@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from .._hooks import Observer, ObserverSession
+from .._hooks import ClosedOnExit, Observer, ObserverSession
 from .._taps import Selection, call_name
 from ..errors import InvalidTypeError, NonFiniteError
 from ..layers import select_modules
@@ -217,7 +217,7 @@ def _leading(forward: _Forward, nonfinite: Callable[[int], bool]) -> set[_Call]:
     return leading
 
 
-class NonFiniteDetector(Observer[_Forward]):
+class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
     """The hooks of :func:`detect_nonfinite`: a context manager and a handle with :meth:`close`."""
 
     wants_inputs = True
@@ -432,12 +432,6 @@ class NonFiniteDetector(Observer[_Forward]):
         self._session.remove()
         with self._lock:
             self._backwards.clear()
-
-    def __enter__(self) -> NonFiniteDetector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"NonFiniteDetector({len(self._selection)} modules, {'active' if self.active else 'closed'})"

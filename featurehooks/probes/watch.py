@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from .._hooks import Observer, ObserverSession
+from .._hooks import ClosedOnExit, Observer, ObserverSession
 from .._taps import call_name
 from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
 from ..layers import select_modules
@@ -278,7 +278,7 @@ class _GradStats:
         self.owner._add(self.path, self.call, "grad", grad)
 
 
-class Watch(Observer[None]):
+class Watch(Observer[None], ClosedOnExit):
     """Statistics of the outputs (and gradients) of a model's layers; see :func:`watch`.
 
     A context manager and a handle: hooks are registered on construction and removed by
@@ -350,12 +350,6 @@ class Watch(Observer[None]):
         """Remove every hook (module and tensor hooks); the statistics stay readable. Safe to call twice."""
         self._session.remove()
         self._scratch.clear()
-
-    def __enter__(self) -> Watch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def reset(self) -> None:
         """Start a new window: forget everything accumulated so far."""

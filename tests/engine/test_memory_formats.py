@@ -1,6 +1,6 @@
 """memory_format: what "auto" picks and why, values and gradients of each format against float64, dumps.
 
-tests/test_zoo.py holds channels-last to NCHW on every torchvision classification model; this file
+tests/extractor/test_zoo.py holds channels-last to NCHW on every torchvision classification model; this file
 holds both formats to a float64 reference on a spread of families, and covers the choice itself,
 device moves, strides, losses, metrics, dumps and the command line.
 """

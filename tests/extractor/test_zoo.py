@@ -34,12 +34,13 @@ import pytest
 import torch
 import torchvision
 import torchvision.models as tvm
-from helpers import slow_unless
 from torch import Tensor, fx, nn
 from torchvision.models.feature_extraction import NodePathTracer, create_feature_extractor
 
 import featurehooks as fh
 from featurehooks.backbones import build_architecture
+
+from helpers import slow_unless
 
 MODELS = sorted(tvm.list_models(module=tvm))
 SEED = 0

@@ -18,11 +18,6 @@ MODEL = ["--backbone", "resnet18", "--resize", "36", "--crop", "32"]
 EXTRACT = [*MODEL, "--layers", "layer1", "--weights", "none", "--workers", "0", "-q"]
 
 
-@pytest.fixture(scope="module")
-def images(png_folder: Callable[..., Path]) -> Path:
-    return png_folder(3)
-
-
 def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     """The single ``featurehooks: error: ...`` line on stderr."""
     err = capsys.readouterr().err

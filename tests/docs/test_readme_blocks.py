@@ -4,13 +4,14 @@ namespace (offline: the blocks use ``weights=None``)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from helpers import REPO
+
 pytestmark = pytest.mark.slow  # VGG backbones built as the README builds them
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = REPO / "README.md"
 SECTIONS = ("Porting a perceptual loss",)
 
 

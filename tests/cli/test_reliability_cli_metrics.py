@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import helpers
 import numpy as np
 import pytest
 import torch
@@ -19,6 +18,8 @@ import featurehooks as fh
 import featurehooks.metrics as metrics
 from featurehooks.cli import main
 from featurehooks.metrics.pairs import pair_files, score_pairs
+
+import helpers
 
 MODEL = ["--backbone", "resnet18", "--layers", "layer1", "--weights", "none", "--resize", "36", "--crop", "32"]
 RUN = ["--workers", "0", "-q"]

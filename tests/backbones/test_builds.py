@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torchvision.models as tvm
-from helpers import slow_unless
 from torch import nn
 from torchvision.models import WeightsEnum
 
 from featurehooks.backbones import build_architecture, load_backbone
 from featurehooks.backbones._meta import meta_parameters, meta_tensor_names
+
+from helpers import slow_unless
 
 MEMBERS = [
     (name, member.name) for name in sorted(tvm.list_models(module=tvm)) for member in tvm.get_model_weights(name)

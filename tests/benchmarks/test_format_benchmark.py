@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
 
 from featurehooks import _formats
+
+from helpers import load_script
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("timm")
@@ -21,7 +22,7 @@ def _argv(tmp_path: Path, torch_home: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
-    bench = load_script("memory_formats")
+    bench = load_script("benchmarks/memory_formats.py")
     argv = _argv(tmp_path, torch_home)
     payload = bench.main(argv)
 
@@ -91,7 +92,7 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_best_ratio_takes_the_faster_format() -> None:
-    bench = load_script("memory_formats")
+    bench = load_script("benchmarks/memory_formats.py")
     H = bench.H
     rows = [
         H.Row(name, ms, ms, ms, ms / 10.0)
@@ -105,6 +106,6 @@ def test_best_ratio_takes_the_faster_format() -> None:
 
 
 def test_unknown_model_is_refused(tmp_path: Path, torch_home: Path) -> None:
-    bench = load_script("memory_formats")
+    bench = load_script("benchmarks/memory_formats.py")
     with pytest.raises(SystemExit, match="unknown models"):
         bench.main([*_argv(tmp_path, torch_home), "--models", "resnet9000"])

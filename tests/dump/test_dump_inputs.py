@@ -11,7 +11,6 @@ import textwrap
 import zlib
 from pathlib import Path
 
-import helpers
 import numpy as np
 import pytest
 import torch
@@ -29,8 +28,10 @@ from featurehooks.images import prepare_image, read_image, resized_size, transfo
 from featurehooks.stream.loader import collate_batch
 from featurehooks.stream.sources import TensorRows, dataset_layout, item_label
 
+import helpers
+
 CROP = 32
-SAMPLES = Path(__file__).resolve().parents[1] / "examples" / "images"
+SAMPLES = helpers.REPO / "examples" / "images"
 # size (width, height) of variants of a real photo: odd sizes, both orientations, panorama, up- and downscaled
 VARIANTS = [(601, 333), (255, 300), (1001, 97), (100, 80), (224, 224), (256, 300), (300, 256), (383, 517)]
 posix_only = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs and /dev")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +16,6 @@ from featurehooks import FeatureExtractor, dump_features
 from featurehooks.cli import main
 
 SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3", "-q"]
-
-
-@pytest.fixture(scope="module")
-def images(png_folder: Callable[..., Path]) -> Path:
-    return png_folder(5)
 
 
 def extract(images: Path, out: Path, *extra: str) -> int:

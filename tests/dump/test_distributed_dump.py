@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dump_helpers import mark_unfinished
 from PIL import Image
 
 from featurehooks.cli import main
 from featurehooks.dump.sharding import Distributed, chunk_rows, split_contiguous
+
+from dump_helpers import mark_unfinished
 
 
 @pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])

@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dump_helpers import mark_unfinished
-from helpers import tiny_extractor
 from PIL import Image
 
 from featurehooks import FeatureExtractor
 from featurehooks.dump import dump_features, read_manifest
 from featurehooks.images import decode_image, read_image, transform_for
+
+from dump_helpers import mark_unfinished
+from helpers import tiny_extractor
 
 CROP = 32
 ROWS = 32

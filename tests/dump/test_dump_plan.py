@@ -11,8 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dump_helpers import mark_unfinished
-from helpers import write_pngs
 from PIL import Image
 from torch import nn
 
@@ -20,6 +18,9 @@ from featurehooks import FeatureExtractor, dump_features
 from featurehooks.dump import run as dump_run
 from featurehooks.errors import LayerNotFoundError
 from featurehooks.stream import loader
+
+from dump_helpers import mark_unfinished
+from helpers import write_pngs
 
 SIZE = 16
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Scale
 from torch import Tensor, nn
 
 import featurehooks as fh
 from featurehooks.errors import InvalidValueError, LayerNotFoundError, NonFiniteError
 from featurehooks.probes.nonfinite import INPUT, OUTPUT, detect_nonfinite
 from featurehooks.probes.watch import STATS, Watch, WatchRow, watch
+
+from helpers import Scale
 
 # --------------------------------------------------------------------------------------------------
 # models

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torchvision.models as tvm
-from helpers import slow_unless
 from PIL import Image
 from torch import nn
 from torchvision.transforms import Compose, Normalize
@@ -22,6 +21,8 @@ from featurehooks.backbones.torchvision_models import preprocessing_of
 from featurehooks.dump import dump_features
 from featurehooks.errors import InvalidValueError
 from featurehooks.images import transform_for
+
+from helpers import slow_unless
 
 timm = pytest.importorskip("timm")
 skdata = pytest.importorskip("skimage.data")

@@ -22,14 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from dump_helpers import mark_unfinished
-from helpers import tiny_extractor
 from PIL import Image
 
 from featurehooks.dump import dump_features, list_images, read_manifest
 from featurehooks.dump import store as store_module
 from featurehooks.dump.store import CorruptDumpError, DumpLockedError, DumpStore, NoSpaceError
 from featurehooks.errors import FeatureHooksError
+
+from dump_helpers import mark_unfinished
+from helpers import REPO, tiny_extractor
 
 CROP = 16
 BATCH = 4
@@ -449,7 +450,7 @@ def test_a_filesystem_without_flock_dumps_unguarded_with_a_warning(
 
 SLOW_DUMP = """
 import sys, time, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}
 from test_dump_store import dump, rows
 
 class Slow(torch.utils.data.Dataset):
@@ -469,7 +470,7 @@ def test_a_second_dump_into_a_folder_in_use_gets_one_line_naming_the_first(
 ) -> None:
     out = tmp_path / "out"
     script = tmp_path / "slow_dump.py"
-    script.write_text(SLOW_DUMP.format(tests=str(Path(__file__).parent), count=ROWS))
+    script.write_text(SLOW_DUMP.format(paths=[str(Path(__file__).parent), str(REPO / "tests")], count=ROWS))
     first = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

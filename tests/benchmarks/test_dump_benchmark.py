@@ -7,14 +7,15 @@ import math
 from pathlib import Path
 
 import pytest
-from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
+
+from helpers import load_script
 
 pytest.importorskip("skimage")
 
 
 @pytest.mark.slow
 def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
-    bench = load_script("dump_throughput")
+    bench = load_script("benchmarks/dump_throughput.py")
     argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
     payload = bench.main(argv)
 
@@ -58,7 +59,7 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_photos_are_seeded_jpegs_in_class_folders(tmp_path: Path) -> None:
-    bench = load_script("dump_throughput")
+    bench = load_script("benchmarks/dump_throughput.py")
     first = bench.make_photos(tmp_path / "a", 7)
     second = bench.make_photos(tmp_path / "b", 7)
     assert [p.relative_to(tmp_path / "a") for p in first] == [p.relative_to(tmp_path / "b") for p in second]
@@ -72,7 +73,7 @@ def test_photos_are_seeded_jpegs_in_class_folders(tmp_path: Path) -> None:
 
 
 def test_rounds_rotate_and_stop_at_the_budget(tmp_path: Path) -> None:
-    bench = load_script("dump_throughput")
+    bench = load_script("benchmarks/dump_throughput.py")
     calls: list[tuple[str, Path]] = []
     contenders = {name: (lambda folder, name=name: calls.append((name, folder))) for name in "abc"}
     timing = bench.time_rounds(contenders, tmp_path / "all", tmp_path / "warm", rounds=3, budget=60.0)

@@ -9,7 +9,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from bench_helpers import load_script, restore_global_state  # noqa: F401 - an autouse fixture
+
+from helpers import load_script
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script's timing rounds
 
@@ -41,7 +42,7 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 
 
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
-    extraction = load_script("extraction")
+    extraction = load_script("benchmarks/extraction.py")
     payload = extraction.main(
         [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "2x32"]
     )
@@ -118,7 +119,7 @@ def _group(module: ModuleType, group: dict, **params: object) -> object:
 
 def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> None:
     """The ViT maps check compares positions, not just shapes: a transposed grid is caught."""
-    extraction = load_script("extraction")
+    extraction = load_script("benchmarks/extraction.py")
     models = extraction.build_vit(extraction.VIT_LAYERS)
     try:
         x = torch.rand(2, 3, 48, 32)  # a 3 x 2 patch grid: rows and columns differ
@@ -137,7 +138,7 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
 
 
 def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
-    losses = load_script("losses")
+    losses = load_script("benchmarks/losses.py")
     payload = losses.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "losses", payload)
     L = losses
@@ -170,7 +171,7 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
-    compile_bench = load_script("compile")
+    compile_bench = load_script("benchmarks/compile.py")
     payload = compile_bench.main(_common(tmp_path, torch_home))  # --quick: backend "eager", dynamo tracing only
     _check_files(tmp_path, "compile", payload)
     rows = {row["name"]: row for g in payload["groups"] for row in g["rows"]}
@@ -182,7 +183,7 @@ def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
-    overhead = load_script("hook_overhead")
+    overhead = load_script("benchmarks/hook_overhead.py")
     payload = overhead.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "hook_overhead", payload)
     (group,) = payload["groups"]
@@ -196,7 +197,7 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
-    probes = load_script("probes")
+    probes = load_script("benchmarks/probes.py")
     payload = probes.main(_common(tmp_path, torch_home))
     _check_files(tmp_path, "probes", payload)
     (group,) = payload["groups"]
@@ -210,7 +211,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
-    metrics = load_script("metrics")
+    metrics = load_script("benchmarks/metrics.py")
     payload = metrics.main([*_common(tmp_path, torch_home), "--nets", "alex,squeeze"])
     _check_files(tmp_path, "metrics", payload)
     groups = payload["groups"]

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Scale
 from torch import Tensor, nn
 
 from featurehooks.errors import NonFiniteError
 from featurehooks.probes.nonfinite import INPUT, detect_nonfinite
+
+from helpers import Scale
 
 D, HEADS, L = 16, 2, 5
 

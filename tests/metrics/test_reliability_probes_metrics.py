@@ -18,6 +18,8 @@ from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import FeatureStatistics, frechet_distance, kernel_inception_distance
 from featurehooks.probes.watch import watch
 
+from helpers import REPO
+
 # --------------------------------------------------------------------------------------------------
 # item 1: watch accumulates so that every finite float32 input gives finite, correct statistics
 
@@ -184,7 +186,7 @@ def test_cli_uncached_weights_suggest_the_flag(tmp_path: Path, capsys: pytest.Ca
 # --------------------------------------------------------------------------------------------------
 # item 14: the examples write to demo-output/ (ignored by git) by default, never into the repository
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def _example(name: str):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import helpers
 import pytest
 import torch
 from PIL import Image
@@ -15,7 +14,9 @@ from featurehooks import FeatureExtractor, Preprocessing
 from featurehooks.images import from_input_range, prepare_image, read_image, to_input_range, transform_for
 from featurehooks.stream.sources import TensorRows
 
-SAMPLES = Path(__file__).resolve().parents[1] / "examples" / "images"
+import helpers
+
+SAMPLES = helpers.REPO / "examples" / "images"
 RANGES = [(0.0, 1.0), (-1.0, 1.0), (0.0, 255.0)]
 
 
