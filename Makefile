@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --maxprocesses 4 --dist worksteal
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check featurehooks tests benchmarks examples
 	$(PY) -m mypy
 
+# the user guide (docs/*.md) and the API reference generated from the docstrings (docs/api/), into site/;
+# --strict: a warning (a broken link, a docstring griffe cannot read) fails the build (not --quiet: it hides
+# the warnings, and --strict then passes)
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 # the CPU benchmarks, one after another (about an hour on 2 quiet cores); results land in benchmarks/results/
 BENCHMARKS := extraction losses memory_formats metrics probes dump_throughput dump_memory compile
 bench: $(STAMP)
 	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache
+	rm -rf $(VENV) demo-output .pytest_cache site

@@ -124,7 +124,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
     Shape:
         input: ``(B, C, H, W)`` float in ``input_range``; output: dict of the requested features.
 
-    Example:
+    Examples:
         >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)
         >>> {k: tuple(v.shape) for k, v in ext(torch.rand(1, 3, 64, 64)).items()}
         {'relu2_2': (1, 128, 32, 32), 'relu3_3': (1, 256, 16, 16)}
@@ -371,7 +371,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             RuntimeError: the backbone cannot run on the meta device (its shapes are known from a real forward).
             Exception: what the backbone raises on meta tensors of this shape (a size it refuses).
 
-        Example:
+        Examples:
             >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)
             >>> ext.output_shapes((4, 3, 64, 64))
             {'relu2_2': (4, 128, 32, 32), 'relu3_3': (4, 256, 16, 16)}
@@ -596,7 +596,7 @@ def capture(
     Raises:
         InvalidValueError: ``grads=True`` with ``mode="detach"`` (a detached output has no gradient).
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 1, 3))
         >>> with capture(net, ["0", "2"], grads=True) as feats:
         ...     net(torch.rand(1, 3, 16, 16)).sum().backward()

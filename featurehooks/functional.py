@@ -3,6 +3,15 @@
 Every function here is stateless and works on plain tensors; the modules in ``featurehooks.losses``
 are thin shells around them. Numerically sensitive steps (Gram matrices, channel normalization) run
 in float32 with autocast disabled, so they stay finite under fp16/bf16 mixed precision.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks import functional as F
+    >>> features = torch.rand(2, 8, 16, 16)
+    >>> F.gram_matrix(features).shape
+    torch.Size([2, 8, 8])
+    >>> F.reduce_loss(F.feature_distance(features, torch.zeros(1, 8, 16, 16), "l1")).shape
+    torch.Size([])
 """
 
 from __future__ import annotations
@@ -36,9 +45,34 @@ __all__ = [
 ]
 
 Reduction = Literal["mean", "sum", "none"]
+"""How a loss reduces its per-sample values over the batch: their mean, their sum, or none (one per sample).
+
+Examples:
+    >>> import typing
+    >>> from featurehooks.functional import Reduction
+    >>> typing.get_args(Reduction)
+    ('mean', 'sum', 'none')
+"""
 GramNormalization = Literal["chw", "hw", "none"]
-# A distance maps (input, target) to elementwise (or per-position) values whose first dim is the batch.
+"""What a Gram matrix is divided by: ``C * H * W``, ``H * W``, or nothing (see ``gram_matrix``).
+
+Examples:
+    >>> import typing
+    >>> from featurehooks.functional import GramNormalization
+    >>> typing.get_args(GramNormalization)
+    ('chw', 'hw', 'none')
+"""
 Distance = Union[str, Callable[[Tensor, Tensor], Tensor]]
+"""A name from ``DISTANCES`` (or ``BATCH_DISTANCES`` where a loss takes it), or a callable
+``(input, target) -> Tensor`` of elementwise (or per-position) values whose first dimension is the batch.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks.functional import feature_distance
+    >>> x, y = torch.zeros(2, 3, 4, 4), torch.ones(2, 3, 4, 4)
+    >>> feature_distance(x, y, "l1"), feature_distance(x, y, lambda a, b: (a - b).abs() ** 3)
+    (tensor([1., 1.]), tensor([1., 1.]))
+"""
 
 _REDUCTIONS = ("mean", "sum", "none")
 _GRAM_NORMALIZATIONS = ("chw", "hw", "none")
@@ -72,7 +106,9 @@ def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> T
     Shape:
         features: ``(B, C, H, W)`` or ``(B, C, N)``; output: ``(B, C, C)``, float32 or float64.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import gram_matrix
         >>> gram_matrix(torch.ones(2, 4, 8, 8)).shape
         torch.Size([2, 4, 4])
 
@@ -117,7 +153,9 @@ def channel_normalize(features: Tensor, dim: int = 1, eps: float = 1e-10) -> Ten
     Shape:
         features: ``(B, C, H, W)`` (any shape); output: the same shape, float32 or float64.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import channel_normalize
         >>> channel_normalize(torch.tensor([[[[3.0]], [[4.0]]]])).flatten().tolist()
         [0.6000000238418579, 0.800000011920929]
 
@@ -137,6 +175,12 @@ def per_sample_mean(values: Tensor) -> Tensor:
 
     Shape:
         values: ``(B, ...)``; output: ``(B,)``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import per_sample_mean
+        >>> per_sample_mean(torch.arange(6.0).reshape(2, 3))
+        tensor([1., 4.])
     """
     check_batch(values, "values")
     return values.reshape(values.shape[0], -1).mean(dim=1)
@@ -146,6 +190,15 @@ def check_batch(values: Tensor, name: str) -> None:
     """Raise unless ``values`` starts with a non-empty batch dimension; ``name`` says which argument it is.
 
     An empty batch has no loss to average (its mean is NaN), and a 0-D tensor has no batch at all.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import check_batch
+        >>> check_batch(torch.zeros(2, 3), "features")  # fine: a batch of two
+        >>> check_batch(torch.zeros(0, 3), "features")
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: features is an empty batch, shape (0, 3); pass at least one sample
     """
     if values.dim() == 0:
         raise InvalidValueError(f"{name} is a 0-D tensor; expected a batch of shape (B, ...)")
@@ -158,6 +211,13 @@ def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:
 
     Shape:
         values: ``(B,)``; output: scalar, or ``(B,)`` for ``"none"``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import reduce_loss
+        >>> values = torch.tensor([1.0, 2.0, 6.0])
+        >>> reduce_loss(values), reduce_loss(values, "sum"), reduce_loss(values, "none")
+        (tensor(3.), tensor(9.), tensor([1., 2., 6.]))
     """
     check_reduction(reduction)
     if reduction == "mean":
@@ -168,7 +228,16 @@ def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:
 
 
 def check_reduction(reduction: str) -> None:
-    """Raise ValueError unless ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"``."""
+    """Raise ``InvalidValueError`` (a ``ValueError``) unless ``reduction`` is ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Examples:
+        >>> from featurehooks.functional import check_reduction
+        >>> check_reduction("sum")
+        >>> check_reduction("max")
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: reduction must be one of ('mean', 'sum', 'none'), not 'max'
+    """
     if reduction not in _REDUCTIONS:
         raise InvalidValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
 
@@ -205,7 +274,16 @@ DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 """Named distances. ``"mse"``/``"l2"``: squared difference; ``"l1"``/``"mae"``: absolute difference;
 ``"smooth_l1"``: Huber with beta 1; ``"charbonnier"``: :math:`\\sqrt{d^2 + 10^{-6}}`; ``"cosine"``:
-one minus the cosine similarity over the channel dimension (dim 1)."""
+one minus the cosine similarity over the channel dimension (dim 1).
+
+Examples:
+    >>> import torch
+    >>> from featurehooks.functional import DISTANCES
+    >>> sorted(DISTANCES)
+    ['charbonnier', 'cosine', 'l1', 'l2', 'mae', 'mse', 'smooth_l1']
+    >>> DISTANCES["l1"](torch.tensor([1.0, -2.0]), torch.zeros(2))
+    tensor([1., 2.])
+"""
 
 
 def batch_frobenius(input: Tensor, target: Tensor) -> Tensor:
@@ -215,16 +293,39 @@ def batch_frobenius(input: Tensor, target: Tensor) -> Tensor:
 
     Shape:
         input: ``(B, ...)``; target: the same or ``(1, ...)``; output: scalar.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import batch_frobenius
+        >>> batch_frobenius(torch.full((2, 2), 3.0), torch.full((2, 2), 1.0))
+        tensor(4.)
     """
     return torch.norm(input - target, p="fro")
 
 
 BATCH_DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"fro": batch_frobenius}
-"""Named distances over the whole batch at once (no per-sample values): ``"fro"``, BasicSR's Frobenius norm."""
+"""Named distances over the whole batch at once (no per-sample values): ``"fro"``, BasicSR's Frobenius norm.
+
+Examples:
+    >>> from featurehooks.functional import BATCH_DISTANCES
+    >>> list(BATCH_DISTANCES)
+    ['fro']
+"""
 
 
 def resolve_distance(distance: Distance) -> Callable[[Tensor, Tensor], Tensor]:
-    """The elementwise function for a distance name, or the callable itself."""
+    """The elementwise function for a distance name, or the callable itself.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import resolve_distance
+        >>> resolve_distance("mse")(torch.tensor([3.0]), torch.tensor([1.0]))
+        tensor([4.])
+        >>> resolve_distance("fro")
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: distance='fro' is one norm over the whole batch, ...
+    """
     if callable(distance):
         return distance
     if isinstance(distance, str) and distance in DISTANCES:
@@ -256,6 +357,15 @@ def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") 
 
     Shape:
         input: ``(B, C, H, W)``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``; output: ``(B,)``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import feature_distance
+        >>> features = torch.zeros(2, 8, 4, 4)
+        >>> feature_distance(features, torch.ones(1, 8, 4, 4))  # the target broadcasts over the batch
+        tensor([1., 1.])
+        >>> feature_distance(features, features + 2, "l1")
+        tensor([2., 2.])
     """
     return per_sample_mean(resolve_distance(distance)(input, target))
 
@@ -279,7 +389,9 @@ def total_variation(images: Tensor, norm: Literal["l1", "l2"] = "l1", reduction:
     Shape:
         images: ``(B, C, H, W)`` with ``H, W >= 2``; output: scalar, or ``(B,)`` for ``"none"``.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import total_variation
         >>> float(total_variation(torch.zeros(1, 3, 8, 8)))
         0.0
 

@@ -490,7 +490,7 @@ def prepare_image(
         ValueError: not an image or a batch, or a resize past ``MAX_RESIZED_PIXELS``; for a path, also
             what ``read_image`` raises.
 
-    Example:
+    Examples:
         >>> ext = FeatureExtractor("vgg16", ["relu1_2"], weights=None)
         >>> prepare_image(torch.zeros(3, 300, 400, dtype=torch.uint8), ext).shape
         torch.Size([1, 3, 224, 224])

@@ -291,7 +291,7 @@ def list_layers(
     224) sets the spatial size used to derive strides. A module that runs several times per forward
     has one row per call. ``include`` keeps only the rows whose name or path is listed.
 
-    Example:
+    Examples:
         >>> [row.name for row in list_layers("vgg16")][:3]
         ['conv1_1', 'relu1_1', 'conv1_2']
     """

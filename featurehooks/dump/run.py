@@ -120,7 +120,7 @@ def dump_features(
         ValueError: bad options, or a resume whose settings differ from the earlier run.
         FileNotFoundError: a folder, file or glob of ``source`` finds nothing.
 
-    Example:
+    Examples:
         >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)  # doctest: +SKIP
         >>> dump_features(ext, "images/", "out/", pool="avg").load("layer4").shape  # doctest: +SKIP
         (8, 512)

@@ -122,6 +122,25 @@ class FeatureLoss(nn.Module):
     A fixed target (``set_target``) is computed once and kept out of ``state_dict()``: it is
     derived from an image, not learned, and saving it would make checkpoints large and their keys
     depend on whether a target was set. Call ``set_target`` again after loading a checkpoint.
+
+    A new loss overrides ``statistic``, the per-layer quantity compared (``StyleLoss``: a Gram matrix).
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.losses import FeatureLoss
+        >>> class ChannelMeanLoss(FeatureLoss):
+        ...     def __init__(self, backbone, layers, **extractor_options):
+        ...         super().__init__(
+        ...             backbone, layers, layer_weights=None, distance="l1", reduction="mean", resize=None,
+        ...             extractor_options=extractor_options,
+        ...         )
+        ...
+        ...     def statistic(self, features):
+        ...         return features.mean(dim=(2, 3))  # each channel's mean activation
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+        >>> loss_fn = ChannelMeanLoss(net, ["1"])
+        >>> loss_fn(torch.rand(2, 3, 16, 16), torch.rand(2, 3, 16, 16)).shape
+        torch.Size([])
     """
 
     default_layers: tuple[str, ...] = ("relu3_3",)

@@ -30,7 +30,7 @@ class LossGroup(nn.Module):
         input, target: ``(B, C, H, W)``; output: scalar, or ``(B,)`` when the members use
         ``reduction="none"``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from featurehooks import FeatureExtractor
         >>> from featurehooks.losses import LossGroup, PerceptualLoss, StyleLoss

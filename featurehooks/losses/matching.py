@@ -96,8 +96,9 @@ class FeatureMatchingLoss(nn.Module):
         fake, real: ``{name: (B, ...)}``, ``[(B, ...), ...]`` or ``[[(B, ...), ...], ...]`` with
         matching structure and shapes; output: scalar, or ``(B,)`` with ``reduction="none"``.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import FeatureMatchingLoss
         >>> fake = [torch.rand(2, 8, 16, 16, requires_grad=True), torch.rand(2, 16, 8, 8)]
         >>> real = [torch.rand(2, 8, 16, 16), torch.rand(2, 16, 8, 8)]
         >>> FeatureMatchingLoss()(fake, real).shape

@@ -59,8 +59,9 @@ class PerceptualLoss(FeatureLoss):
         input: ``(B, 3, H, W)``; target: ``(B, 3, H, W)`` or ``(1, 3, H, W)``; output: scalar, or
         ``(B,)`` with ``reduction="none"``.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import PerceptualLoss
         >>> loss_fn = PerceptualLoss("vgg16", layers=["relu2_2", "relu3_3"], weights=None)
         >>> output = torch.rand(2, 3, 64, 64, requires_grad=True)
         >>> loss = loss_fn(output, torch.rand(2, 3, 64, 64))

@@ -120,8 +120,9 @@ def johnson2016(
         reduction: ``"mean"`` (pytorch/examples' ``MSELoss``), ``"sum"`` or ``"none"``.
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``input_range``, ...).
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import johnson2016
         >>> loss_fn = johnson2016(torch.rand(1, 3, 64, 64), weights=None)
         >>> loss_fn(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
         torch.Size([])
@@ -174,8 +175,9 @@ def gatys2016(
         style_weight: the numerator of the notebook's ``style_weights = 1e3 / C**2``.
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``mean``, ``std``, ...).
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import gatys2016
         >>> loss_fn = gatys2016(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), weights=None)
         >>> loss_fn(torch.rand(1, 3, 64, 64)).shape
         torch.Size([])
@@ -225,8 +227,9 @@ def neural_style_tutorial(
         style_weight: the tutorial's ``style_weight`` (1e6).
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``input_range``, ...).
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import neural_style_tutorial
         >>> loss_fn = neural_style_tutorial(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), weights=None)
         >>> loss_fn(torch.rand(1, 3, 64, 64)).shape
         torch.Size([])
@@ -293,8 +296,9 @@ def basicsr(
         InvalidValueError: an unknown criterion, both weights 0, or an extractor option that the
             config's ``use_input_norm``/``range_norm`` already set.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import basicsr
         >>> esrgan = basicsr({"conv5_4": 1.0}, weights=None)  # options/train/ESRGAN/train_ESRGAN_x4.yml
         >>> esrgan(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
         torch.Size([])
@@ -350,8 +354,9 @@ def pix2pixhd(*, reduction: Reduction = "mean", **extractor_options: Any) -> Per
         reduction: ``"mean"`` (pix2pixHD's ``L1Loss``), ``"sum"`` or ``"none"``.
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``normalize``, ...).
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import pix2pixhd
         >>> loss_fn = pix2pixhd(weights=None)
         >>> fake, real = torch.rand(2, 3, 64, 64) * 2 - 1, torch.rand(2, 3, 64, 64) * 2 - 1
         >>> (10 * loss_fn(fake, real)).shape
@@ -388,6 +393,15 @@ def dino_vits16(
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         resize: the size images are resized to first (``None``: as they are).
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``input_range``, ...).
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.losses import dino_vits16
+        >>> loss_fn = dino_vits16(weights=None)  # random weights; the default reads timm's pretrained tag
+        >>> loss_fn.layers
+        ['blocks.2', 'blocks.5', 'blocks.8', 'blocks.11']
+        >>> loss_fn(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64)).shape  # resized to 224 first
+        torch.Size([])
 
     References:
         Caron, Touvron, Misra, Jégou, Mairal, Bojanowski, Joulin (2021). Emerging Properties in

@@ -49,8 +49,9 @@ class StyleLoss(FeatureLoss):
         input: ``(B, 3, H, W)``; target: ``(B, 3, H', W')`` or ``(1, 3, H', W')``; output: scalar,
         or ``(B,)`` with ``reduction="none"``.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import StyleLoss
         >>> style = torch.rand(1, 3, 96, 96)
         >>> loss_fn = StyleLoss("vgg16", layers=["relu1_2", "relu2_2"], weights=None, target=style)
         >>> loss_fn(torch.rand(2, 3, 64, 64)).shape

@@ -25,8 +25,9 @@ class TotalVariationLoss(nn.Module):
     Shape:
         input: ``(B, C, H, W)``; output: scalar, or ``(B,)`` with ``reduction="none"``.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.losses import TotalVariationLoss
         >>> TotalVariationLoss()(torch.rand(2, 3, 32, 32)).shape
         torch.Size([])
 

@@ -1,4 +1,16 @@
-"""Perceptual metrics: calibrated LPIPS, and Fréchet distance and KID from streaming statistics of any backbone."""
+"""Perceptual metrics: calibrated LPIPS, and Fréchet distance and KID from streaming statistics of any backbone.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks import metrics
+    >>> _ = torch.manual_seed(0)
+    >>> real, fake = metrics.FeatureStatistics(keep=200), metrics.FeatureStatistics(keep=200)
+    >>> _ = real.update(torch.randn(200, 16))  # the pooled features of a batch of images, say
+    >>> _ = fake.update(torch.randn(200, 16) + 0.5)
+    >>> metrics.frechet_distance(real, fake) > 1
+    True
+    >>> mean, std = metrics.kernel_inception_distance(real, fake, subsets=10, subset_size=100)
+"""
 
 from .frechet import frechet_distance, kernel_inception_distance
 from .lpips import LPIPS, find_heads, load_heads

@@ -143,7 +143,9 @@ def frechet_distance(a: Moments, b: Moments) -> float:
         InvalidValueError: different ``D``, fewer than 2 vectors, NaN/infinite values, an asymmetric
             covariance, or statistics of different backbones, layers, pools or weights.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import frechet_distance
         >>> _ = torch.manual_seed(0)
         >>> x, y = torch.randn(100, 8), torch.randn(100, 8) + 1
         >>> round(frechet_distance(x, x), 6)
@@ -239,7 +241,9 @@ def kernel_inception_distance(
         InvalidValueError: different ``D``, fewer than 2 vectors or fewer than ``subset_size``, NaN/infinite
             values, statistics that kept no vectors or come from other features, or bad options.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import kernel_inception_distance
         >>> _ = torch.manual_seed(0)
         >>> x, y = torch.randn(200, 16), torch.randn(200, 16) + 0.5
         >>> mean, std = kernel_inception_distance(x, y, subsets=10, subset_size=100)

@@ -118,9 +118,10 @@ def _package_dir(name: str) -> Path | None:
 def find_heads(net: str, version: str = "0.1") -> Path | None:
     """The bundled head file of an installed ``lpips`` (or, for version 0.1, ``torchmetrics``), or None.
 
-    Example:
-        >>> find_heads("alex")  # doctest: +SKIP
-        PosixPath('.../site-packages/lpips/weights/v0.1/alex.pth')
+    Examples:
+        >>> from featurehooks.metrics import find_heads
+        >>> find_heads("alex").parts[-3:]  # with lpips installed (the dev extra installs it)
+        ('weights', 'v0.1', 'alex.pth')
     """
     net, version = _resolve_net(net), _resolve_version(version)
     candidates = []
@@ -146,6 +147,14 @@ def load_heads(source: str | os.PathLike[str] | Mapping[str, Tensor], net: str) 
     Raises:
         WeightsUnavailableError: the file cannot be read, or does not hold one head per layer of
             ``net`` with the right channel counts and non-negative finite values.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import load_heads
+        >>> channels = (64, 192, 384, 256, 256)  # AlexNet's five tapped layers
+        >>> state = {f"lin{k}.model.1.weight": torch.ones(1, c, 1, 1) for k, c in enumerate(channels)}
+        >>> [tuple(head.shape) for head in load_heads(state, "alex")]  # or load_heads("alex.pth", "alex")
+        [(64,), (192,), (384,), (256,), (256,)]
     """
     spec = LPIPS_NETS[_resolve_net(net)]
     label = "the heads dict" if isinstance(source, Mapping) else str(source)
@@ -240,8 +249,9 @@ class LPIPS(nn.Module):
         WeightsUnavailableError: no heads found (install ``lpips`` or pass ``heads=``), a head file
             that is not one, or backbone weights that are neither cached nor downloadable.
 
-    Example:
+    Examples:
         >>> import torch
+        >>> from featurehooks.metrics import LPIPS
         >>> metric = LPIPS("alex", weights=None, calibrated=False, reduction="none")
         >>> metric(torch.rand(2, 3, 64, 64), torch.rand(2, 3, 64, 64)).shape
         torch.Size([2])

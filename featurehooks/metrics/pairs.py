@@ -36,13 +36,26 @@ PairMetric = Callable[[Tensor, Tensor], Tensor]
 
 BATCH_PIXELS = 2**20
 """Default pixel budget of a batch of pairs: the sum of height × width (of one image of each pair, after
-resize and crop). 16 pairs of 256 × 256, 4 of 512 × 512, one of 1024 × 1024; a larger pair is scored alone."""
+resize and crop). 16 pairs of 256 × 256, 4 of 512 × 512, one of 1024 × 1024; a larger pair is scored alone.
+
+Examples:
+    >>> from featurehooks.metrics import BATCH_PIXELS
+    >>> BATCH_PIXELS // (256 * 256), BATCH_PIXELS // (1024 * 1024)
+    (16, 1)
+"""
 
 _NAMED_SKIPS = 3  # inputs named in the warning about unreadable entries; the rest are counted
 
 
 class ImagePair(NamedTuple):
-    """Two image files with the same relative path ``name`` under two folders (``a`` and ``b`` are absolute)."""
+    """Two image files with the same relative path ``name`` under two folders (``a`` and ``b`` are absolute).
+
+    Examples:
+        >>> from featurehooks.metrics import ImagePair
+        >>> pair = ImagePair("cat/0001.png", "/data/outputs/cat/0001.png", "/data/references/cat/0001.png")
+        >>> pair.name, pair.b
+        ('cat/0001.png', '/data/references/cat/0001.png')
+    """
 
     name: str
     a: str
@@ -128,10 +141,17 @@ def pair_files(
         InputNotFoundError: a folder does not exist or holds no images.
         InvalidValueError: two images of one folder match one name with ``ignore_suffix``.
 
-    Example:
-        >>> pairs, only_a, only_b = pair_files("outputs/", "references/")  # doctest: +SKIP
-        >>> pairs[0]  # doctest: +SKIP
-        ImagePair(name='cat/0001.png', a='/data/outputs/cat/0001.png', b='/data/references/cat/0001.png')
+    Examples:
+        >>> import pathlib, tempfile, torch
+        >>> from torchvision.utils import save_image
+        >>> from featurehooks.metrics import pair_files
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("outputs/cat/0001.png", "references/cat/0001.png", "references/cat/0002.png"):
+        ...     (root / name).parent.mkdir(parents=True, exist_ok=True)
+        ...     save_image(torch.rand(3, 32, 32), root / name)
+        >>> pairs, only_a, only_b = pair_files(root / "outputs", root / "references")
+        >>> [pair.name for pair in pairs], only_a, only_b
+        (['cat/0001.png'], [], ['cat/0002.png'])
     """
     in_a, in_b = _images_by_name(dir_a, ignore_suffix), _images_by_name(dir_b, ignore_suffix)
     unreadable = sorted(
@@ -269,10 +289,19 @@ def score_pairs(
             differ in size, or the metric does not return one value per pair (for ``LPIPS`` pass
             ``reduction="none"``).
 
-    Example:
-        >>> from featurehooks.metrics.lpips import LPIPS
-        >>> pairs, _, _ = pair_files("outputs/", "references/")  # doctest: +SKIP
-        >>> scores = score_pairs(LPIPS("alex", reduction="none"), pairs, batch_size=32)  # doctest: +SKIP
+    Examples:
+        >>> import pathlib, tempfile, torch
+        >>> from torchvision.utils import save_image
+        >>> from featurehooks.metrics import LPIPS, pair_files, score_pairs
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("outputs/0001.png", "outputs/0002.png", "references/0001.png", "references/0002.png"):
+        ...     (root / name).parent.mkdir(exist_ok=True)
+        ...     save_image(torch.rand(3, 32, 32), root / name)
+        >>> pairs, _, _ = pair_files(root / "outputs", root / "references")
+        >>> metric = LPIPS("alex", weights=None, reduction="none")  # random weights here: use the default
+        >>> scores = score_pairs(metric, pairs, num_workers=0)
+        >>> len(scores), all(score >= 0 for score in scores)
+        (2, True)
     """
     for name, bound in (("batch_size", batch_size), ("batch_pixels", batch_pixels)):
         if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:

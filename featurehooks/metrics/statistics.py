@@ -76,6 +76,15 @@ class FeatureOrigin:
     ``weights`` (the weights name, ``None`` for random init) must be equal; ``weights_sha256`` (a
     digest of the backbone's state dict) differing only warns, since the same weights in another
     dtype have other bytes. ``preprocessing`` (resize, crop, interpolation) is kept for the record.
+
+    Examples:
+        >>> from featurehooks.metrics import FeatureOrigin
+        >>> ours = FeatureOrigin(backbone="resnet18", layer="layer4", pool="avg", weights="DEFAULT")
+        >>> ours.check_matches(ours)  # the same features: comparable
+        >>> ours.check_matches(FeatureOrigin("resnet18", "layer3", "avg", "DEFAULT"))
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: the two statistics come from different features (layer ...): ...
     """
 
     backbone: str
@@ -160,7 +169,9 @@ class FeatureStatistics:
         update: ``(N, D)``; ``mean``: ``(D,)``; ``covariance``: ``(D, D)``; ``features``: ``(k, D)``
         with ``k = min(keep, count)``.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import FeatureStatistics
         >>> stats = FeatureStatistics()
         >>> for batch in torch.randn(10, 8, 4).unbind():
         ...     _ = stats.update(batch)
@@ -631,6 +642,15 @@ def feature_statistics_by_layer(
 
     Returns:
         ``{layer: FeatureStatistics}`` in the order of ``layers``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> from featurehooks.metrics import feature_statistics_by_layer
+        >>> ext = FeatureExtractor("resnet18", ["layer3", "layer4"], weights=None)
+        >>> images = torch.rand(8, 3, 64, 64)  # or a folder, a glob, a list of files, a Dataset
+        >>> {name: stats.dim for name, stats in feature_statistics_by_layer(ext, images).items()}
+        {'layer3': 256, 'layer4': 512}
     """
     check_options(batch_size, num_workers, pool, "float32")
     _check_count(keep, "keep")
@@ -712,10 +732,15 @@ def feature_statistics(
         InvalidValueError: bad options, or ``pool=None`` for a layer that returns maps or tokens.
         InputNotFoundError: ``source`` finds no inputs.
 
-    Example:
-        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)  # doctest: +SKIP
-        >>> feature_statistics(ext, "images/", keep=1000).covariance.shape  # doctest: +SKIP
-        torch.Size([512, 512])
+    Examples:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> from featurehooks.metrics import feature_statistics
+        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
+        >>> images = torch.rand(8, 3, 64, 64)  # or a folder, a glob, a list of files, a Dataset
+        >>> stats = feature_statistics(ext, images, keep=1000)
+        >>> stats.count, tuple(stats.covariance.shape)
+        (8, (512, 512))
 
     References:
         Heusel, Ramsauer, Unterthiner, Nessler, Hochreiter (2017). GANs Trained by a Two Time-Scale
@@ -770,6 +795,17 @@ def statistics_from_dump(
         InputNotFoundError: no dump in the folder.
         LayerNotFoundError: the dump has no such layer.
         InvalidValueError: the dump is unfinished, or the layer holds maps or tokens rather than vectors.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> from featurehooks.metrics import statistics_from_dump
+        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
+        >>> out = tempfile.mkdtemp()
+        >>> _ = dump_features(ext, torch.rand(8, 3, 64, 64), out, pool="avg", progress=False)
+        >>> stats = statistics_from_dump(out, "layer4")
+        >>> stats.count, stats.dim
+        (8, 512)
     """
     _check_count(chunk_rows, "chunk_rows", least=1)
     if isinstance(dump, DumpResult):

@@ -42,7 +42,7 @@ arrives from the layers downstream. The module's own backward hooks (``register_
 see ``grad_output`` before any modifier of that module, and ``grad_input`` after. Parameter
 modifiers on one tensor act in the order they were put on.
 
-Example:
+Examples:
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     >>> with reverse_grad(net[0]):             # a gradient reversal layer after net[0]
     ...     net(torch.ones(2, 4)).sum().backward()
@@ -236,7 +236,7 @@ def scale_grad(target: GradTarget, factor: float) -> GradModifier:
         InvalidTypeError: ``factor`` not a real number, or ``target`` not a module or parameters.
         InvalidValueError: ``factor`` not finite, no parameter given, or none requires grad.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(3, 1)
         >>> with scale_grad(lin.parameters(), 0.5):
         ...     lin(torch.ones(1, 3)).sum().backward()
@@ -265,7 +265,7 @@ def clip_grad(target: GradTarget, value: float) -> GradModifier:
         InvalidTypeError: ``value`` not a real number, or ``target`` not a module or parameters.
         InvalidValueError: ``value`` not finite or not > 0, no parameter given, or none requires grad.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(3, 1)
         >>> with clip_grad(lin.bias, 0.25):
         ...     lin(torch.ones(1, 3)).sum().backward()
@@ -298,7 +298,7 @@ def reverse_grad(target: GradTarget, factor: float = 1.0) -> GradModifier:
         InvalidTypeError: ``factor`` not a real number, or ``target`` not a module or parameters.
         InvalidValueError: ``factor`` negative or not finite, no parameter given, or none requires grad.
 
-    Example:
+    Examples:
         >>> features, domain = nn.Linear(4, 4), nn.Linear(4, 1)
         >>> with reverse_grad(features, factor=0.3):
         ...     domain(features(torch.ones(1, 4))).sum().backward()

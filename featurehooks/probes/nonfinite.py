@@ -457,7 +457,7 @@ def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None
         model: the model to check.
         layers: module paths, aliases or glob patterns over module paths; default: every submodule.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         >>> with torch.no_grad():
         ...     net[1].weight[0, 0] = float("nan")

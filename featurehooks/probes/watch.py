@@ -480,7 +480,7 @@ def watch(
         grads: also watch the gradients with respect to the outputs.
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> with watch(net) as w:
         ...     net(torch.randn(16, 4)).pow(2).mean().backward()
