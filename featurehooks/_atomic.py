@@ -24,6 +24,14 @@ class NoSpaceError(OSError):
 
     A failure of the machine, not of the input, hence not a ``FeatureHooksError`` (the CLI exits 1, not 2).
     Nothing is left half-written: free space and run the dump again (``resume=True`` finishes a started one).
+
+    Examples:
+        >>> import errno
+        >>> from featurehooks import FeatureHooksError, NoSpaceError
+        >>> issubclass(NoSpaceError, OSError), issubclass(NoSpaceError, FeatureHooksError)
+        (True, False)
+        >>> NoSpaceError(errno.ENOSPC, "no space left for layer4.npy").errno == errno.ENOSPC
+        True
     """
 
 

@@ -74,7 +74,18 @@ _FIELDS = (
 
 
 class CorruptDumpError(FeatureHooksError, ValueError):
-    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump."""
+    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump.
+
+    Examples:
+        >>> import pathlib, tempfile
+        >>> import featurehooks as fh
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (out / "manifest.json").write_text("[1, 2]")
+        >>> fh.read_manifest(out)
+        Traceback (most recent call last):
+        ...
+        featurehooks.dump.manifest.CorruptDumpError: .../manifest.json is not a featurehooks dump manifest; ...
+    """
 
 
 class Unrecorded(enum.Enum):

@@ -31,7 +31,19 @@ __all__ = ["DumpResult", "dump_features"]
 @dataclass(frozen=True)
 class DumpResult:
     """What a dump wrote: ``out_dir``, its ``manifest`` (as saved), how many rows this call computed
-    (0 when ``resume`` found the dump already complete), and helpers to read it back."""
+    (0 when ``resume`` found the dump already complete), and helpers to read it back.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> images, out = torch.rand(2, 3, 8, 8), tempfile.mkdtemp()
+        >>> result = dump_features(ext, images, out, progress=False)
+        >>> result.num_rows, result.rows_computed, result.skipped, result.path("0").name
+        (2, 2, [], '0.npy')
+        >>> dump_features(ext, images, out, resume=True, progress=False).rows_computed  # already complete
+        0
+    """
 
     out_dir: Path
     manifest: dict[str, Any]
@@ -121,8 +133,12 @@ def dump_features(
         FileNotFoundError: a folder, file or glob of ``source`` finds nothing.
 
     Examples:
-        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)  # doctest: +SKIP
-        >>> dump_features(ext, "images/", "out/", pool="avg").load("layer4").shape  # doctest: +SKIP
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
+        >>> images = torch.rand(8, 3, 64, 64)  # or a folder, a glob, a list of files, a Dataset
+        >>> result = dump_features(ext, images, tempfile.mkdtemp(), pool="avg", progress=False)
+        >>> result.load("layer4").shape
         (8, 512)
     """
     dtype = check_options(batch_size, num_workers, pool, dtype)

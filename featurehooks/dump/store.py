@@ -65,7 +65,14 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks
 
 
 class DumpLockedError(FeatureHooksError, OSError):
-    """Another process is writing a dump into the same folder (its pid and host are in the message)."""
+    """Another process is writing a dump into the same folder (its pid and host are in the message).
+
+    Examples:
+        >>> from featurehooks import DumpLockedError, FeatureHooksError
+        >>> issubclass(DumpLockedError, FeatureHooksError), issubclass(DumpLockedError, OSError)
+        (True, True)
+        >>> # two ``dump_features`` into one folder at once: the second raises it, and wrote nothing
+    """
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -74,6 +81,18 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     Raises:
         CorruptDumpError: the file exists but is not a featurehooks manifest, or a field is missing, unknown,
             mistyped or inconsistent (see ``Manifest.from_dict``).
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features, read_manifest
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> out = tempfile.mkdtemp()
+        >>> read_manifest(out) is None  # no dump yet
+        True
+        >>> _ = dump_features(ext, torch.rand(2, 3, 8, 8), out, progress=False)
+        >>> manifest = read_manifest(out)
+        >>> manifest["status"], manifest["num_rows"], manifest["shapes"]
+        ('complete', 2, {'0': [2, 4, 6, 6]})
     """
     manifest = Manifest.read(Path(out_dir) / MANIFEST)
     return None if manifest is None else manifest.to_dict()

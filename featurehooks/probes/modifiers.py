@@ -43,6 +43,9 @@ see ``grad_output`` before any modifier of that module, and ``grad_input`` after
 modifiers on one tensor act in the order they were put on.
 
 Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> from featurehooks.probes import reverse_grad, scale_grad
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     >>> with reverse_grad(net[0]):             # a gradient reversal layer after net[0]
     ...     net(torch.ones(2, 4)).sum().backward()
@@ -72,13 +75,33 @@ from ..errors import InvalidTypeError, InvalidValueError
 __all__ = ["GradModifier", "GradTarget", "clip_grad", "reverse_grad", "scale_grad"]
 
 GradTarget = Union[nn.Module, Tensor, Iterable[Tensor]]
-"""A module (its output's gradient), one parameter, or an iterable of parameters."""
+"""What a gradient modifier acts on: a module (its output's gradient), one parameter, or an iterable of parameters.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks.probes import scale_grad
+    >>> net = torch.nn.Linear(3, 1)
+    >>> for target in (net, net.weight, net.parameters()):
+    ...     with scale_grad(target, 0.5):
+    ...         pass
+"""
 
 
 class GradModifier:
     """A gradient modifier in place: ``remove()`` it, or use it as a context manager.
 
     Returned by ``scale_grad``, ``clip_grad`` and ``reverse_grad``; not built directly.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.probes import scale_grad
+        >>> lin = torch.nn.Linear(3, 1)
+        >>> modifier = scale_grad(lin, 0.5)  # in place until removed
+        >>> modifier
+        GradModifier(scale_grad(Linear, factor=0.5), active)
+        >>> modifier.remove()
+        >>> modifier.active
+        False
     """
 
     def __init__(self, description: str) -> None:
@@ -237,6 +260,9 @@ def scale_grad(target: GradTarget, factor: float) -> GradModifier:
         InvalidValueError: ``factor`` not finite, no parameter given, or none requires grad.
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks.probes import scale_grad
         >>> lin = nn.Linear(3, 1)
         >>> with scale_grad(lin.parameters(), 0.5):
         ...     lin(torch.ones(1, 3)).sum().backward()
@@ -266,6 +292,9 @@ def clip_grad(target: GradTarget, value: float) -> GradModifier:
         InvalidValueError: ``value`` not finite or not > 0, no parameter given, or none requires grad.
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks.probes import clip_grad
         >>> lin = nn.Linear(3, 1)
         >>> with clip_grad(lin.bias, 0.25):
         ...     lin(torch.ones(1, 3)).sum().backward()
@@ -299,6 +328,9 @@ def reverse_grad(target: GradTarget, factor: float = 1.0) -> GradModifier:
         InvalidValueError: ``factor`` negative or not finite, no parameter given, or none requires grad.
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks.probes import reverse_grad
         >>> features, domain = nn.Linear(4, 4), nn.Linear(4, 1)
         >>> with reverse_grad(features, factor=0.3):
         ...     domain(features(torch.ones(1, 4))).sum().backward()

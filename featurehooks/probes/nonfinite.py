@@ -59,8 +59,38 @@ from ..layers import select_modules
 
 __all__ = ["INPUT", "OUTPUT", "NonFiniteDetector", "detect_nonfinite"]
 
-INPUT = "<input>"  # path reported for a non-finite value in the model's input (forward)
-OUTPUT = "<output>"  # path reported for a non-finite gradient arriving at the model's output (backward)
+INPUT = "<input>"
+"""The ``path`` a ``NonFiniteError`` names for a NaN or inf in the model's input (forward).
+
+Examples:
+    >>> import torch
+    >>> from featurehooks import NonFiniteError
+    >>> from featurehooks.probes import INPUT, detect_nonfinite
+    >>> net = torch.nn.Linear(2, 2)
+    >>> try:
+    ...     with detect_nonfinite(net):
+    ...         net(torch.tensor([[float("nan"), 0.0]]))
+    ... except NonFiniteError as error:
+    ...     found = error.path
+    >>> found == INPUT
+    True
+"""
+OUTPUT = "<output>"
+"""The ``path`` a ``NonFiniteError`` names for a NaN or inf gradient arriving at the model's output (backward).
+
+Examples:
+    >>> import torch
+    >>> from featurehooks import NonFiniteError
+    >>> from featurehooks.probes import OUTPUT, detect_nonfinite
+    >>> net = torch.nn.Linear(2, 1)
+    >>> try:
+    ...     with detect_nonfinite(net):
+    ...         (net(torch.ones(1, 2)) * float("inf")).sum().backward()
+    ... except NonFiniteError as error:
+    ...     found = (error.path, error.phase)
+    >>> found == (OUTPUT, "backward")
+    True
+"""
 
 Role = tuple[int, str, int, str, bool]  # (forward id, module path, call, tensor label, is an output)
 Entry = tuple[str, int]  # (tensor label, flag index) of one checked tensor of one call
@@ -218,7 +248,18 @@ def _leading(forward: _Forward, nonfinite: Callable[[int], bool]) -> set[_Call]:
 
 
 class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
-    """The hooks of :func:`detect_nonfinite`: a context manager and a handle with :meth:`close`."""
+    """The hooks of ``detect_nonfinite``: a context manager, and a handle with ``close()``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.probes import NonFiniteDetector, detect_nonfinite
+        >>> net = torch.nn.Linear(2, 2)
+        >>> detector = detect_nonfinite(net)  # checks every forward and backward until closed
+        >>> isinstance(detector, NonFiniteDetector)
+        True
+        >>> _ = net(torch.ones(1, 2))  # finite: nothing is raised
+        >>> detector.close()
+    """
 
     wants_inputs = True
 
@@ -458,6 +499,10 @@ def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None
         layers: module paths, aliases or glob patterns over module paths; default: every submodule.
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks import NonFiniteError
+        >>> from featurehooks.probes import detect_nonfinite
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         >>> with torch.no_grad():
         ...     net[1].weight[0, 0] = float("nan")

@@ -46,6 +46,20 @@ from ..layers import select_modules
 __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
 STATS = ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
+"""The statistics ``watch`` can compute (all of them by default; fewer is cheaper), as ``WatchRow`` fields.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks.probes import STATS, watch
+    >>> "absmax" in STATS
+    True
+    >>> net = torch.nn.Linear(4, 2)
+    >>> with watch(net, grads=False, stats=("mean", "absmax")) as w:
+    ...     _ = net(torch.randn(8, 4))
+    >>> row = w.summary()[0]
+    >>> row.absmax >= abs(row.mean), row.std is None  # std was not requested
+    (True, True)
+"""
 KINDS = ("output", "grad")
 # Slots of the per-call vector and of the running sums: additive ones first, then maxima.
 _NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX, _SHIFT = range(7)
@@ -68,6 +82,16 @@ class WatchRow:
     ``count`` how many values. ``mean``, ``std`` (population), ``min``, ``max`` and ``absmax`` are
     over the finite values (NaN when there were none), ``zeros`` is the fraction of values that are
     exactly 0 and ``nonfinite`` the number of NaN and ±inf values.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.probes import watch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> with watch(net, "1", grads=False) as w:
+        ...     _ = net(torch.randn(16, 4))
+        >>> row = w.summary()[0]
+        >>> row.name, row.kind, row.calls, row.count, row.min >= 0, row.nonfinite
+        ('1', 'output', 1, 128, True, 0)
     """
 
     name: str
@@ -282,7 +306,20 @@ class Watch(Observer[None], ClosedOnExit):
     """Statistics of the outputs (and gradients) of a model's layers; see :func:`watch`.
 
     A context manager and a handle: hooks are registered on construction and removed by
-    :meth:`close` or at the end of a ``with`` block, also after an exception.
+    ``close()`` or at the end of a ``with`` block, also after an exception.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.probes import Watch, watch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        >>> w = watch(net)  # a handle that lives across training steps
+        >>> isinstance(w, Watch)
+        True
+        >>> for step in range(3):
+        ...     net(torch.randn(16, 4)).pow(2).mean().backward()
+        >>> [(row.name, row.kind, row.calls) for row in w.summary()]
+        [('0', 'output', 3), ('0', 'grad', 3), ('2', 'output', 3), ('2', 'grad', 3)]
+        >>> w.close()
     """
 
     def __init__(
@@ -481,6 +518,9 @@ def watch(
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks.probes import watch
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> with watch(net) as w:
         ...     net(torch.randn(16, 4)).pow(2).mean().backward()

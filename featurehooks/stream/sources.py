@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+"""The suffixes (any case) of the files a folder or glob source lists as images.
+
+Examples:
+    >>> from featurehooks.dump import IMAGE_SUFFIXES
+    >>> ".png" in IMAGE_SUFFIXES, ".txt" in IMAGE_SUFFIXES
+    (True, False)
+"""
 SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor]
 _GLOB_CHARS = set("*?[")
 _PROBE_LIMIT = 64  # dataset items tried for the image shape before the dump is refused
@@ -112,6 +119,16 @@ def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
     dangling link) becomes an invalid row that names why (``read_image`` never opens it), not a lost one.
     A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``). Neither
     folders nor ``**`` follow symlinked folders, so a symlink cycle cannot repeat files or run for ever.
+
+    Examples:
+        >>> import pathlib, tempfile
+        >>> from featurehooks.dump import list_images
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("b.png", "a/c.JPG", "notes.txt"):
+        ...     (root / name).parent.mkdir(exist_ok=True)
+        ...     _ = (root / name).write_bytes(b"")
+        >>> [pathlib.Path(path).relative_to(root).as_posix() for path in list_images(root)]
+        ['a/c.JPG', 'b.png']
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not items:
