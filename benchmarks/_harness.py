@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import importlib
 import json
 import math
@@ -33,18 +34,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 CLOCKS = {
     "wall": "wall time (time.perf_counter)",
     "cpu": "process CPU time (time.process_time; the wall-clock ratio is in the *wall ratio* column)",
 }
 RESULTS = Path(__file__).resolve().parent / "results"
+# extra_columns (row.extra key, header, format) that several scripts show
+FORMAT_COLUMN = ("format", "format", "")  # the memory format a contender's backbone ran in
+ABS_DIFF_COLUMN = ("max_abs_diff", "max abs diff", ".1e")  # its outputs against the reference's
+REL_DIFF_COLUMN = ("max_rel_diff", "max rel diff", ".1e")
 SEED = 0
 LIBRARIES = ("featurehooks", "torch", "torchvision", "timm", "lpips", "piq", "numpy", "matplotlib")
 
@@ -97,6 +103,10 @@ class Settings:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def timing_config(self) -> dict[str, Any]:
+        """The timing settings a results ``config`` records, so a reader sees how many rounds each number had."""
+        return {"budget_s": self.budget, "min_reps": self.min_reps, "max_reps": self.max_reps, "warmup": self.warmup}
 
 
 def settings(args: argparse.Namespace, *, budget: float, quick_budget: float = 0.0) -> Settings:
@@ -192,6 +202,26 @@ def load_seeded(name: str) -> torch.nn.Module:
     model = tvm.get_model(name, weights=None)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval().requires_grad_(False)
+
+
+def truncated_forward(blocks: nn.Sequential | nn.ModuleList, x: Tensor, taps: Collection[int]) -> list[Tensor]:
+    """Run ``blocks[0]``, ``blocks[1]``, ... up to the last index in ``taps``, keeping the outputs at ``taps``.
+
+    The loop a user writes by hand over ``model.features`` (or a model's stages): the floor contenders run it.
+    """
+    out = []
+    for i in range(max(taps) + 1):
+        x = blocks[i](x)
+        if i in taps:
+            out.append(x)
+    return out
+
+
+def release_memory() -> None:
+    """Collect garbage and hand cached CUDA blocks back, so the next case starts from a clean slate."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,6 +398,11 @@ class Group:
     def has(self, name: str) -> bool:
         return any(r.name == name for r in self.rows)
 
+    @property
+    def label(self) -> str:
+        """``case: k=v, ...``: the group a target was checked in."""
+        return f"{self.case}: {format_params(self.params)}"
+
 
 def make_group(
     case: str, params: dict[str, Any], timing: Timing, baseline: str, extras: dict[str, dict] | None = None
@@ -486,7 +521,8 @@ def machine_line(info: dict[str, Any]) -> str:
     return f"{hw}; {libs}; featurehooks {v.get('featurehooks')} @ {info.get('git_commit')}; {info['date_utc']}"
 
 
-def _fmt_params(params: dict[str, Any]) -> str:
+def format_params(params: dict[str, Any]) -> str:
+    """``k=v, k=v``: a group's parameters in table headings, chart legends and target labels."""
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
@@ -514,7 +550,7 @@ def summary(groups: Sequence[Group]) -> list[str]:
         ]
         for g in gs:
             ratios = {r.name: f"{r.ratio:.2f}" for r in g.rows}
-            lines.append(f"| {_fmt_params(g.params)} | " + " | ".join(ratios.get(n, "–") for n in names) + " |")
+            lines.append(f"| {format_params(g.params)} | " + " | ".join(ratios.get(n, "–") for n in names) + " |")
         lines.append("")
     return lines
 
@@ -559,7 +595,7 @@ def markdown(
         lines.append("")
     for g in groups:
         lines += [
-            f"### {g.case} ({_fmt_params(g.params)})",
+            f"### {g.case} ({format_params(g.params)})",
             "",
             f"{g.rounds} interleaved rounds, {g.calls_per_sample} call(s) per sample; ratio = median / "
             f"median of *{g.baseline}*.",
@@ -592,7 +628,7 @@ def chart(
     cases: dict[str, list[Group]] = {}
     for g in groups:
         cases.setdefault(g.case, []).append(g)
-    variants = list(dict.fromkeys(_fmt_params(g.params) for g in groups))
+    variants = list(dict.fromkeys(format_params(g.params) for g in groups))
     colors = plt.get_cmap("tab10")
     heights = []
     for gs in cases.values():
@@ -612,7 +648,7 @@ def chart(
                 if n in ratios
             ]
             vals = [ratios[n] for n in names if n in ratios]
-            ax.barh(ys, vals, height=bar * 0.9, color=colors(variants.index(_fmt_params(g.params)) % 10))
+            ax.barh(ys, vals, height=bar * 0.9, color=colors(variants.index(format_params(g.params)) % 10))
             for y, v in zip(ys, vals):
                 ax.text(v, y, f" {v:.2f}", va="center", fontsize=5.5)
         ax.set_yticks(range(len(names)))
@@ -696,6 +732,53 @@ def save(
     return payload
 
 
+def publish(cfg: Settings, payload: dict[str, Any]) -> dict[str, Any]:
+    """Print the Markdown report of the results :func:`save` just wrote (stdout carries the report, progress goes
+    to stderr) and return their JSON ``payload``: every script's last step."""
+    print((cfg.out / f"{payload['benchmark']}{cfg.tag}.md").read_text())
+    return payload
+
+
+def no_notes(groups: Sequence[Group]) -> list[str]:
+    """No notes drawn from the groups (the default of :attr:`Results.overview`)."""
+    return []
+
+
+@dataclass
+class Results:
+    """The groups of a run that saves after every group, so that a run cut short by a time limit keeps them.
+
+    ``targets`` and ``overview`` (notes after ``notes``) are recomputed from the groups at every save.
+    """
+
+    name: str
+    title: str
+    cfg: Settings
+    config: dict[str, Any]
+    targets: Callable[[list[Group]], list[Target]]
+    notes: Sequence[str]
+    extra_columns: Sequence[tuple[str, str, str]]
+    overview: Callable[[list[Group]], list[str]] = no_notes
+    groups: list[Group] = field(default_factory=list)
+
+    def add(self, group: Group) -> None:
+        """Keep ``group`` and save every group so far as partial results."""
+        self.groups.append(group)
+        self.write(partial=True)
+
+    def finish(self) -> dict[str, Any]:
+        """Save the complete results and print their report; return the JSON payload."""
+        return publish(self.cfg, self.write(partial=False))
+
+    def write(self, *, partial: bool) -> dict[str, Any]:
+        """Save the groups so far (see :func:`save`)."""
+        notes = [*self.notes, *self.overview(self.groups)]
+        targets = self.targets(self.groups)
+        return save(
+            self.name, self.title, self.cfg, self.groups, targets, self.config, notes, self.extra_columns, partial
+        )
+
+
 def render(json_path: Path, *, plot: bool = True) -> None:
     """Rewrite the ``.md`` (and ``.png``) next to a results ``.json`` from its contents."""
     data = json.loads(Path(json_path).read_text())
@@ -770,6 +853,25 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"bad shape {item!r}: write BATCHxSIZE, e.g. 4x224") from None
         shapes.append((batch, size))
     return shapes
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A script's ``--shapes`` option: its default ``BATCHxSIZE`` lists with --quick, on the CPU and on CUDA."""
+
+    quick: str
+    cpu: str
+    cuda: str
+
+    def add_option(self, p: argparse.ArgumentParser) -> None:
+        """Add ``--shapes``, its help naming the defaults."""
+        p.add_argument("--shapes", default=None, help=f"BATCHxSIZE list; default {self.cpu} (CPU), {self.cuda} (cuda)")
+
+    def parse(self, given: str | None, cfg: Settings) -> list[tuple[int, int]]:
+        """The shapes given, or the default for the mode and device."""
+        if given is None:
+            given = self.quick if cfg.quick else (self.cuda if cfg.cuda else self.cpu)
+        return parse_shapes(given)
 
 
 def precisions(cfg: Settings) -> list[str]:

@@ -181,61 +181,34 @@ def run(cfg: H.Settings, backend: str, batch: int, size: int, precision: str) ->
     return groups
 
 
+# (group, claim, contender, baseline): compiling must not cost more than 5% of the baseline's time
+SPEED_TARGETS = (
+    (EXTRACT, "FeatureExtractor compiled / FX compiled", "FeatureExtractor (compiled)", "torchvision FX (compiled)"),
+    (EXTRACT, "FeatureExtractor compiled / eager", "FeatureExtractor (compiled)", "FeatureExtractor (eager)"),
+    (LOSS, "PerceptualLoss compiled / eager", "PerceptualLoss (compiled)", "PerceptualLoss (eager)"),
+)
+# contender -> convolutions its compiled graphs must hold: relu3_3 needs 7; a loss runs them for input and target
+CONVS = {"FeatureExtractor (compiled)": 7, "PerceptualLoss (compiled)": 14}
+
+
 def targets(groups: list[H.Group]) -> list[H.Target]:
+    """Per group: compiled no slower than eager and FX, no graph break in the loss, every convolution compiled."""
     found = []
     for g in groups:
-        label = ", ".join(f"{k}={v}" for k, v in g.params.items())
-        if g.case == EXTRACT:
-            found.append(
-                H.Target(
-                    "FeatureExtractor compiled / FX compiled",
-                    label,
-                    H.ratio(g, "FeatureExtractor (compiled)", "torchvision FX (compiled)"),
-                    1.05,
-                    "<=",
-                )
-            )
-            found.append(
-                H.Target(
-                    "FeatureExtractor compiled / eager",
-                    label,
-                    H.ratio(g, "FeatureExtractor (compiled)", "FeatureExtractor (eager)"),
-                    1.05,
-                    "<=",
-                )
-            )
+        label = H.format_params(g.params)
+        for case, claim, contender, baseline in SPEED_TARGETS:
+            if g.case == case:
+                found.append(H.Target(claim, label, H.ratio(g, contender, baseline), 1.05, "<="))
         if g.case == LOSS:
-            found.append(
-                H.Target(
-                    "PerceptualLoss compiled / eager",
-                    label,
-                    H.ratio(g, "PerceptualLoss (compiled)", "PerceptualLoss (eager)"),
-                    1.05,
-                    "<=",
-                )
-            )
             row = g.row("PerceptualLoss (compiled)").extra
-            found.append(
-                H.Target(
-                    "PerceptualLoss compiled: graph breaks + frames run eagerly",
-                    label,
-                    float(row["graph_breaks"] + row["frames_skipped"]),
-                    0,
-                    "<=",
-                    unit="",
-                )
-            )
-        for name, convs in (("FeatureExtractor (compiled)", 7), ("PerceptualLoss (compiled)", 14)):
-            if g.has(name):  # relu3_3 needs 7 convolutions; a loss runs them for input and target
+            breaks = float(row["graph_breaks"] + row["frames_skipped"])
+            claim = "PerceptualLoss compiled: graph breaks + frames run eagerly"
+            found.append(H.Target(claim, label, breaks, 0, "<=", unit=""))
+        for name, convs in CONVS.items():
+            if g.has(name):
+                compiled = float(g.row(name).extra["convs_compiled"])
                 found.append(
-                    H.Target(
-                        f"{name}: convolutions in compiled graphs",
-                        label,
-                        float(g.row(name).extra["convs_compiled"]),
-                        convs,
-                        ">=",
-                        unit="",
-                    )
+                    H.Target(f"{name}: convolutions in compiled graphs", label, compiled, convs, ">=", unit="")
                 )
     return found
 
@@ -274,12 +247,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("convs_compiled", "convs compiled", "d"),
             ("graph_breaks", "graph breaks", "d"),
             ("frames_skipped", "frames run eagerly", "d"),
-            ("max_abs_diff", "max abs diff", ".1e"),
+            H.ABS_DIFF_COLUMN,
             ("break_reason", "break reasons", ""),
         ],
     )
-    print((cfg.out / f"compile{cfg.tag}.md").read_text())
-    return payload
+    return H.publish(cfg, payload)
 
 
 if __name__ == "__main__":

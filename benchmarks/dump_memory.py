@@ -104,7 +104,6 @@ def main() -> None:
             f"workers {row['peak_worker_rss_mib']:.0f} MiB, output {row['output_mib']:.1f} MiB, {row['seconds']:.1f} s",
             flush=True,
         )
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
     from _harness import machine, machine_line
 

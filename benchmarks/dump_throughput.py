@@ -381,11 +381,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     columns = [
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
         ("speedup", "× hand loop", ".2f"), ("best_speedup", "× hand loop (best)", ".2f"),
-        ("max_abs_diff", "max abs diff", ".1e"), ("rel_diff", "diff / max abs", ".1e"),
+        H.ABS_DIFF_COLUMN, ("rel_diff", "diff / max abs", ".1e"),
     ]  # fmt: skip
-    payload = H.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns)
-    print((cfg.out / f"{NAME}{args.tag}.md").read_text())
-    return payload
+    return H.publish(cfg, H.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -95,6 +94,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 HEADLINE = "vgg16-relu3_3"  # the case with the early-exit contenders and the speed targets
 SPEEDUP = 1.1  # FeatureExtractor (auto) vs the NCHW loop and FX, VGG16 relu3_3, CPU, batch >= 2, no graph
 AUTO_SLACK = 1.03  # "auto" never more than 3% slower than NCHW
+SHAPES = H.Shapes(quick="1x32,2x32", cpu="2x224,8x112", cuda="1x224,64x224")
 
 VGG_ALL = ["relu1_2", "relu2_2", "relu3_3", "relu4_3", "relu5_3"]
 RESNET_ALL = ["layer1", "layer2", "layer3", "layer4"]
@@ -175,20 +175,9 @@ def build_vgg(layers: list[str], headline: bool = False) -> Models:
     plain = H.load_seeded("vgg16")
     paths = extractors[FE][0].taps.paths
     positions = {int(p.split(".")[1]) for p in paths}
-    last = max(positions)
 
     def loop(model: nn.Module) -> Loop:
-        features = model.features
-
-        def truncated(x: Tensor) -> list[Tensor]:
-            out = []
-            for i in range(last + 1):
-                x = features[i](x)
-                if i in positions:
-                    out.append(x)
-            return out
-
-        return truncated
+        return lambda x: H.truncated_forward(model.features, x, positions)
 
     graph, fx = _tv_fx(plain, paths)
     return Models(extractors, plain, loop, fx, None, graph, full=headline)
@@ -235,16 +224,7 @@ def build_timm(layers: list[str]) -> Models:
     indices = sorted(int(p.split(".")[1]) for p in paths)
 
     def loop(model: nn.Module) -> Loop:
-        def truncated(x: Tensor) -> list[Tensor]:
-            x = model.stem(x)
-            out = []
-            for i in range(indices[-1] + 1):
-                x = model.stages[i](x)
-                if i in indices:
-                    out.append(x)
-            return out
-
-        return truncated
+        return lambda x: H.truncated_forward(model.stages, model.stem(x), indices)
 
     def intermediates(x: Tensor) -> list[Tensor]:
         return plain.forward_intermediates(x, indices=indices, stop_early=True, intermediates_only=True)
@@ -284,13 +264,8 @@ def build_vit(layers: list[str]) -> Models:
 
     def loop(model: nn.Module) -> Loop:
         def truncated(x: Tensor) -> list[Tensor]:
-            x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
-            out = []
-            for i in range(indices[-1] + 1):
-                x = model.blocks[i](x)
-                if i in indices:
-                    out.append(x)
-            return out
+            tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+            return H.truncated_forward(model.blocks, tokens, indices)
 
         return truncated
 
@@ -456,7 +431,7 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
     """
     found: list[H.Target] = []
     for g in groups:
-        where = f"{g.case}: " + ", ".join(f"{k}={v}" for k, v in g.params.items())
+        where = g.label
         found.append(H.Target(f"{FE} / {FE_CONTIGUOUS}", where, H.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
         found.append(H.Target(f"{FE} / {FLOOR}", where, H.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
         if g.case == CASES[HEADLINE][0]:
@@ -493,9 +468,7 @@ def _release(m: Models | None) -> None:
         return
     for module in m.all_extractors():
         module.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    H.release_memory()
 
 
 @contextlib.contextmanager
@@ -509,19 +482,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--modes", default="no-grad,grad", help="no-grad, grad or both")
-    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 2x224,8x112 (CPU), 1x224,64x224 (cuda)")
+    SHAPES.add_option(p)
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=12.0, quick_budget=0.0)
-    if args.shapes is None:
-        args.shapes = "1x32,2x32" if cfg.quick else ("1x224,64x224" if cfg.cuda else "2x224,8x112")
-    shapes = H.parse_shapes(args.shapes)
+    shapes = SHAPES.parse(args.shapes, cfg)
     modes = args.modes.split(",")
     precisions = H.precisions(cfg)
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; choose from {list(CASES)}")
-    groups: list[H.Group] = []
     notes = [
         f"*{FLOOR}* is the floor: a hand-written loop up to the deepest requested layer, no hooks, in PyTorch's "
         f"default memory format; *{FLOOR_CL}* is the same loop over a channels-last copy of the model.",
@@ -545,35 +515,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
             "memory format (nothing is converted for the whole group)."
         )
-    config = {
-        "cases": cases,
-        "modes": modes,
-        "shapes": shapes,
-        "precisions": precisions,
-        "budget_s": cfg.budget,
-        "min_reps": cfg.min_reps,
-        "max_reps": cfg.max_reps,
-        "warmup": cfg.warmup,
-    }
-
-    def save(partial: bool) -> dict[str, Any]:
-        return H.save(
-            "extraction",
-            "Feature extraction: time / hand-written NCHW loop",
-            cfg,
-            groups,
-            targets(groups, cfg.device.type),
-            config,
-            notes,
-            partial=partial,
-            extra_columns=[
-                ("format", "format", ""),
-                ("compared_with", "compared with", ""),
-                ("max_abs_diff", "max abs diff", ".1e"),
-                ("max_rel_diff", "max rel diff", ".1e"),
-            ],
-        )
-
+    config = {"cases": cases, "modes": modes, "shapes": shapes, "precisions": precisions, **cfg.timing_config()}
+    results = H.Results(
+        "extraction",
+        "Feature extraction: time / hand-written NCHW loop",
+        cfg,
+        config,
+        lambda groups: targets(groups, cfg.device.type),
+        notes,
+        [H.FORMAT_COLUMN, ("compared_with", "compared with", ""), H.ABS_DIFF_COLUMN, H.REL_DIFF_COLUMN],
+    )
     with H.seeded_torch_home(args.torch_home):
         for key in cases:
             title, build = CASES[key]
@@ -586,14 +537,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             for mode in modes:
                                 # the headline case gets twice the repetitions
                                 budget = cfg.budget * (2 if key == HEADLINE else 1)
-                                groups.append(run_group(key, title, models, batch, size, mode, precision, cfg, budget))
-                                save(partial=True)
+                                results.add(run_group(key, title, models, batch, size, mode, precision, cfg, budget))
             finally:
                 _release(models)
                 del models
-    payload = save(partial=False)
-    print((cfg.out / f"extraction{cfg.tag}.md").read_text())
-    return payload
+    return results.finish()
 
 
 if __name__ == "__main__":

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes,
         extra_columns=[("us_per_tap", "µs per tap", ".1f")],
     )
-    print((cfg.out / f"hook_overhead{cfg.tag}.md").read_text())
-    return payload
+    return H.publish(cfg, payload)
 
 
 if __name__ == "__main__":

@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = H.save(
         "inplace_taps", "In-place ReLU after a conv tap: out of place vs clone", cfg, groups, [], {}, notes
     )
-    print((cfg.out / f"inplace_taps{cfg.tag}.md").read_text())
-    return payload
+    return H.publish(cfg, payload)
 
 
 if __name__ == "__main__":

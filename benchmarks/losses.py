@@ -58,7 +58,6 @@ from featurehooks.losses import PerceptualLoss, StyleLoss  # noqa: E402
 
 STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 VGG16_INDEX = {"relu1_2": 3, "relu2_2": 8, "relu3_3": 15, "relu4_3": 22, "relu5_3": 29}
-CHANNELS = {"relu1_2": 64, "relu2_2": 128, "relu3_3": 256, "relu4_3": 512, "relu5_3": 512}
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"
@@ -85,6 +84,7 @@ FORMAT_PAIRS = (
 )
 SPEEDUP = 1.3  # PerceptualLoss (auto) vs piq, CPU, batch >= 2
 AUTO_SLACK = 1.03
+SHAPES = H.Shapes(quick="2x32", cpu="2x224,8x112", cuda="8x224,32x224")
 
 
 def _quiet() -> contextlib.AbstractContextManager:
@@ -124,13 +124,7 @@ class Floor(nn.Module):
     def feats(self, x: Tensor) -> list[Tensor]:
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        x = (x - self.mean) / self.std
-        out = []
-        for i in range(max(self.taps) + 1):
-            x = self.features[i](x)
-            if i in self.taps:
-                out.append(x)
-        return out
+        return H.truncated_forward(self.features, (x - self.mean) / self.std, self.taps)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         if self.concatenate:
@@ -191,6 +185,16 @@ def build(cfg: H.Settings) -> dict[str, nn.Module]:
     for module in modules.values():
         module.eval().requires_grad_(False).to(cfg.device)
     return modules
+
+
+def release(modules: dict[str, nn.Module]) -> None:
+    """Remove the hooks of featurehooks' losses (lpips and piq have none) and drop every module, freeing its memory."""
+    for module in modules.values():
+        extractor = getattr(module, "extractor", None)
+        if extractor is not None:
+            extractor.close()
+    modules.clear()
+    gc.collect()
 
 
 def memory_format_of(name: str, module: nn.Module) -> str:
@@ -295,7 +299,7 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
     """The issues' loss targets, checked in every group where they apply (the 1.3x ones: CPU, batch >= 2)."""
     found = []
     for g in groups:
-        where = f"{g.case}: " + ", ".join(f"{k}={v}" for k, v in g.params.items())
+        where = g.label
         speedup = device_type == "cpu" and g.params["batch"] >= 2
         if g.case == CONTENT:
             pl = g.row(PL)
@@ -328,15 +332,12 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
     p.add_argument("--groups", default="content,lpips,style", help="subset of content, lpips, style")
-    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 2x224,8x112 (CPU), 8x224,32x224 (cuda)")
+    SHAPES.add_option(p)
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=15.0)
-    if args.shapes is None:
-        args.shapes = "2x32" if cfg.quick else ("8x224,32x224" if cfg.cuda else "2x224,8x112")
-    shapes = H.parse_shapes(args.shapes)
+    shapes = SHAPES.parse(args.shapes, cfg)
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
-    groups: list[H.Group] = []
     notes = [
         "ratio = median / median of the group's first row (the hand-written NCHW floor); *loss* is each library's "
         "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
@@ -352,34 +353,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
             "memory format (nothing is converted for the whole group)."
         )
-    config = {
-        "shapes": shapes,
-        "groups": wanted,
-        "precisions": H.precisions(cfg),
-        "budget_s": cfg.budget,
-        "min_reps": cfg.min_reps,
-        "max_reps": cfg.max_reps,
-        "warmup": cfg.warmup,
-    }
-
-    def save(partial: bool) -> dict[str, Any]:
-        return H.save(
-            "losses",
-            "Loss step (loss + gradient to the input): time / hand-written NCHW floor",
-            cfg,
-            groups,
-            targets(groups, cfg.device.type),
-            config,
-            notes,
-            partial=partial,
-            extra_columns=[
-                ("format", "format", ""),
-                ("peak_mib", "peak MiB", ".0f"),
-                ("loss", "loss", ".4g"),
-                ("note", "note", ""),
-            ],
-        )
-
+    config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), **cfg.timing_config()}
+    results = H.Results(
+        "losses",
+        "Loss step (loss + gradient to the input): time / hand-written NCHW floor",
+        cfg,
+        config,
+        lambda groups: targets(groups, cfg.device.type),
+        notes,
+        [H.FORMAT_COLUMN, ("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")],
+    )
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")
         modules = build(cfg)
@@ -387,18 +370,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for precision in H.precisions(cfg):
                 for batch, size in shapes:
                     for title in wanted:
-                        groups.append(run_group(title, GROUPS[title], modules, batch, size, precision, cfg, NOTES))
-                        save(partial=True)
+                        results.add(run_group(title, GROUPS[title], modules, batch, size, precision, cfg, NOTES))
         finally:
-            for module in modules.values():
-                extractor = getattr(module, "extractor", None)
-                if extractor is not None:
-                    extractor.close()
-            del modules
-            gc.collect()
-    payload = save(partial=False)
-    print((cfg.out / f"losses{cfg.tag}.md").read_text())
-    return payload
+            release(modules)
+    return results.finish()
 
 
 if __name__ == "__main__":

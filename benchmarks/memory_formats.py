@@ -41,7 +41,6 @@ noise of the measurement.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable
@@ -238,7 +237,7 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
     """Every group: auto at most 3% slower than NCHW, and than the better of the two formats."""
     found = []
     for g in groups:
-        where = f"{g.case}: " + ", ".join(f"{k}={v}" for k, v in g.params.items())
+        where = g.label
         found.append(H.Target(f"{AUTO} / {CONTIGUOUS}", where, H.ratio(g, AUTO, CONTIGUOUS), SLACK, "<="))
         found.append(H.Target(f"{AUTO} / best of {CONTIGUOUS} and {CHANNELS_LAST}", where, best_ratio(g), SLACK, "<="))
     return found
@@ -296,7 +295,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else [64 if cfg.quick else 224]
     precisions = H.precisions(cfg)
-    groups: list[H.Group] = []
     cases: dict[str, dict[str, Any]] = {}
     notes = [
         f"Ratios are medians over *{CONTIGUOUS}* (FeatureExtractor with memory_format='contiguous') in the same "
@@ -318,32 +316,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batches": batches,
         "sizes": sizes,
         "precisions": precisions,
-        "budget_s": cfg.budget,
-        "min_reps": cfg.min_reps,
-        "max_reps": cfg.max_reps,
-        "warmup": cfg.warmup,
+        **cfg.timing_config(),
         "cases": cases,
     }
-
-    def save(partial: bool) -> dict[str, Any]:
-        return H.save(
-            "memory_formats",
-            "Memory formats: time / FeatureExtractor contiguous (NCHW)",
-            cfg,
-            groups,
-            targets(groups),
-            config,
-            [*notes, *overview(groups)],
-            partial=partial,
-            extra_columns=[
-                ("format", "format", ""),
-                ("conv_share", "conv share", ".2f"),
-                ("reuse", "reuse", ".0f"),
-                ("max_abs_diff", "max abs diff", ".1e"),
-                ("max_rel_diff", "max rel diff", ".1e"),
-            ],
-        )
-
+    results = H.Results(
+        "memory_formats",
+        "Memory formats: time / FeatureExtractor contiguous (NCHW)",
+        cfg,
+        config,
+        targets,
+        notes,
+        [
+            H.FORMAT_COLUMN,
+            ("conv_share", "conv share", ".2f"),
+            ("reuse", "reuse", ".0f"),
+            H.ABS_DIFF_COLUMN,
+            H.REL_DIFF_COLUMN,
+        ],
+        overview,
+    )
     with H.seeded_torch_home(args.torch_home):
         for key in keys:
             case = ALL[key]
@@ -365,18 +356,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for side in [case.size] if case.size else sizes:
                         for batch in batches:
                             for mode in modes:
-                                groups.append(run_group(built, batch, side, mode, precision, cfg))
-                                save(partial=True)
+                                results.add(run_group(built, batch, side, mode, precision, cfg))
                 cases[key]["cpu_s"] = round(time.process_time() - start, 1)  # build and groups, this process
             finally:
                 built.close()
                 del built
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    payload = save(partial=False)
-    print((cfg.out / f"memory_formats{cfg.tag}.md").read_text())
-    return payload
+                H.release_memory()
+    return results.finish()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ REF = "lpips.LPIPS"
 METRIC = "metric (no grad)"
 LOSS = "loss step (forward + grad to the input)"
 NETS = tuple(LPIPS_NETS)
+SHAPES = H.Shapes(quick="2x32", cpu="1x224,4x224", cuda="16x224,64x224")
 
 
 class TwoForwards(LPIPS):
@@ -149,7 +150,7 @@ def run_group(
 def targets(groups: list[H.Group]) -> list[H.Target]:
     found = []
     for g in groups:
-        label = ", ".join(f"{k}={v}" for k, v in g.params.items())
+        label = H.format_params(g.params)
         peak = g.row(FH).extra["peak_mib"] / max(g.row(REF).extra["peak_mib"], 1e-9)
         if g.case == METRIC:
             found.append(H.Target("metric: lpips time / LPIPS time (no slower)", label, H.ratio(g, REF, FH), 1.0, ">="))
@@ -184,15 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
     p.add_argument("--nets", default=",".join(NETS), help="subset of alex, vgg, squeeze")
     p.add_argument("--modes", default="metric,loss", help="subset of metric, loss")
-    p.add_argument("--shapes", default=None, help="BATCHxSIZE list; default 1x224,4x224 (CPU), 16x224,64x224 (cuda)")
+    SHAPES.add_option(p)
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=10.0)
-    if args.shapes is None:
-        args.shapes = "2x32" if cfg.quick else ("16x224,64x224" if cfg.cuda else "1x224,4x224")
-    shapes = H.parse_shapes(args.shapes)
+    shapes = SHAPES.parse(args.shapes, cfg)
     nets = args.nets.split(",")
     modes = [{"metric": METRIC, "loss": LOSS}[m] for m in args.modes.split(",")]
-    groups: list[H.Group] = []
     notes = [
         "ratio = median / median of lpips.LPIPS in the same group (lower is faster); every contender reads the "
         "same seeded trunk checkpoint and lpips' bundled v0.1 heads.",
@@ -204,35 +202,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, where they cost 0.66-0.8x "
         "the memory at about the same time; loss: always a graph-free target forward).",
     ]
-    config = {
-        "nets": nets,
-        "modes": modes,
-        "shapes": shapes,
-        "precisions": H.precisions(cfg),
-        "budget_s": cfg.budget,
-        "min_reps": cfg.min_reps,
-        "max_reps": cfg.max_reps,
-        "warmup": cfg.warmup,
-    }
-
-    def save(partial: bool) -> dict[str, Any]:
-        return H.save(
-            "metrics",
-            "LPIPS as a metric and as a loss step: time / lpips.LPIPS",
-            cfg,
-            groups,
-            targets(groups),
-            config,
-            notes,
-            partial=partial,
-            extra_columns=[
-                ("peak_mib", "peak MiB", ".1f"),
-                ("max_abs_diff", "max abs diff", ".2g"),
-                ("lpips", "LPIPS", ".4g"),
-                ("forward", "forward", ""),
-            ],
-        )
-
+    config = {"nets": nets, "modes": modes, "shapes": shapes, "precisions": H.precisions(cfg), **cfg.timing_config()}
+    results = H.Results(
+        "metrics",
+        "LPIPS as a metric and as a loss step: time / lpips.LPIPS",
+        cfg,
+        config,
+        targets,
+        notes,
+        [
+            ("peak_mib", "peak MiB", ".1f"),
+            ("max_abs_diff", "max abs diff", ".2g"),
+            ("lpips", "LPIPS", ".4g"),
+            ("forward", "forward", ""),
+        ],
+    )
     with H.seeded_torch_home(args.torch_home):
         for net in nets:
             H.log(f"building LPIPS({net!r})")
@@ -244,17 +228,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             module.to(memory_format=torch.channels_last)
                     for batch, size in shapes:
                         for mode in modes:
-                            groups.append(run_group(net, modules, mode, batch, size, precision, cfg))
-                            save(partial=True)
+                            results.add(run_group(net, modules, mode, batch, size, precision, cfg))
             finally:
                 for name, module in modules.items():
                     if name != REF:
                         module.extractor.close()
                 del modules
                 gc.collect()
-    payload = save(partial=False)
-    print((cfg.out / f"metrics{cfg.tag}.md").read_text())
-    return payload
+    return results.finish()
 
 
 if __name__ == "__main__":

@@ -179,16 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]
-    config = {
-        "batch": batch,
-        "size": size,
-        "lr": LR,
-        "budget_s": cfg.budget,
-        "min_reps": cfg.min_reps,
-        "max_reps": cfg.max_reps,
-        "warmup": cfg.warmup,
-        **facts,
-    }
+    config = {"batch": batch, "size": size, "lr": LR, **cfg.timing_config(), **facts}
     payload = H.save(
         "probes",
         "Probes during a ResNet50 training step: time / step without probes",
@@ -199,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes,
         extra_columns=[("max_abs_diff", "max |Δ loss|", ".2g"), ("steps", "steps", "d")],
     )
-    print((cfg.out / f"probes{cfg.tag}.md").read_text())
-    return payload
+    return H.publish(cfg, payload)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ they are cached; otherwise the demo says so in one line and continues with seede
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,21 +16,11 @@ import torch
 import featurehooks as fh
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
+from _common import pretrained_or_seeded  # noqa: E402
+
 IMAGES = sorted((HERE / "images").glob("*.png"))
 OUT = Path("demo-output")
-
-
-def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
-    try:
-        return fh.FeatureExtractor("vgg16", layers)
-    except fh.WeightsUnavailableError as exc:
-        print(
-            f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
-            "using seeded random weights",
-            file=sys.stderr,
-        )
-        torch.manual_seed(0)
-        return fh.FeatureExtractor("vgg16", layers, weights=None)
 
 
 def main() -> None:
@@ -38,7 +29,7 @@ def main() -> None:
     for row in rows[:10]:
         print(f"  {row.name:<10} {row.path:<12} {row.type:<8} {row.layout} channels={row.channels} stride={row.stride}")
     layers = ["relu3_3", "relu4_3"]
-    with make_extractor(layers) as extractor:
+    with pretrained_or_seeded(partial(fh.FeatureExtractor, "vgg16", layers), "VGG16") as extractor:
         images = torch.cat([fh.prepare_image(path, extractor) for path in IMAGES])  # as the weights' transforms
         features = extractor(images)
         dump = fh.dump_features(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,9 @@ import featurehooks as fh
 import featurehooks.losses as fl
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
+from _common import pretrained_or_seeded  # noqa: E402
+
 CONTENT_LAYERS = ["relu4_2"]
 STYLE_LAYERS = ["relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1"]
 
@@ -55,19 +59,6 @@ def save_image(images: list[torch.Tensor], path: Path) -> None:
     strip = torch.cat(tiles, dim=-1)[0].clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(strip).save(path, optimize=True)
-
-
-def make_extractor(layers: list[str]) -> fh.FeatureExtractor:
-    try:
-        return fh.FeatureExtractor("vgg19", layers, mode="grad")
-    except fh.WeightsUnavailableError as exc:
-        print(
-            f"note: pretrained VGG19 weights are not available offline ({type(exc).__name__}); "
-            "using seeded random weights",
-            file=sys.stderr,
-        )
-        torch.manual_seed(0)
-        return fh.FeatureExtractor("vgg19", layers, mode="grad", weights=None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +90,8 @@ def main(argv: list[str] | None = None) -> Path:
     content_image = load_image(args.content, args.size)
     style_image = load_image(args.style, args.size)
 
-    extractor = make_extractor(STYLE_LAYERS + CONTENT_LAYERS)
+    layers = STYLE_LAYERS + CONTENT_LAYERS
+    extractor = pretrained_or_seeded(partial(fh.FeatureExtractor, "vgg19", layers, mode="grad"), "VGG19")
     if args.style_weight is None:
         args.style_weight = 1e6 if extractor.weights is not None else 1e8
     content = fl.PerceptualLoss(extractor, CONTENT_LAYERS)

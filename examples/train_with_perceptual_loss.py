@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from torch import nn
 import featurehooks as fh
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
+from _common import pretrained_or_seeded  # noqa: E402
 
 
 def load_images(folder: Path) -> torch.Tensor:
@@ -58,19 +61,6 @@ class Denoiser(nn.Module):
         return (x + self.body(x)).clamp(0, 1)
 
 
-def make_loss() -> fh.PerceptualLoss:
-    try:
-        return fh.PerceptualLoss("vgg16", layers=["relu2_2"])
-    except fh.WeightsUnavailableError as exc:
-        print(
-            f"note: pretrained VGG16 weights are not available offline ({type(exc).__name__}); "
-            "using seeded random weights",
-            file=sys.stderr,
-        )
-        torch.manual_seed(0)
-        return fh.PerceptualLoss("vgg16", layers=["relu2_2"], weights=None)
-
-
 def main(argv: list[str] | None = None) -> tuple[float, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -84,7 +74,8 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     torch.manual_seed(0)
     images = load_images(HERE / "images")
     model = Denoiser()
-    perceptual = make_loss()  # frozen VGG16: no parameters, nothing in state_dict
+    # frozen VGG16: no parameters, nothing in state_dict
+    perceptual = pretrained_or_seeded(partial(fh.PerceptualLoss, "vgg16", layers=["relu2_2"]), "VGG16")
     l1 = nn.L1Loss()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(0)
