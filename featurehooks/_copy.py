@@ -3,7 +3,7 @@
 ``copy.deepcopy`` copies every tensor a model can reach: a dataset or a trainer kept as an attribute costs
 its full size again in each copy. The copies here copy the module structure and every object as deepcopy
 does, but the data of tensors only where it is the model's own: parameters and buffers. Every other
-tensor is shared with the original (the private copy of :class:`~featurehooks.FeatureExtractor`, which
+tensor is shared with the original (the private copy of ``FeatureExtractor``, which
 ``.to()`` and ``.half()`` never touch beyond parameters and buffers either), or stood in for by an empty
 meta tensor (the copy a meta trace runs on).
 """

@@ -1,29 +1,29 @@
 """The hook engine: every hook featurehooks puts on a model that a user runs is registered and removed here.
 
-- :class:`Hooks` owns the handles of one owner's hooks, module and tensor hooks alike, and removes them all at
+- ``Hooks`` owns the handles of one owner's hooks, module and tensor hooks alike, and removes them all at
   once (``remove``, safe twice). Gradient modifiers (``probes.modifiers``) hold their hooks in one.
-- :class:`HookSession`, a ``Hooks`` over one model, keeps the forwards in progress on a per-thread stack, so
+- ``HookSession``, a ``Hooks`` over one model, keeps the forwards in progress on a per-thread stack, so
   threads, ``nn.DataParallel`` replicas and nested forwards never see each other's, and brackets forwards
   with hooks on chosen modules: a pre-hook opens one (each call of the model itself, and each call of a
   bracketed submodule while none is open), a forward hook finishes it, and one that also runs after an
   exception closes it. A KeyboardInterrupt skips the hooks that close a forward (torch runs ``always_call``
   hooks only for ``Exception``); a forward left open that way is recognised by its finished opening frame
   and dropped when the next one opens.
-- :class:`TapSession` stores what the requested taps output. A tap is one call of one module
+- ``TapSession`` stores what the requested taps output. A tap is one call of one module
   (``layer1.0.relu`` and ``layer1.0.relu_1`` are two taps on one module). ``FeatureExtractor`` calls
   ``run``, where with ``stop_early`` the hook of the last tap to fire raises ``StopForward``, caught in
   ``run``, so nothing after the deepest tap runs; ``capture`` calls ``follow``, which brackets every
   forward of the model its caller runs.
-- :class:`ObserverSession` reports every call of the modules a probe selected (``watch``,
-  ``detect_nonfinite``) to an :class:`Observer`, bracketing each call of the model and each top-level call
+- ``ObserverSession`` reports every call of the modules a probe selected (``watch``,
+  ``detect_nonfinite``) to an ``Observer``, bracketing each call of the model and each top-level call
   of a submodule (a container whose own ``forward`` never runs, such as a Lightning-style module calling
   ``self.G`` and ``self.D``, or an ``nn.ModuleDict``). The tensor hooks a probe puts on outputs for the
   backward pass are held by the session, so ``remove`` takes them away too.
 
 Copies: the hooks of a session on a model it does not own (probes, ``capture``), and those of gradient
-modifiers (:class:`InertInCopies`), become inert in a copy of the model (``copy.deepcopy``, pickling,
+modifiers (``InertInCopies``), become inert in a copy of the model (``copy.deepcopy``, pickling,
 ``torch.save``): a copy made while they run (an EMA or target network, a checkpoint) neither feeds them nor
-carries their state. The taps of a :class:`FeatureExtractor`, whose private model is copied together with its
+carries their state. The taps of a ``FeatureExtractor``, whose private model is copied together with its
 session, feed the copied session instead.
 
 Two kinds of hook live elsewhere, on purpose: the meta trace (``_trace``) hooks its own throwaway meta copy of
@@ -400,7 +400,7 @@ class TapSession(HookSession[_Forward[K]], Generic[K]):
         detach: store detached outputs (no graph).
         stop_early: end the forward once every tap has fired (``run``).
         keep: called with each tapped output as the module returned it; kept beside the store.
-        owns_model: see :class:`HookSession`.
+        owns_model: see ``HookSession``.
     """
 
     def __init__(
@@ -439,7 +439,7 @@ class TapSession(HookSession[_Forward[K]], Generic[K]):
         taps were changed, cloning them from then on), or, where a forward cannot be repeated
         (``clone_all_untraced``), every tap is cloned. When the session owns the model (a private copy
         nobody else runs), in-place activations that change taps are first made out of place where that
-        spares the clone (:func:`release_inplace`).
+        spares the clone (``release_inplace()``).
         """
         sites = self.taps.sites
         if found is not None:
@@ -558,7 +558,7 @@ class TapSession(HookSession[_Forward[K]], Generic[K]):
 
 
 class Observer(ABC, Generic[T]):
-    """What a probe implements to see every selected call of the modules it observes (:class:`ObserverSession`).
+    """What a probe implements to see every selected call of the modules it observes (``ObserverSession``).
 
     The session calls these in the thread that runs the forward:
 

@@ -9,7 +9,7 @@ after a tapped convolution), so an owner of the model can tell which changes swi
 would remove.
 
 With ``count_conv`` the forward also counts FLOPs as it goes: after each module call, the share of the FLOPs so far
-done by convolutions and how often each convolution weight was used (:class:`ConvWork`, the evidence
+done by convolutions and how often each convolution weight was used (``ConvWork``, the evidence
 ``featurehooks._formats`` decides by). The work does not depend on the memory format, so the trace runs as every
 trace does, in the images' own format: the in-place changes it records (which taps a session clones) are those of
 the NCHW forward ``memory_format="auto"`` runs by default. A model that fails in channels-last is found by its first
@@ -154,7 +154,7 @@ class Trace:
         return frozenset(self.changed_by(sites, stop_early))
 
     def again(self, model: nn.Module, *, watch: Collection[Site], check_reads: Collection[str] = ()) -> Trace:
-        """Trace ``model`` (this one, changed since) the same way again; ``check_reads`` as in :func:`trace`."""
+        """Trace ``model`` (this one, changed since) the same way again; ``check_reads`` as in ``trace()``."""
         return _run(model, self.inputs, watch, check_reads, {})
 
 
@@ -370,7 +370,7 @@ def trace_images(
 ) -> tuple[Trace, int | None]:
     """Trace ``model`` on a batch of two ``(C, height, width)`` images (``size`` or a square of it), in eval
     mode; returns the trace and ``C``. Two, so that an output's leading axis of 1 is never taken for the batch.
-    ``watch`` and ``count_conv`` as in :func:`trace`.
+    ``watch`` and ``count_conv`` as in ``trace()``.
 
     ``channels`` comes from the model's metadata when it has some; otherwise the first count that
     traces is taken, and ``None`` is returned for a model that accepts any count.

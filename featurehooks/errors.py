@@ -82,7 +82,7 @@ class BackboneNotFoundError(FeatureHooksError, LookupError, ValueError):
         >>> fh.list_layers("vgg17")
         Traceback (most recent call last):
         ...
-        featurehooks.errors.BackboneNotFoundError: unknown backbone 'vgg17'; did you mean 'vgg19', 'vgg16' or ...?
+        featurehooks.errors.BackboneNotFoundError: unknown backbone 'vgg17'; did you mean 'vgg19', 'vgg16' or ...? ...
     """
 
 

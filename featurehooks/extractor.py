@@ -125,7 +125,9 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         input: ``(B, C, H, W)`` float in ``input_range``; output: dict of the requested features.
 
     Examples:
-        >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)  # random weights: offline
         >>> {k: tuple(v.shape) for k, v in ext(torch.rand(1, 3, 64, 64)).items()}
         {'relu2_2': (1, 128, 32, 32), 'relu3_3': (1, 256, 16, 16)}
     """
@@ -372,6 +374,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             Exception: what the backbone raises on meta tensors of this shape (a size it refuses).
 
         Examples:
+            >>> from featurehooks import FeatureExtractor
             >>> ext = FeatureExtractor("vgg16", ["relu2_2", "relu3_3"], weights=None)
             >>> ext.output_shapes((4, 3, 64, 64))
             {'relu2_2': (4, 128, 32, 32), 'relu3_3': (4, 256, 16, 16)}
@@ -597,6 +600,9 @@ def capture(
         InvalidValueError: ``grads=True`` with ``mode="detach"`` (a detached output has no gradient).
 
     Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from featurehooks import capture
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 1, 3))
         >>> with capture(net, ["0", "2"], grads=True) as feats:
         ...     net(torch.rand(1, 3, 16, 16)).sum().backward()
@@ -694,6 +700,17 @@ class CapturedFeatures(_LiveMapping):
     latest forward. A thread that ran none reads those of the one thread that did; when several
     did (``nn.DataParallel`` replicas), reading is an error rather than an arbitrary pick.
     The mapping stays readable after the block.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import CapturedFeatures, capture
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+        >>> with capture(net, {"1": "act"}) as feats:
+        ...     _ = net(torch.rand(1, 3, 8, 8))
+        ...     first = feats["act"]
+        ...     _ = net(torch.rand(1, 3, 8, 8))  # feats now holds this forward's outputs
+        >>> isinstance(feats, CapturedFeatures), feats["act"] is first, feats["act"].shape
+        (True, False, torch.Size([1, 8, 6, 6]))
     """
 
     def __init__(self, names: list[str], *, grads: bool = False) -> None:

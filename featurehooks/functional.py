@@ -90,7 +90,7 @@ def _no_autocast(x: Tensor) -> AbstractContextManager[None]:
 
 
 def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> Tensor:
-    r"""Batched Gram matrix :math:`G = F F^\top` of feature maps, in float32 with autocast disabled.
+    r"""Batched Gram matrix ``G = F F^\top`` of feature maps, in float32 with autocast disabled.
 
     Under autocast ``bmm`` would run in float16 and overflow for large activations, so the inputs
     are upcast to float32 (float64 stays float64) and the result keeps that dtype.
@@ -136,7 +136,7 @@ def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> T
 
 
 def channel_normalize(features: Tensor, dim: int = 1, eps: float = 1e-10) -> Tensor:
-    r"""Scale each feature vector to unit length: :math:`x / \sqrt{\sum_c x_c^2 + \epsilon}`.
+    r"""Scale each feature vector to unit length: ``x / \sqrt{\sum_c x_c^2 + \epsilon}``.
 
     ``eps`` sits inside the square root, so an all-zero feature vector maps to zero with a finite
     gradient (lpips and piq put it outside, where ``sqrt``'s gradient at zero is infinite and the
@@ -273,7 +273,7 @@ DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "cosine": _cosine,
 }
 """Named distances. ``"mse"``/``"l2"``: squared difference; ``"l1"``/``"mae"``: absolute difference;
-``"smooth_l1"``: Huber with beta 1; ``"charbonnier"``: :math:`\\sqrt{d^2 + 10^{-6}}`; ``"cosine"``:
+``"smooth_l1"``: Huber with beta 1; ``"charbonnier"``: ``\\sqrt{d^2 + 10^{-6}}``; ``"cosine"``:
 one minus the cosine similarity over the channel dimension (dim 1).
 
 Examples:
@@ -375,7 +375,7 @@ def total_variation(images: Tensor, norm: Literal["l1", "l2"] = "l1", reduction:
 
     Per sample, the mean over channels and positions of the vertical neighbour differences plus the
     same mean of the horizontal ones; ``"l1"`` takes their absolute values (anisotropic TV),
-    ``"l2"`` their squares (Mahendran and Vedaldi's :math:`\beta = 2`). Being means, values do not
+    ``"l2"`` their squares (Mahendran and Vedaldi's ``\beta = 2``). Being means, values do not
     grow with the image size.
 
     Args:

@@ -55,6 +55,14 @@ MAX_DECODED_PIXELS = 2**26
 images), so one image costs at most about 0.7 GB (1.1 GB). Pillow's own check refuses only above 179
 million and can be switched off (``Image.MAX_IMAGE_PIXELS = None``); this one always holds. Raise it by
 assigning ``featurehooks.images.MAX_DECODED_PIXELS`` (before a dump starts its workers).
+
+Examples:
+    >>> from featurehooks import images
+    >>> default = images.MAX_DECODED_PIXELS
+    >>> default == 8192 * 8192
+    True
+    >>> images.MAX_DECODED_PIXELS = 2**28  # for a folder of 16384 x 16384 scans
+    >>> images.MAX_DECODED_PIXELS = default
 """
 
 MAX_RESIZED_PIXELS = 2**25
@@ -62,6 +70,12 @@ MAX_RESIZED_PIXELS = 2**25
 
 33.5 million (100 MiB of RGB ``uint8``): a 1000 × 1 PNG resized to 256 would become 256000 × 256
 (65.5 million pixels) and is refused, while a 1:100 panorama at 256 (6.6 million) is far inside.
+
+Examples:
+    >>> from featurehooks.images import MAX_RESIZED_PIXELS, resized_size
+    >>> height, width = resized_size(1, 1000, 256)  # a 1000 x 1 strip, shorter side to 256
+    >>> height * width > MAX_RESIZED_PIXELS
+    True
 """
 
 _HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
@@ -222,6 +236,16 @@ def read_image(path: str | os.PathLike[str]) -> Tensor:
             regular file (a directory, a FIFO or a device, which could block forever).
         ValueError: the image is over ``MAX_DECODED_PIXELS``, or a float image holds NaN or infinity.
             Pillow may raise others for broken files (``SyntaxError``, ``DecompressionBombError``, ...).
+
+    Examples:
+        >>> import os, tempfile
+        >>> from PIL import Image
+        >>> from featurehooks import read_image
+        >>> path = os.path.join(tempfile.mkdtemp(), "gray.png")
+        >>> Image.new("L", (40, 30), color=128).save(path)
+        >>> image = read_image(path)  # grayscale becomes RGB
+        >>> image.shape, image.dtype, image[:, 0, 0].tolist()
+        (torch.Size([3, 30, 40]), torch.uint8, [128, 128, 128])
     """
     with _open_regular(path) as handle, _identify(handle, path) as image:
         _check_decoded_size(*image.size)
@@ -246,7 +270,17 @@ def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def decode_image(path: str | os.PathLike[str]) -> Tensor:
-    """Read an image file as float (3, H, W) in [0, 1] (see ``read_image`` for the conversions)."""
+    """Read an image file as float (3, H, W) in [0, 1] (see ``read_image`` for the conversions).
+
+    Examples:
+        >>> import os, tempfile
+        >>> from PIL import Image
+        >>> from featurehooks.images import decode_image
+        >>> path = os.path.join(tempfile.mkdtemp(), "red.png")
+        >>> Image.new("RGB", (4, 2), color=(255, 0, 0)).save(path)
+        >>> decode_image(path)[:, 0, 0]
+        tensor([1., 0., 0.])
+    """
     return to_input_range(read_image(path), (0.0, 1.0))
 
 
@@ -263,6 +297,14 @@ def to_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor:
 
     ``uint8`` is divided by 255 first, like torchvision's ``convert_image_dtype``. For ``(0, 1)`` a
     float input is returned as it is.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.images import to_input_range
+        >>> to_input_range(torch.tensor([0.0, 0.5, 1.0]), (-1.0, 1.0))
+        tensor([-1.,  0.,  1.])
+        >>> to_input_range(torch.tensor([0, 255], dtype=torch.uint8), (0.0, 255.0))
+        tensor([  0., 255.])
     """
     low, high = _bounds(input_range)
     if images.dtype == torch.uint8:
@@ -273,13 +315,26 @@ def to_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor:
 
 
 def from_input_range(images: Tensor, input_range: tuple[float, float]) -> Tensor:
-    """Map float images in ``input_range`` back to [0, 1] (no clamping), e.g. to draw them."""
+    """Map float images in ``input_range`` back to [0, 1] (no clamping), e.g. to draw them.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.images import from_input_range
+        >>> from_input_range(torch.tensor([-1.0, 0.0, 1.0]), (-1.0, 1.0))
+        tensor([0.0000, 0.5000, 1.0000])
+    """
     low, high = _bounds(input_range)
     return images if (low, high) == (0.0, 1.0) else (images - low) / (high - low)
 
 
 def resized_size(height: int, width: int, size: int) -> tuple[int, int]:
-    """(H, W) after resizing the shorter side to ``size``, the longer one truncated as torchvision does."""
+    """(H, W) after resizing the shorter side to ``size``, the longer one truncated as torchvision does.
+
+    Examples:
+        >>> from featurehooks.images import resized_size
+        >>> resized_size(300, 400, 256), resized_size(401, 300, 256)
+        ((256, 341), (342, 256))
+    """
     _check_not_empty(height, width, "resize")
     short, long = (width, height) if width <= height else (height, width)
     longer = int(size * long / short)
@@ -379,6 +434,14 @@ class ImageTransform:
     ``None`` skips that step; without a crop every image must already share one size (dumps report others
     as invalid rows). A resize past ``MAX_RESIZED_PIXELS``, or of an empty image, raises ``ValueError``
     before any work.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.images import ImageTransform
+        >>> transform = ImageTransform(resize_size=256, crop_size=224, interpolation="bilinear", input_range=(-1, 1))
+        >>> image = transform(torch.zeros(3, 300, 400, dtype=torch.uint8))
+        >>> image.shape, image.min().item(), transform.prepared_size(300, 400)
+        (torch.Size([3, 224, 224]), -1.0, (224, 224))
     """
 
     resize_size: Size | None
@@ -445,6 +508,15 @@ def transform_for(
     ``nn.Module``) has no resize and no crop, so its images keep their size unless sizes are given. A given
     resize follows the backbone's ``crop_mode``: the shorter side for "center" (torchvision's, and most of
     timm's), a square for timm's "squash" and "border", as an int size is in timm.
+
+    Examples:
+        >>> from featurehooks import load_backbone
+        >>> from featurehooks.images import transform_for
+        >>> preprocessing = load_backbone("resnet18", weights=None).preprocessing
+        >>> transform_for(preprocessing, (0.0, 1.0))  # the weights' own resize and crop
+        ImageTransform(resize_size=256, crop_size=224, interpolation='bilinear', input_range=(0.0, 1.0), ...)
+        >>> transform_for(preprocessing, (0.0, 1.0), resize_size=None, crop_size=128).prepared_size(300, 400)
+        (128, 128)
     """
     resize = preprocessing.resize_size if resize_size == _FROM_WEIGHTS else _checked_size("resize_size", resize_size)
     crop = preprocessing.crop_size if crop_size == _FROM_WEIGHTS else _checked_size("crop_size", crop_size)
@@ -491,8 +563,10 @@ def prepare_image(
             what ``read_image`` raises.
 
     Examples:
-        >>> ext = FeatureExtractor("vgg16", ["relu1_2"], weights=None)
-        >>> prepare_image(torch.zeros(3, 300, 400, dtype=torch.uint8), ext).shape
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor, prepare_image
+        >>> ext = FeatureExtractor("resnet18", ["layer1"], weights=None)
+        >>> prepare_image(torch.zeros(3, 300, 400, dtype=torch.uint8), ext).shape  # resized to 256, cropped to 224
         torch.Size([1, 3, 224, 224])
     """
     pixels = read_image(image) if isinstance(image, (str, os.PathLike)) else image

@@ -30,6 +30,13 @@ __all__ = [
 ]
 
 LayerSpec = Union[str, Sequence[str], Mapping[str, str]]
+"""Layers to tap: one name, a list of names, or a dict ``{name: output_name}`` that renames the outputs.
+
+Examples:
+    >>> from featurehooks import FeatureExtractor
+    >>> FeatureExtractor("alexnet", {"relu2": "low", "relu5": "high"}, weights=None).layers
+    ['low', 'high']
+"""
 _CALL_SUFFIX = re.compile(r"(.+)_([1-9][0-9]*)")
 
 
@@ -44,6 +51,12 @@ class FeatureInfo:
     are read from the axes of that layout (``None`` where there are none); ``prefix_tokens`` counts
     the class/register/distillation tokens that lead an ``NLC`` output, when the model says.
     All of it comes from a shape-only forward on the meta device: no compute, no download.
+
+    Examples:
+        >>> from featurehooks import list_layers
+        >>> row = list_layers("resnet18", include=["layer3"])[0]
+        >>> row.name, row.type, row.layout, row.channels, row.stride
+        ('layer3', 'Sequential', 'NCHW', 256, 16)
     """
 
     name: str
@@ -62,6 +75,13 @@ def vgg_aliases(model: nn.Module) -> dict[str, str]:
     """``convB_I``/``bnB_I``/``reluB_I``/``poolB`` aliases of a torchvision VGG, mapped to module paths.
 
     Derived from ``model.features``, so every depth (11/13/16/19, with or without BN) gets them.
+
+    Examples:
+        >>> import torchvision
+        >>> from featurehooks.layers import vgg_aliases
+        >>> aliases = vgg_aliases(torchvision.models.vgg11())
+        >>> aliases["conv1_1"], aliases["relu1_1"], aliases["pool1"], aliases["relu5_2"]
+        ('features.0', 'features.1', 'features.2', 'features.19')
     """
     aliases: dict[str, str] = {}
     block, index = 1, 1
@@ -82,7 +102,14 @@ def vgg_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def alexnet_aliases(model: nn.Module) -> dict[str, str]:
-    """``convK``/``reluK``/``poolK`` aliases of torchvision's AlexNet (K: the convolution before it), as in LPIPS."""
+    """``convK``/``reluK``/``poolK`` aliases of torchvision's AlexNet (K: the convolution before it), as in LPIPS.
+
+    Examples:
+        >>> import torchvision
+        >>> from featurehooks.layers import alexnet_aliases
+        >>> list(alexnet_aliases(torchvision.models.alexnet()))[:4]
+        ['conv1', 'relu1', 'pool1', 'conv2']
+    """
     aliases: dict[str, str] = {}
     block = 0
     for position, module in enumerate(model.get_submodule("features").children()):
@@ -98,7 +125,15 @@ def alexnet_aliases(model: nn.Module) -> dict[str, str]:
 
 def squeezenet_aliases(model: nn.Module) -> dict[str, str]:
     """``conv1``/``relu1``, ``poolK`` (in order) and ``fire2`` ... ``fire9`` aliases of torchvision's SqueezeNets,
-    numbered as in the SqueezeNet paper."""
+    numbered as in the SqueezeNet paper.
+
+    Examples:
+        >>> import torchvision
+        >>> from featurehooks.layers import squeezenet_aliases
+        >>> aliases = squeezenet_aliases(torchvision.models.squeezenet1_1())
+        >>> aliases["conv1"], aliases["fire2"], aliases["fire9"]
+        ('features.0', 'features.3', 'features.12')
+    """
     aliases: dict[str, str] = {}
     fires, pools = 1, 0
     for position, module in enumerate(model.get_submodule("features").children()):
@@ -128,7 +163,19 @@ def aliases_of(model: nn.Module) -> dict[str, str]:
 
 
 class LayerIndex:
-    """Resolves user-facing layer names (aliases, module paths, ``path_k`` calls) of one model."""
+    """Resolves user-facing layer names (aliases, module paths, ``path_k`` calls) of one model.
+
+    Examples:
+        >>> import torchvision
+        >>> from featurehooks.layers import LayerIndex
+        >>> index = LayerIndex(torchvision.models.alexnet(), "alexnet")
+        >>> index.resolve("relu2"), index.resolve("features.4"), index.resolve("features.4_1")
+        (('features.4', 0), ('features.4', 0), ('features.4', 1))
+        >>> index.resolve("relu9")
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.LayerNotFoundError: unknown layer 'relu9' for alexnet; did you mean ...
+    """
 
     def __init__(self, model: nn.Module, label: str) -> None:
         self.label = label
@@ -203,6 +250,16 @@ def select_modules(
 
     ``layers``: module paths or aliases (a path means every call, ``path_k`` call k only), or glob
     patterns over module paths; ``None`` takes every call of ``default(model)``, a list of paths.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.layers import select_modules
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+        >>> every_leaf = lambda model: [path for path, _ in model.named_modules() if path]
+        >>> select_modules(net, ["2", "0"], default=every_leaf, what="watch").paths  # in module order
+        ['0', '2']
+        >>> select_modules(net, None, default=every_leaf, what="watch").paths
+        ['0', '1', '2']
     """
     label = type(model).__name__
     if layers is None:
@@ -243,7 +300,18 @@ def select_modules(
 
 
 def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
-    """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace."""
+    """FeatureInfo for every call of every submodule of ``model``, in definition order, from a trace.
+
+    ``found`` is the shape-only trace of one forward on the meta device that ``list_layers`` makes;
+    ``list_layers`` is the way to call this.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import list_layers
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.ReLU())
+        >>> [(row.name, row.type, row.channels, row.stride) for row in list_layers(net, input_size=32)]
+        [('0', 'Conv2d', 8, 2), ('1', 'ReLU', 8, 2)]
+    """
     index = LayerIndex(model, label)
     prefix, patch = prefix_tokens_of(model), patch_size_of(model)
     rows = []
@@ -292,8 +360,9 @@ def list_layers(
     has one row per call. ``include`` keeps only the rows whose name or path is listed.
 
     Examples:
-        >>> [row.name for row in list_layers("vgg16")][:3]
-        ['conv1_1', 'relu1_1', 'conv1_2']
+        >>> from featurehooks import list_layers
+        >>> [row.name for row in list_layers("vgg16")][:4]  # containers too: "features" holds the convolutions
+        ['features', 'conv1_1', 'relu1_1', 'conv1_2']
     """
     size: int | tuple[int, int]
     if isinstance(backbone, nn.Module):

@@ -18,7 +18,28 @@ from ._files import is_state_dict_file, load_fitting, read_state_dict
 from .base import Backbone, Preprocessing
 
 BackboneSpec = Union[str, nn.Module]
+"""A backbone: a torchvision model name (``"vgg16"``), ``"timm/<name>"``, or your own ``nn.Module``.
+
+Examples:
+    >>> import torch
+    >>> from featurehooks import load_backbone
+    >>> [load_backbone(spec, weights=None).name for spec in ("resnet18", torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)))]
+    ['resnet18', 'Sequential']
+"""
 WeightsSpec = Union[str, "os.PathLike[str]", WeightsEnum, None]
+"""Weights: ``"DEFAULT"``, a weights name (``"IMAGENET1K_V1"``) or enum member, ``None`` for random init, or a
+local ``.pth``/``.pt``/``.safetensors`` file.
+
+Examples:
+    >>> import os, tempfile, torch, torchvision
+    >>> from featurehooks import load_backbone
+    >>> path = os.path.join(tempfile.mkdtemp(), "squeezenet_finetuned.pth")
+    >>> torch.save(torchvision.models.squeezenet1_1().state_dict(), path)  # your fine-tuned weights, say
+    >>> load_backbone("squeezenet1_1", weights=path).weights == path
+    True
+    >>> load_backbone("squeezenet1_1", weights=None).weights is None  # random init
+    True
+"""
 
 __all__ = [
     "Backbone",
@@ -35,6 +56,13 @@ def available_backbones(include: str | None = None) -> list[str]:
     """Registered torchvision backbone names, optionally filtered by a glob (``"vgg*"``).
 
     Any timm model is available too, as ``"timm/<name>"`` (see ``timm.list_models()``).
+
+    Examples:
+        >>> from featurehooks import available_backbones
+        >>> available_backbones("vgg1?")
+        ['vgg11', 'vgg13', 'vgg16', 'vgg19']
+        >>> "resnet50" in available_backbones()
+        True
     """
     names = torchvision_models.torchvision_names()
     return [n for n in names if include is None or fnmatch.fnmatch(n, include)]
@@ -62,6 +90,16 @@ def load_backbone(
       resize differently); where even the mean and std differ (``EfficientNet``), no normalization and a
       warning, unless ``mean`` and ``std`` are given;
     - any other module gets nothing: no normalization, resize or crop, so its images keep their own size.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import load_backbone
+        >>> backbone = load_backbone("resnet18", weights=None)  # "DEFAULT": the pretrained weights
+        >>> backbone.name, backbone.preprocessing.crop_size
+        ('resnet18', 224)
+        >>> custom = load_backbone(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), mean=(0.5,) * 3, std=(0.5,) * 3)
+        >>> custom.name, custom.preprocessing.mean, custom.preprocessing.crop_size
+        ('Sequential', (0.5, 0.5, 0.5), None)
     """
     if (mean is None) != (std is None):
         raise InvalidValueError("give both mean and std, or neither")
@@ -119,6 +157,12 @@ def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
     Nothing is downloaded, read or randomly initialized: layer listings need shapes, not values. For
     torchvision, ``weights`` picks the member whose architecture and preprocessing it has (an enum member or
     name, "DEFAULT"; None or a local file mean DEFAULT's); timm architectures do not depend on ``weights``.
+
+    Examples:
+        >>> from featurehooks.backbones import build_architecture
+        >>> backbone = build_architecture("resnet50")  # no download, no memory: shapes only
+        >>> next(backbone.model.parameters()).device, backbone.preprocessing.resize_size
+        (device(type='meta'), 232)
     """
     if spec.startswith(timm_models.PREFIX):
         return timm_models.architecture(spec[len(timm_models.PREFIX) :], weights)

@@ -31,6 +31,13 @@ class Preprocessing:
     ``crop_size`` (an int: a square) is then center-cropped; where the image is smaller it is padded with
     black, as torchvision's ``CenterCrop`` pads, or with ``fill`` (0..255 per channel: timm's ``"border"`` pads
     with the mean).
+
+    Examples:
+        >>> from featurehooks import Preprocessing, load_backbone
+        >>> load_backbone("resnet18", weights=None).preprocessing  # what the DEFAULT weights' transforms do
+        Preprocessing(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), resize_size=256, crop_size=224, ...)
+        >>> Preprocessing(resize_size=(256, 256), crop_size=224, crop_mode="squash").mean is None  # no normalization
+        True
     """
 
     mean: tuple[float, ...] | None = None
@@ -52,6 +59,12 @@ class Backbone:
 
     ``in_channels`` is the input's channel count from the model's own metadata (a stem's first conv may take
     more, e.g. after a space-to-depth); None for a user's module, which has no such metadata.
+
+    Examples:
+        >>> from featurehooks import load_backbone
+        >>> backbone = load_backbone("resnet18", weights=None)
+        >>> type(backbone).__name__, backbone.name, backbone.weights, backbone.in_channels
+        ('Backbone', 'resnet18', None, 3)
     """
 
     model: nn.Module

@@ -207,10 +207,10 @@ class LPIPS(nn.Module):
     the backbone's weights do, so ``state_dict()`` is empty and checkpoints of a model that holds
     this loss do not change. Nothing in the module is trainable.
 
-    Computation, per layer :math:`l` with features :math:`\hat y^l` unit-normalized over channels
-    (in float32, autocast off) and head :math:`w_l \ge 0`:
-    :math:`d(x, x_0) = \sum_l \operatorname{mean}_{h,w} \sum_c w_{l,c} (\hat y^l_{hwc} - \hat y^l_{0,hwc})^2`.
-    With ``calibrated=False`` every :math:`w_{l,c} = 1` (the paper's uncalibrated baseline,
+    Computation, per layer ``l`` with features ``\hat y^l`` unit-normalized over channels
+    (in float32, autocast off) and head ``w_l \ge 0``:
+    ``d(x, x_0) = \sum_l \operatorname{mean}_{h,w} \sum_c w_{l,c} (\hat y^l_{hwc} - \hat y^l_{0,hwc})^2``.
+    With ``calibrated=False`` every ``w_{l,c} = 1`` (the paper's uncalibrated baseline,
     ``lpips.LPIPS(lpips=False)``). Equal to ``lpips.LPIPS(net=net, version=version)`` on the same
     trunk weights (tested to 1e-5), except that a zero feature vector gets a finite gradient here.
 

@@ -182,7 +182,7 @@ def _parameters(target: Tensor | Iterable[Any]) -> list[Tensor]:
 
 
 class _OnOutput(InertInCopies):
-    """The forward hook of a module modifier: passes the output's tensors through :class:`_ChangeGrad`.
+    """The forward hook of a module modifier: passes the output's tensors through ``_ChangeGrad``.
 
     Inert in copies of the model (an EMA or target network, a pickled checkpoint), like every hook
     featurehooks puts on a model it does not own.

@@ -483,7 +483,7 @@ def _submodules(model: nn.Module) -> list[str]:
 
 
 def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None) -> NonFiniteDetector:
-    """Raise :class:`~featurehooks.errors.NonFiniteError` at the module call where a NaN or inf starts.
+    """Raise ``NonFiniteError`` at the module call where a NaN or inf starts.
 
     A context manager over a model you train (neither copied nor frozen): each forward of the
     model inside the block is checked when it returns, and each backward pass when it ends, with

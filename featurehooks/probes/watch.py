@@ -2,7 +2,7 @@
 
 Every call of every watched module adds its output's statistics (and, in backward, those of the
 gradient flowing out of it) to running sums kept on the device, with no host sync: the numbers are
-read once, by :meth:`Watch.summary`.
+read once, by ``Watch.summary()``.
 
 Definitions (per layer, call and kind; ``n`` counts the finite values):
 
@@ -68,7 +68,7 @@ _SLOTS = 7
 
 
 class ScalarWriter(Protocol):
-    """What :meth:`Watch.log` needs: ``torch.utils.tensorboard.SummaryWriter`` has it."""
+    """What ``Watch.log()`` needs: ``torch.utils.tensorboard.SummaryWriter`` has it."""
 
     def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
 
@@ -303,7 +303,7 @@ class _GradStats:
 
 
 class Watch(Observer[None], ClosedOnExit):
-    """Statistics of the outputs (and gradients) of a model's layers; see :func:`watch`.
+    """Statistics of the outputs (and gradients) of a model's layers; see ``watch()``.
 
     A context manager and a handle: hooks are registered on construction and removed by
     ``close()`` or at the end of a ``with`` block, also after an exception.
@@ -459,7 +459,7 @@ class Watch(Observer[None], ClosedOnExit):
         """Write every requested statistic as ``add_scalar(f"{prefix}/{name}/{kind}/{stat}", value, step)``.
 
         ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` or anything with that method.
-        Returns the rows written (one :meth:`summary`).
+        Returns the rows written (one ``summary()``).
         """
         rows = self.summary()
         for row in rows:
@@ -469,7 +469,7 @@ class Watch(Observer[None], ClosedOnExit):
         return rows
 
     def to_csv(self, path: str | os.PathLike[str], *, step: int | None = None, append: bool = False) -> list[WatchRow]:
-        """Write the rows of :meth:`summary` to a CSV file (a ``step`` column first, empty when None).
+        """Write the rows of ``summary()`` to a CSV file (a ``step`` column first, empty when None).
 
         With ``append``, rows are added to an existing file (the header is written once). Returns the rows.
         """
@@ -502,9 +502,9 @@ def watch(
     layer the output's statistics are added to running sums on the device, with no host sync; the
     model may run several times per step (the calls add up) and in several threads. With ``grads``
     a tensor hook on each output adds the statistics of the gradient with respect to it during
-    backward. :meth:`Watch.summary` reads the sums (one sync) as :class:`WatchRow`\\ s;
-    :meth:`Watch.reset` starts a new window; :meth:`Watch.log` writes to a TensorBoard
-    ``SummaryWriter``; :meth:`Watch.to_csv` to a CSV file.
+    backward. ``Watch.summary()`` reads the sums (one sync) as ``WatchRow``\\ s;
+    ``Watch.reset()`` starts a new window; ``Watch.log()`` writes to a TensorBoard
+    ``SummaryWriter``; ``Watch.to_csv()`` to a CSV file.
 
     A module whose output is a tuple, list or dict is summarized by its first floating-point tensor.
     See the module docstring for the exact definitions.

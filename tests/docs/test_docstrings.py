@@ -17,6 +17,8 @@ import doctest
 import importlib
 import inspect
 import io
+import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -115,8 +117,10 @@ def test_public_name_has_an_example(qualified: str) -> None:
     assert "\nExample:" not in f"\n{text}", f"{qualified}: write 'Examples:', the section griffe renders as code"
 
 
+@pytest.mark.slow  # 110 examples, 13 of them build a VGG: about 35 s of CPU in all
 @pytest.mark.parametrize("qualified", NAMES)
-def test_examples_run(qualified: str) -> None:
+def test_examples_run(qualified: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what examples write with tempfile lands here
     tests = _doctests(qualified)
     assert tests, f"{qualified} has no example to run"
     out = io.StringIO()
