@@ -17,21 +17,18 @@ eagerly once before compiling, so the one-time input-range check is not part of 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
-import losses as L  # noqa: E402  (benchmarks/losses.py: the hand-written floor loss)
+import featurehooks as fh
+from featurehooks.losses import PerceptualLoss
 
-import featurehooks as fh  # noqa: E402
-from featurehooks.losses import PerceptualLoss  # noqa: E402
+import _harness as H
+import losses as L  # benchmarks/losses.py: the hand-written floor loss
 
 EXTRACT = "Extraction VGG16 relu3_3, no-grad"
 LOSS = "PerceptualLoss relu3_3 step (forward + backward)"

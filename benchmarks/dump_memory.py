@@ -26,8 +26,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = ["layer2", "layer4"]
 
@@ -105,6 +103,7 @@ def main() -> None:
             flush=True,
         )
     import torch
+
     from _harness import machine, machine_line
 
     info = machine(torch.device("cpu"))

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,12 +49,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+from featurehooks import FeatureExtractor
+from featurehooks.dump import dump_features
+from featurehooks.images import read_image, transform_for
 
-from featurehooks import FeatureExtractor  # noqa: E402
-from featurehooks.dump import dump_features  # noqa: E402
-from featurehooks.images import read_image, transform_for  # noqa: E402
+import _harness as H
 
 NAME = "dump_throughput"
 TITLE = "Feature dump vs a hand-written loop: ResNet-18 layer4 avg-pooled, JPEG folder to .npy"

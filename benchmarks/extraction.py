@@ -60,19 +60,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+import featurehooks as fh
 
-import featurehooks as fh  # noqa: E402
+import _harness as H
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"

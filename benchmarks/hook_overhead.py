@@ -17,17 +17,14 @@ The *µs per tap* column is (median - floor median) / taps: the per-call overhea
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+import featurehooks as fh
 
-import featurehooks as fh  # noqa: E402
+import _harness as H
 
 FLOOR = "bare forward"
 ONE = "FeatureExtractor, 1 tap"

@@ -18,18 +18,15 @@ switch can save per forward.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+import featurehooks as fh
+from featurehooks import _hooks
 
-import featurehooks as fh  # noqa: E402
-from featurehooks import _hooks  # noqa: E402
+import _harness as H
 
 CLONE = "clone (before)"
 OUT_OF_PLACE = "out of place"

@@ -42,19 +42,16 @@ import contextlib
 import copy
 import gc
 import io
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+from featurehooks import LPIPS as FeatureHooksLPIPS
+from featurehooks.losses import PerceptualLoss, StyleLoss
 
-from featurehooks import LPIPS as FeatureHooksLPIPS  # noqa: E402
-from featurehooks.losses import PerceptualLoss, StyleLoss  # noqa: E402
+import _harness as H
 
 STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 VGG16_INDEX = {"relu1_2": 3, "relu2_2": 8, "relu3_3": 15, "relu4_3": 22, "relu5_3": 29}

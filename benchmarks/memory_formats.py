@@ -41,21 +41,18 @@ noise of the measurement.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+import featurehooks as fh
+from featurehooks._formats import MIN_REUSE, ConvWork
 
-import featurehooks as fh  # noqa: E402
-from featurehooks._formats import MIN_REUSE, ConvWork  # noqa: E402
+import _harness as H
 
 CONTIGUOUS = "contiguous (NCHW)"
 CHANNELS_LAST = "channels_last"

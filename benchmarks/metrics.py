@@ -23,18 +23,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
-from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS  # noqa: E402
+import _harness as H
 
 FH = "featurehooks LPIPS"
 FH_ONE = "featurehooks LPIPS, one concatenated forward"

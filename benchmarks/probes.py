@@ -22,20 +22,17 @@ Targets: watch <= 1.05x and detect_nonfinite <= 1.10x of the step without probes
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as H  # noqa: E402
+from featurehooks.probes.nonfinite import detect_nonfinite
+from featurehooks.probes.watch import watch
 
-from featurehooks.probes.nonfinite import detect_nonfinite  # noqa: E402
-from featurehooks.probes.watch import watch  # noqa: E402
+import _harness as H
 
 BASE = "no probes"
 WATCH = "watch, 16 blocks + grads"

@@ -7,7 +7,6 @@ they are cached; otherwise the demo says so in one line and continues with seede
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import torch
 
 import featurehooks as fh
 
+from _common import pretrained_or_seeded
+
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
-from _common import pretrained_or_seeded  # noqa: E402
 
 IMAGES = sorted((HERE / "images").glob("*.png"))
 OUT = Path("demo-output")

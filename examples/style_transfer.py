@@ -27,9 +27,9 @@ from tqdm import tqdm
 import featurehooks as fh
 import featurehooks.losses as fl
 
+from _common import pretrained_or_seeded
+
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
-from _common import pretrained_or_seeded  # noqa: E402
 
 CONTENT_LAYERS = ["relu4_2"]
 STYLE_LAYERS = ["relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -23,9 +22,9 @@ from torch import nn
 
 import featurehooks as fh
 
+from _common import pretrained_or_seeded
+
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))  # _common.py, also where this file is loaded by path (the tests)
-from _common import pretrained_or_seeded  # noqa: E402
 
 
 def load_images(folder: Path) -> torch.Tensor:

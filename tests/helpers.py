@@ -32,13 +32,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_script(relative: str) -> ModuleType:
     """The script ``REPO/relative`` (``benchmarks/losses.py``) as a module, registered in ``sys.modules``
-    (dataclasses look their module up there)."""
+    (dataclasses look their module up there). Its folder leads ``sys.path`` while it loads, as when it runs as a
+    script, so its imports of the modules beside it (``_harness``, ``_common``) work."""
     path = REPO / relative
     spec = importlib.util.spec_from_file_location(f"_fh_{path.parent.name}_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 

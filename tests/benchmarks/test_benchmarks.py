@@ -21,6 +21,20 @@ def _common(tmp_path: Path, torch_home: Path) -> list[str]:
     return ["--quick", "--threads", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
 
 
+def _run_quick(name: str, tmp_path: Path, torch_home: Path, *extra: str) -> tuple[ModuleType, dict]:
+    """Run ``benchmarks/<name>.py`` in quick mode and check the files it wrote; its module and its payload."""
+    script = load_script(f"benchmarks/{name}.py")
+    payload = script.main([*_common(tmp_path, torch_home), *extra])
+    _check_files(tmp_path, name, payload)
+    return script, payload
+
+
+def _single_group_rows(payload: dict) -> dict[str, dict]:
+    """The rows of a payload's one group, by name."""
+    (group,) = payload["groups"]
+    return {row["name"]: row for row in group["rows"]}
+
+
 def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
     saved = json.loads((tmp_path / f"{name}.json").read_text())
     assert saved["benchmark"] == name and saved["quick"] is True and saved["partial"] is False
@@ -42,12 +56,8 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
 
 
 def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
-    extraction = load_script("benchmarks/extraction.py")
-    payload = extraction.main(
-        [*_common(tmp_path, torch_home), "--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "2x32"]
-    )
-    _check_files(tmp_path, "extraction", payload)
-    e = extraction
+    options = ("--cases", "vgg16-relu3_3,timm-convnext,timm-vit", "--shapes", "2x32")
+    e, payload = _run_quick("extraction", tmp_path, torch_home, *options)
     groups = payload["groups"]
     vit = "timm ViT-S/16 (vit_small_patch16_224) blocks.5+blocks.8"
     vgg = "VGG16 relu3_3"
@@ -99,7 +109,7 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     assert len(nchw_targets) == 2 and all(t["group"].startswith(vit) and t["limit"] == 1.03 for t in nchw_targets)
     # the speed-up claims are about batches on the CPU: none at batch 1, none on a GPU
     for batch, device in ((1, "cpu"), (2, "cuda")):
-        found = extraction.targets([_group(extraction, groups[0], batch=batch)], device)
+        found = e.targets([_group(e, groups[0], batch=batch)], device)
         assert found and not [t for t in found if "speed-up" in t.claim]
 
 
@@ -138,9 +148,7 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
 
 
 def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
-    losses = load_script("benchmarks/losses.py")
-    payload = losses.main(_common(tmp_path, torch_home))
-    _check_files(tmp_path, "losses", payload)
+    losses, payload = _run_quick("losses", tmp_path, torch_home)
     L = losses
     assert {g["case"]: [row["name"] for row in g["rows"]] for g in payload["groups"]} == L.GROUPS
     assert all(g["params"]["batch"] == 2 for g in payload["groups"])  # --quick: 2x32, batch >= 2 for the targets
@@ -171,9 +179,7 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
-    compile_bench = load_script("benchmarks/compile.py")
-    payload = compile_bench.main(_common(tmp_path, torch_home))  # --quick: backend "eager", dynamo tracing only
-    _check_files(tmp_path, "compile", payload)
+    compile_bench, payload = _run_quick("compile", tmp_path, torch_home)  # --quick: backend "eager", tracing only
     rows = {row["name"]: row for g in payload["groups"] for row in g["rows"]}
     assert {"FeatureExtractor (compiled)", "torchvision FX (compiled)", "PerceptualLoss (compiled)"} <= set(rows)
     for name, row in rows.items():
@@ -183,11 +189,8 @@ def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
-    overhead = load_script("benchmarks/hook_overhead.py")
-    payload = overhead.main(_common(tmp_path, torch_home))
-    _check_files(tmp_path, "hook_overhead", payload)
-    (group,) = payload["groups"]
-    rows = {row["name"]: row for row in group["rows"]}
+    overhead, payload = _run_quick("hook_overhead", tmp_path, torch_home)
+    rows = _single_group_rows(payload)
     assert list(rows) == [overhead.FLOOR, overhead.ONE, overhead.ALL, overhead.CAPTURE]
     assert rows[overhead.FLOOR]["us_per_tap"] is None and all(
         math.isfinite(rows[name]["us_per_tap"]) for name in (overhead.ONE, overhead.ALL, overhead.CAPTURE)
@@ -197,11 +200,8 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
-    probes = load_script("benchmarks/probes.py")
-    payload = probes.main(_common(tmp_path, torch_home))
-    _check_files(tmp_path, "probes", payload)
-    (group,) = payload["groups"]
-    rows = {row["name"]: row for row in group["rows"]}
+    probes, payload = _run_quick("probes", tmp_path, torch_home)
+    rows = _single_group_rows(payload)
     assert list(rows) == [probes.BASE, probes.WATCH, probes.NONFINITE, probes.HAND, probes.ANOMALY]
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
@@ -211,9 +211,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
-    metrics = load_script("benchmarks/metrics.py")
-    payload = metrics.main([*_common(tmp_path, torch_home), "--nets", "alex,squeeze"])
-    _check_files(tmp_path, "metrics", payload)
+    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--nets", "alex,squeeze")
     groups = payload["groups"]
     assert {(g["case"], g["params"]["net"]) for g in groups} == {
         (case, net) for case in (metrics.METRIC, metrics.LOSS) for net in ("alex", "squeeze")
