@@ -179,6 +179,9 @@ class LayerIndex:
 
     def __init__(self, model: nn.Module, label: str) -> None:
         self.label = label
+        # a module instance is labelled by its class name, which list_layers cannot build: point at the model
+        by_name = label != type(model).__name__
+        self.listing = f"featurehooks.list_layers({label!r})" if by_name else "featurehooks.list_layers(model)"
         self.aliases = aliases_of(model)
         self.paths = [path for path, _ in model.named_modules() if path]
         self._known = set(self.paths)
@@ -201,9 +204,7 @@ class LayerIndex:
         if match and (match[1] in self._known or match[1] in self.aliases):
             return self.aliases.get(match[1], match[1]), int(match[2])
         hint = did_you_mean(name, self.names())
-        raise LayerNotFoundError(
-            f"unknown layer {name!r} for {self.label}; {hint} See featurehooks.list_layers({self.label!r})"
-        )
+        raise LayerNotFoundError(f"unknown layer {name!r} for {self.label}; {hint} See {self.listing}")
 
     def taps(self, layers: LayerSpec) -> Taps:
         """Validate a request (names, or ``{name: output_name}``) and resolve it into Taps."""
@@ -211,7 +212,7 @@ class LayerIndex:
             layers = [layers]
         pairs = list(layers.items()) if isinstance(layers, Mapping) else [(name, name) for name in layers]
         if not pairs:
-            raise InvalidValueError(f"no layers requested; pick some from featurehooks.list_layers({self.label!r})")
+            raise InvalidValueError(f"no layers requested; pick some from {self.listing}")
         items: list[Tap] = []
         for name, out_name in pairs:
             if not isinstance(name, str) or not isinstance(out_name, str):
@@ -230,7 +231,7 @@ class LayerIndex:
             if calls == 0:
                 raise LayerNotFoundError(
                     f"layer {tap.path!r} of {self.label} never runs in a forward (traced with input "
-                    f"{tuple(found.input_shape)}); pick a layer that does, see featurehooks.list_layers({self.label!r})"
+                    f"{tuple(found.input_shape)}); pick a layer that does, see {self.listing}"
                 )
             named = ", ".join(call_name(tap.path, k) for k in range(calls))
             raise LayerNotFoundError(

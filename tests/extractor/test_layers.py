@@ -68,6 +68,14 @@ def test_unknown_layer_names_the_three_closest(vgg16_cached) -> None:
     assert isinstance(info.value, LookupError) and isinstance(info.value, ValueError)
 
 
+def test_errors_on_a_model_instance_point_at_list_layers_of_the_model() -> None:
+    """A module is labelled by its class name, which list_layers cannot build: the hint names the model itself."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    with pytest.raises(fh.LayerNotFoundError, match=r"See featurehooks\.list_layers\(model\)$"):
+        fh.FeatureExtractor(model, ["2"])
+    assert [row.path for row in fh.list_layers(model)] == ["0", "1"]
+
+
 def test_native_paths_and_aliases_resolve_to_the_same_module(vgg16_cached, images) -> None:
     out = fh.FeatureExtractor("vgg16", ["relu2_2", "features.8"])(images)
     assert out["relu2_2"] is out["features.8"]
