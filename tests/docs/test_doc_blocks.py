@@ -1,0 +1,152 @@
+"""Every code block of README.md and docs/*.md (not docs/api/) runs as written on a fresh clone.
+
+Each ```python block runs in a fresh Python process and each ```bash block under ``bash -euo pipefail``, with the
+virtual environment's ``bin`` first on PATH (``featurehooks`` is the console script, ``python`` the environment's),
+in a fresh copy of the checkout's files (tracked and not ignored) so that no block writes into the repository;
+offline, with the session's seeded weights in ``TORCH_HOME`` for the torchvision models the blocks read (a block
+that reads any other pretrained weights fails: that is the point). ```text blocks are output and never run; a block
+that is illustrative only has ``<!-- not run: <reason> -->`` on the line before its fence, and there are at most
+``MAX_NOT_RUN`` of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+pytestmark = pytest.mark.slow  # one process per block, pretrained backbones on seeded weights
+
+PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+RUN = ("python", "bash")  # the one fence for Python and the one for shell commands
+NOT_RUN_FENCES = ("text",)  # what a command prints
+MAX_NOT_RUN = 3
+# torchvision weights the blocks read (DEFAULT members), written seeded into the session's TORCH_HOME;
+# alexnet, squeezenet1_1: LPIPS trunks (vgg16 too)
+SEEDED = ("vgg16", "resnet18", "alexnet", "squeezenet1_1")
+TIMEOUT_S = 240
+
+FENCE = re.compile(r"^```(\S*)\s*$")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
+NOT_RUN = re.compile(r"^<!-- not run:(.*?)-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str  # README.md, docs/losses.md
+    line: int  # of the opening fence, 1-based
+    heading: str  # the nearest heading above it
+    language: str
+    code: str
+    not_run: str | None  # the reason, for a block marked illustrative
+
+    @property
+    def id(self) -> str:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.heading).strip("-").lower()[:40] or "top"
+        return f"{self.page}:{self.line}:{slug}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of one Markdown page, in order."""
+    page = path.relative_to(REPO).as_posix()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[Block] = []
+    heading, index = "", 0
+    while index < len(lines):
+        line = lines[index]
+        fence = FENCE.match(line)
+        if fence is None:
+            if match := HEADING.match(line):
+                heading = match.group(1)
+            index += 1
+            continue
+        end = next((j for j in range(index + 1, len(lines)) if lines[j].rstrip() == "```"), None)
+        if end is None:
+            raise AssertionError(f"{page}:{index + 1}: a fence that never closes")
+        marker = NOT_RUN.match(lines[index - 1]) if index > 0 else None
+        code = "\n".join(lines[index + 1 : end]) + "\n"
+        not_run = marker.group(1).strip() if marker else None
+        found.append(Block(page, index + 1, heading, fence.group(1), code, not_run))
+        index = end + 1
+    return found
+
+
+ALL = [block for page in PAGES for block in blocks(page)]
+RUNNABLE = [block for block in ALL if block.language in RUN and block.not_run is None]
+
+
+def test_every_block_has_a_known_fence() -> None:
+    """One fence convention everywhere: python, bash (commands, no prompts) and text (output)."""
+    odd = [f"{block.id} ```{block.language}" for block in ALL if block.language not in (*RUN, *NOT_RUN_FENCES)]
+    assert not odd, odd
+    prompts = [block.id for block in ALL if block.language == "bash" and re.search(r"^\$ ", block.code, re.M)]
+    assert not prompts, f"bash blocks are commands, without '$ ' prompts: {prompts}"
+
+
+def test_illustrative_blocks_are_few_and_say_why() -> None:
+    marked = [block for block in ALL if block.not_run is not None]
+    assert all(block.not_run for block in marked), [block.id for block in marked if not block.not_run]
+    assert all(block.language in RUN for block in marked), [block.id for block in marked]
+    assert len(marked) <= MAX_NOT_RUN, [f"{block.id}: {block.not_run}" for block in marked]
+
+
+def test_readme_python_blocks_import_featurehooks() -> None:
+    missing = [b.id for b in ALL if b.page == "README.md" and b.language == "python" and "import featurehooks" not in b.code]
+    assert not missing, missing
+
+
+def checkout_files() -> list[str]:
+    """The files a fresh clone has: tracked ones and new ones that git does not ignore."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: what the blocks read
+        return [p.relative_to(REPO).as_posix() for p in (REPO / "examples").rglob("*") if p.is_file()]
+    return [name for name in listed.split("\0") if name and (REPO / name).is_file()]
+
+
+@pytest.fixture(scope="module")
+def doc_weights(seeded_weights: Callable[..., Path]) -> None:
+    for name in SEEDED:
+        seeded_weights(name)
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    root = tmp_path / "clone"
+    for name in checkout_files():
+        target = root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+    return root
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
+def test_block_runs(block: Block, clone: Path, tmp_path: Path, doc_weights: None) -> None:
+    script = tmp_path / ("block.py" if block.language == "python" else "block.sh")
+    script.write_text(block.code, encoding="utf-8")
+    command = [sys.executable, str(script)] if block.language == "python" else ["bash", "-euo", "pipefail", str(script)]
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        command, cwd=clone, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, (
+        f"{block.page} line {block.line} ({block.heading}) exited {done.returncode}\n"
+        f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-5000:]}"
+    )
