@@ -7,16 +7,23 @@ offline, with the session's seeded weights in ``TORCH_HOME`` for the torchvision
 that reads any other pretrained weights fails: that is the point). ```text blocks are output and never run; a block
 that is illustrative only has ``<!-- not run: <reason> -->`` on the line before its fence, and there are at most
 ``MAX_NOT_RUN`` of them.
+
+Python blocks are forked from a warm interpreter (``ZYGOTE``: started once per test process with ``sys.executable``
+and the same environment, it has imported torch, torchvision and featurehooks and nothing else, and forks a child per
+block that changes into the block's folder and runs the block as ``__main__`` in fresh globals): importing torchvision
+costs about 5 s of CPU per process, which for some twenty blocks would be most of this test's cost. A block still
+sees only what it imports itself. ``FH_DOC_BLOCKS_COLD=1`` runs each one as ``python block.py`` instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +107,9 @@ def test_illustrative_blocks_are_few_and_say_why() -> None:
 
 
 def test_readme_python_blocks_import_featurehooks() -> None:
-    missing = [b.id for b in ALL if b.page == "README.md" and b.language == "python" and "import featurehooks" not in b.code]
+    missing = [
+        b.id for b in ALL if b.page == "README.md" and b.language == "python" and "import featurehooks" not in b.code
+    ]
     assert not missing, missing
 
 
@@ -124,6 +133,84 @@ def doc_weights(seeded_weights: Callable[..., Path]) -> None:
         seeded_weights(name)
 
 
+ZYGOTE = """
+import json, os, runpy, signal, sys, traceback
+import numpy, PIL.Image, torch, torchvision  # what most blocks import, paid once
+import featurehooks, featurehooks.metrics
+
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(request["timeout"])
+            os.chdir(request["cwd"])
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            sys.argv = [request["script"]]
+            sys.path[0] = os.path.dirname(request["script"])
+            try:
+                runpy.run_path(request["script"], run_name="__main__")
+                code = 0
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+"""
+
+
+def block_env() -> dict[str, str]:
+    """This session's environment (its TORCH_HOME of seeded weights), offline, the venv's bin first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def zygote(doc_weights: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str] | None]:
+    if os.environ.get("FH_DOC_BLOCKS_COLD") == "1" or not hasattr(os, "fork"):
+        yield None
+        return
+    cwd = tmp_path_factory.mktemp("zygote")
+    process = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE],
+        cwd=cwd,
+        env=block_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    yield process
+    assert process.stdin is not None
+    process.stdin.close()
+    process.wait(timeout=30)
+
+
+def run_forked(zygote: subprocess.Popen[str], script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    assert zygote.stdin is not None and zygote.stdout is not None
+    out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
+    request = {"script": str(script), "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "timeout": TIMEOUT_S}
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    code = json.loads(zygote.stdout.readline())
+    return subprocess.CompletedProcess([str(script)], code, read_text(out), read_text(err))
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
     root = tmp_path / "clone"
@@ -135,17 +222,26 @@ def clone(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
-def test_block_runs(block: Block, clone: Path, tmp_path: Path, doc_weights: None) -> None:
+def test_block_runs(
+    block: Block, clone: Path, tmp_path: Path, doc_weights: None, zygote: subprocess.Popen[str] | None
+) -> None:
     script = tmp_path / ("block.py" if block.language == "python" else "block.sh")
     script.write_text(block.code, encoding="utf-8")
-    command = [sys.executable, str(script)] if block.language == "python" else ["bash", "-euo", "pipefail", str(script)]
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
-    env.pop("PYTHONPATH", None)
-    done = subprocess.run(
-        command, cwd=clone, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
-    )
+    if block.language == "python" and zygote is not None:
+        done = run_forked(zygote, script, clone)
+    else:
+        command = (
+            [sys.executable, str(script)] if block.language == "python" else ["bash", "-euo", "pipefail", str(script)]
+        )
+        done = subprocess.run(
+            command,
+            cwd=clone,
+            env=block_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     assert done.returncode == 0, (
         f"{block.page} line {block.line} ({block.heading}) exited {done.returncode}\n"
         f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-5000:]}"
