@@ -45,7 +45,7 @@ def _warn_if_singular(count: int, dim: int, side: str) -> None:
             f"use at least {dim + 1} vectors (FID is usually reported on 10,000 or more) and compare only "
             "distances computed from equal numbers of vectors",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # frechet_distance -> _moments -> here: the warning names the caller
         )
 
 

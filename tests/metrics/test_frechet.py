@@ -83,8 +83,9 @@ def test_singular_covariances_are_exact(count: int, dim: int) -> None:
     """
     rng = np.random.default_rng(dim)
     a, b = sample(rng, count, dim), sample(rng, count + 3, dim, 1.2, 0.3)
-    with pytest.warns(UserWarning, match=f"covariance is singular .* use at least {dim + 1} vectors"):
+    with pytest.warns(UserWarning, match=f"covariance is singular .* use at least {dim + 1} vectors") as caught:
         value = frechet_distance(a, b)
+    assert {Path(w.filename).name for w in caught} == {Path(__file__).name}  # the warning names the caller's line
     assert value == pytest.approx(frechet_in_sample_space(a, b), rel=1e-10)
     assert value == pytest.approx(pytorch_fid(a, b), rel=1e-4)
 
