@@ -3,6 +3,9 @@
 Lists VGG16's layers, extracts relu3_3 / relu4_3 features, dumps them for the whole folder to
 demo-output/features/ and draws demo-output/feature_maps.png. Pretrained weights are used when
 they are cached; otherwise the demo says so in one line and continues with seeded random weights.
+The picture's caption names the weights that drew it, or says they are random.
+
+    python examples/demo.py && cp demo-output/feature_maps.png docs/   # redraws the picture in the docs
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 import featurehooks as fh
 
-from _common import pretrained_or_seeded
+from _common import pretrained_or_seeded, weights_caption
 
 HERE = Path(__file__).parent
 
@@ -34,7 +37,12 @@ def main() -> None:
         dump = fh.dump_features(
             extractor, HERE / "images", OUT / "features", pool="avg", num_workers=0, overwrite=True, progress=False
         )
-        grid = fh.save_feature_grid(OUT / "feature_maps.png", {k: v[:1] for k, v in features.items()}, images[:1])
+        caption = f"VGG16 {', '.join(layers)}: image | 8 most active channels\n" + weights_caption(
+            "VGG16", extractor.weights
+        )
+        grid = fh.save_feature_grid(
+            OUT / "feature_maps.png", {k: v[:1] for k, v in features.items()}, images[:1], caption=caption
+        )
     print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> weights {extractor.weights}")
     for name, value in features.items():
         print(f"  {name}: shape {tuple(value.shape)}, mean activation {value.mean():.4f}")

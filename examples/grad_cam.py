@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 import featurehooks as fh
+from featurehooks.viz import add_caption
+
+from _common import weights_caption
 
 HERE = Path(__file__).parent
 DEFAULT_IMAGES = [
@@ -41,7 +44,6 @@ DEFAULT_IMAGES = [
 # A few anchors of a black-red-yellow-white heat colormap, interpolated linearly.
 HEAT = np.array([[0, 0, 4], [87, 16, 110], [188, 55, 84], [249, 142, 9], [252, 255, 164]], dtype=np.float32)
 TILE = 160
-CAPTION = 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,24 +100,22 @@ def heat(values: np.ndarray) -> np.ndarray:
 
 
 def draw(images: torch.Tensor, cams: torch.Tensor, labels: list[str], caption: str) -> Image.Image:
-    """One row per image: the image, its Grad-CAM map, and the map over the image."""
+    """One row per image: the image, its Grad-CAM map, and the map over the image; ``caption`` in a band on top."""
     rows = len(images)
-    canvas = Image.new("RGB", (3 * TILE + 4, CAPTION + rows * (TILE + 14)), (255, 255, 255))
+    canvas = Image.new("RGB", (3 * TILE + 4, rows * (TILE + 14)), (255, 255, 255))
     pen = ImageDraw.Draw(canvas)
     font = ImageFont.load_default()
-    for line, text in enumerate(caption.splitlines()):
-        pen.text((4, 3 + 12 * line), text, fill=(0, 0, 0), font=font)
     small = F.interpolate(images, size=(TILE, TILE), mode="bilinear", antialias=True, align_corners=False)
     maps = F.interpolate(cams[:, None], size=(TILE, TILE), mode="bilinear", align_corners=False)[:, 0]
     for row in range(rows):
-        top = CAPTION + row * (TILE + 14)
+        top = row * (TILE + 14)
         picture = small[row].permute(1, 2, 0).clamp(0, 1).numpy()
         colored = heat(maps[row].numpy())
         tiles = [picture, colored, 0.5 * picture + 0.5 * colored]
         for column, tile in enumerate(tiles):
             canvas.paste(Image.fromarray((tile * 255).round().astype(np.uint8)), (column * (TILE + 2), top + 14))
         pen.text((2, top + 1), labels[row], fill=(0, 0, 0), font=font)
-    return canvas
+    return Image.fromarray(add_caption(np.asarray(canvas), caption))
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> Path:
     for index, path in enumerate(args.images):
         name = f" {categories[int(top[index])]}" if categories else ""
         labels.append(f"{path.name}: class {int(top[index])}{name} ({float(probabilities[index, top[index]]):.1%})")
-    kind = f"weights {loaded.weights}" if loaded.weights else "RANDOM weights (--weights none): mechanics only"
-    caption = f"Grad-CAM, {args.model} {args.layer}, {kind}\nimage | map | overlay"
+    kind = weights_caption(args.model, loaded.weights, args.seed)
+    caption = f"Grad-CAM, {args.model} {args.layer}: image | map | overlay\n{kind}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     draw(images, cams, labels, caption).save(args.out, optimize=True)
 

@@ -8,7 +8,10 @@ are computed once, and LossGroup dispatches the features of the image being opti
     python examples/style_transfer.py --content me.jpg --style starry.jpg --size 384 --steps 300 --out out.png
 
 Pretrained VGG19 weights are used when cached (or downloadable); otherwise the example says so in
-one line and goes on with seeded random weights, which still transfer colours and textures.
+one line and goes on with seeded random weights (``--seed``), which still transfer colours and
+textures. The picture's caption names the weights that drew it, or says they are random;
+``python examples/style_transfer.py --side-by-side --out docs/style_transfer.png`` redraws the one
+in the docs.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from tqdm import tqdm
 
 import featurehooks as fh
 import featurehooks.losses as fl
+from featurehooks.viz import add_caption
 
-from _common import pretrained_or_seeded
+from _common import pretrained_or_seeded, weights_caption
 
 HERE = Path(__file__).parent
 
@@ -43,8 +47,9 @@ def load_image(path: Path, size: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float().div(255).unsqueeze(0)
 
 
-def save_image(images: list[torch.Tensor], path: Path) -> None:
-    """Save images side by side (each (1, 3, H, W) in [0, 1], resized to the first one's height) as a PNG."""
+def save_image(images: list[torch.Tensor], path: Path, caption: str) -> None:
+    """Save images side by side (each (1, 3, H, W) in [0, 1], resized to the first one's height) as a PNG, under a
+    band with ``caption``."""
     height = images[0].shape[-2]
     tiles = [
         torch.nn.functional.interpolate(
@@ -58,7 +63,7 @@ def save_image(images: list[torch.Tensor], path: Path) -> None:
     ]
     strip = torch.cat(tiles, dim=-1)[0].clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(strip).save(path, optimize=True)
+    Image.fromarray(add_caption(strip, caption)).save(path, optimize=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> Path:
     style_image = load_image(args.style, args.size)
 
     layers = STYLE_LAYERS + CONTENT_LAYERS
-    extractor = pretrained_or_seeded(partial(fh.FeatureExtractor, "vgg19", layers, mode="grad"), "VGG19")
+    extractor = pretrained_or_seeded(partial(fh.FeatureExtractor, "vgg19", layers, mode="grad"), "VGG19", args.seed)
     if args.style_weight is None:
         args.style_weight = 1e6 if extractor.weights is not None else 1e8
     content = fl.PerceptualLoss(extractor, CONTENT_LAYERS)
@@ -117,7 +122,9 @@ def main(argv: list[str] | None = None) -> Path:
     elapsed = time.perf_counter() - start
 
     result = image.detach()
-    save_image([content_image, style_image, result] if args.side_by_side else [result], args.out)
+    panels = "content | style | result" if args.side_by_side else "result"
+    caption = f"style transfer, VGG19: {panels}\n{weights_caption('VGG19', extractor.weights, args.seed)}"
+    save_image([content_image, style_image, result] if args.side_by_side else [result], args.out, caption)
     print(f"{args.steps} steps at {tuple(result.shape[-2:])} in {elapsed:.0f} s; wrote {args.out}")
     return args.out
 

@@ -1,4 +1,5 @@
-"""Feature-map pictures: a grid of each layer's most active channels, next to the input image."""
+"""Feature-map pictures: a grid of each layer's most active channels, next to the input image, and a caption band
+that says what drew a picture (which weights, above all whether they are random)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from .errors import InvalidValueError
 from .images import from_input_range
 
-__all__ = ["feature_grid", "save_feature_grid", "top_channels"]
+__all__ = ["add_caption", "feature_grid", "save_feature_grid", "top_channels"]
 
 # Anchors of the viridis colormap (no matplotlib needed), interpolated linearly.
 _VIRIDIS = np.array(
@@ -35,6 +36,9 @@ _VIRIDIS = np.array(
 )
 _LABEL_HEIGHT = 14
 _GAP = 2
+_CAPTION_LINE = 12  # pixels per caption line; the band is this per line plus a margin above and below
+_CAPTION_MARGIN = 3
+_CAPTION_LEFT = 4
 
 
 def _colorize(values: np.ndarray) -> np.ndarray:
@@ -64,10 +68,80 @@ def _as_map(name: str, feature: Tensor) -> Tensor:
 
 
 def top_channels(feature_map: Tensor, count: int) -> list[int]:
-    """Indices of the ``count`` channels with the highest mean activation, strongest first."""
+    """Indices of the ``count`` channels with the highest mean activation, strongest first.
+
+    Args:
+        feature_map: one sample's maps.
+        count: how many channels to return (all of them if there are fewer).
+
+    Shape:
+        feature_map: ``(C, H, W)``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.viz import top_channels
+        >>> maps = torch.stack([torch.full((4, 4), level) for level in (0.1, 3.0, -1.0, 2.0)])
+        >>> top_channels(maps, 2)
+        [1, 3]
+    """
     means = feature_map.flatten(1).mean(dim=1)
     order = torch.argsort(means, descending=True, stable=True)
     return [int(i) for i in order[:count]]
+
+
+def _wrap(caption: str, width: int, font: ImageFont.ImageFont | ImageFont.FreeTypeFont) -> list[str]:
+    """The caption's lines, each wrapped at spaces to fit ``width`` pixels (a word wider than that keeps its line)."""
+    lines: list[str] = []
+    for paragraph in caption.splitlines():
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if line and font.getlength(candidate) > width:
+                lines.append(line)
+                candidate = word
+            line = candidate
+        lines.append(line)
+    return lines
+
+
+def add_caption(picture: np.ndarray, caption: str) -> np.ndarray:
+    """``picture`` under a white band with ``caption`` written in black: say there which weights drew it.
+
+    Each line of ``caption`` (split at ``\\n``) wraps at spaces to the picture's width; the band is 12 pixels per
+    line plus 3 above and 3 below, as wide as the picture, which is copied below it unchanged.
+
+    Args:
+        picture: an RGB ``uint8`` image.
+        caption: the text, one or more lines; not blank.
+
+    Returns:
+        A new RGB ``uint8`` array, ``picture`` with the band on top.
+
+    Shape:
+        picture: ``(H, W, 3)``; returned: ``(band + H, W, 3)``.
+
+    Raises:
+        InvalidValueError: the picture is not ``(H, W, 3)`` ``uint8``, or the caption is blank.
+
+    Examples:
+        >>> import numpy as np
+        >>> from featurehooks.viz import add_caption
+        >>> picture = np.zeros((32, 320, 3), dtype=np.uint8)
+        >>> add_caption(picture, "VGG16 relu3_3\\nRANDOM weights (seed 0): the mechanics only").shape
+        (62, 320, 3)
+    """
+    if picture.ndim != 3 or picture.shape[2] != 3 or picture.dtype != np.uint8:
+        raise InvalidValueError(f"picture must be an RGB uint8 array (H, W, 3), got {picture.dtype} {picture.shape}")
+    if not caption.strip():
+        raise InvalidValueError("caption is blank: pass the text to write, or no caption")
+    font = ImageFont.load_default()
+    width = picture.shape[1]
+    lines = _wrap(caption, width - 2 * _CAPTION_LEFT, font)
+    band = Image.new("RGB", (width, 2 * _CAPTION_MARGIN + _CAPTION_LINE * len(lines)), (255, 255, 255))
+    pen = ImageDraw.Draw(band)
+    for row, text in enumerate(lines):
+        pen.text((_CAPTION_LEFT, _CAPTION_MARGIN + _CAPTION_LINE * row), text, fill=(0, 0, 0), font=font)
+    return np.concatenate([np.asarray(band), picture])
 
 
 def _tile(values: Tensor, size: int) -> np.ndarray:
@@ -100,11 +174,14 @@ def feature_grid(
     channels: int = 8,
     tile_size: int = 96,
     input_range: tuple[float, float] = (0.0, 1.0),
+    caption: str | None = None,
 ) -> np.ndarray:
     """A picture with one row per layer: the input image, then the ``channels`` most active maps.
 
     Each map is min-max scaled on its own and drawn with the viridis colormap; labels name the
-    layer, its shape and each channel index. Only the first sample of a batch is drawn.
+    layer, its shape and each channel index. Only the first sample of a batch is drawn. A ``caption``
+    goes in a band above the rows (``add_caption``): say there which weights drew the maps, above all
+    when they are random, since random weights show the mechanics, not what a trained network sees.
 
     Args:
         features: ``{layer: feature}`` as returned by a FeatureExtractor (maps ``(B, C, H, W)``).
@@ -112,14 +189,28 @@ def feature_grid(
         channels: maps per layer (fewer if the layer has fewer channels).
         tile_size: side of each tile in pixels.
         input_range: value range of ``image``.
+        caption: text for a band above the rows, one or more lines; None (the default) draws no band.
 
     Returns:
         An RGB ``uint8`` array ``(height, width, 3)``.
 
-    Example:
+    Examples:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> from featurehooks.viz import feature_grid
         >>> grid = feature_grid({"a": torch.rand(1, 4, 8, 8)}, channels=2, tile_size=16)
         >>> grid.shape, grid.dtype
         ((30, 34, 3), dtype('uint8'))
+
+        Maps of a backbone with random weights, captioned to say so:
+
+        >>> _ = torch.manual_seed(0)
+        >>> with FeatureExtractor("resnet18", ["layer1", "layer2"], weights=None) as extractor:
+        ...     image = torch.rand(1, 3, 64, 64)
+        ...     features = extractor(image)
+        >>> caption = f"resnet18, weights {extractor.weights}" if extractor.weights else "resnet18, RANDOM weights"
+        >>> feature_grid(features, image, channels=4, tile_size=32, caption=caption).shape
+        (112, 168, 3)
     """
     if not features:
         raise InvalidValueError("no features to draw")
@@ -143,13 +234,33 @@ def feature_grid(
             canvas.paste(Image.fromarray(_tile(fmap[index], tile_size)), (left, top + _LABEL_HEIGHT))
             draw.text((left + 2, top + _LABEL_HEIGHT + 1), str(index), fill=(255, 255, 255), font=font)
             left += tile_size + _GAP
-    return np.asarray(canvas)
+    grid = np.asarray(canvas)
+    return grid if caption is None else add_caption(grid, caption)
 
 
 def save_feature_grid(
     path: str | os.PathLike[str], features: Mapping[str, Tensor], image: Tensor | None = None, **kwargs: object
 ) -> Path:
-    """Write ``feature_grid(features, image, **kwargs)`` to ``path`` (PNG unless the suffix says otherwise)."""
+    """Write ``feature_grid(features, image, **kwargs)`` to ``path`` (PNG unless the suffix says otherwise).
+
+    Args:
+        path: the file to write; its folder is created.
+        features: ``{layer: feature}``, as for ``feature_grid``.
+        image: the input, as for ``feature_grid``.
+        **kwargs: ``feature_grid``'s keyword arguments (``channels``, ``tile_size``, ``input_range``, ``caption``).
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import torch
+        >>> from featurehooks.viz import save_feature_grid
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> save_feature_grid(folder / "maps.png", {"a": torch.rand(1, 4, 8, 8)}, caption="random features").name
+        'maps.png'
+    """
     path = Path(path)
     grid = feature_grid(features, image, **kwargs)  # type: ignore[arg-type]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Feature-map grids: layout, channel choice, token maps, errors, PNG output."""
+"""Feature-map grids: layout, channel choice, token maps, errors, PNG output; caption bands, and the caption line
+with which the examples say that random weights drew a picture."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ import pytest
 import torch
 from PIL import Image
 
-from featurehooks.viz import feature_grid, save_feature_grid, top_channels
+from featurehooks.viz import add_caption, feature_grid, save_feature_grid, top_channels
+
+from helpers import load_script
 
 LABEL = 14
 GAP = 2
+CAPTION_LINE = 12
+CAPTION_MARGIN = 3
+
+
+def band(lines: int) -> int:
+    """Height of a caption band of ``lines`` lines."""
+    return 2 * CAPTION_MARGIN + CAPTION_LINE * lines
 
 
 def test_grid_layout_one_row_per_layer() -> None:
@@ -84,3 +94,54 @@ def test_save_without_a_suffix_writes_a_png(tmp_path: Path) -> None:
     path = save_feature_grid(tmp_path / "grid", {"a": torch.rand(1, 4, 8, 8)}, channels=2, tile_size=16)
     with Image.open(path) as image:
         assert image.format == "PNG"
+
+
+def test_caption_goes_in_a_band_above_an_unchanged_grid() -> None:
+    feats, image = {"a": torch.rand(1, 6, 8, 8)}, torch.rand(1, 3, 16, 16)
+    plain = feature_grid(feats, image, channels=4, tile_size=48)
+    captioned = feature_grid(feats, image, channels=4, tile_size=48, caption="resnet18 a\nRANDOM weights (seed 0)")
+    assert captioned.shape == (band(2) + plain.shape[0], plain.shape[1], 3)
+    np.testing.assert_array_equal(captioned[band(2) :], plain)  # the layout below the band is the grid's
+    for line in range(2):  # each line of the band has dark text on the white background
+        rows = captioned[CAPTION_MARGIN + CAPTION_LINE * line : CAPTION_MARGIN + CAPTION_LINE * (line + 1)]
+        assert (rows < 128).all(axis=-1).any(), f"line {line} of the caption is empty"
+    assert (captioned[: band(2), -8:] == 255).all()  # text starts at the left; the band's background is white
+
+
+def test_add_caption_wraps_long_lines_to_the_picture_and_copies_it() -> None:
+    picture = np.full((10, 120, 3), 7, dtype=np.uint8)
+    text = "RANDOM weights (seed 0): shows the mechanics, not what a trained VGG16 sees"
+    wide, narrow = add_caption(np.zeros((10, 800, 3), dtype=np.uint8), text), add_caption(picture, text)
+    assert wide.shape[0] == band(1) + 10
+    assert narrow.shape[0] > band(2) + 10 and narrow.shape[1] == 120  # wrapped into more lines, never wider
+    assert (narrow[: narrow.shape[0] - 10, -3:] == 255).all()  # wrapped text stays inside the picture
+    np.testing.assert_array_equal(narrow[-10:], picture)
+    assert (picture == 7).all()  # the caller's array is not touched
+
+
+@pytest.mark.parametrize(
+    ("picture", "caption", "match"),
+    [
+        (np.zeros((8, 8, 3), dtype=np.uint8), "  ", "blank"),
+        (np.zeros((8, 8), dtype=np.uint8), "x", "RGB uint8"),
+        (np.zeros((8, 8, 3), dtype=np.float32), "x", "RGB uint8"),
+    ],
+)
+def test_add_caption_refuses_bad_input(picture: np.ndarray, caption: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        add_caption(picture, caption)
+
+
+def test_save_forwards_the_caption(tmp_path: Path) -> None:
+    path = save_feature_grid(
+        tmp_path / "grid.png", {"a": torch.rand(1, 4, 8, 8)}, channels=3, tile_size=16, caption="x"
+    )
+    with Image.open(path) as image:
+        assert image.size == (3 * 16 + 2 * GAP, band(1) + LABEL + 16)
+
+
+def test_the_examples_caption_says_when_the_weights_are_random() -> None:
+    weights_caption = load_script("examples/_common.py").weights_caption
+    random = weights_caption("VGG16", None, seed=3)
+    assert "RANDOM weights (seed 3)" in random and "not what a trained VGG16 sees" in random
+    assert weights_caption("VGG16", "VGG16_Weights.IMAGENET1K_V1") == "weights VGG16_Weights.IMAGENET1K_V1"

@@ -19,7 +19,9 @@ def test_style_transfer_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixtu
         ["--size", "32", "--steps", "2", "--out", str(out), "--side-by-side"]
     )
     image = np.asarray(Image.open(out))
-    assert image.shape == (32, 96, 3) and image.std() > 0  # content | style | result
+    band = image.shape[0] - 32  # the caption (which weights drew it), wrapped to the picture's width, above
+    assert band > 0 and image.shape[1:] == (96, 3) and image[band:].std() > 0  # content | style | result
+    assert (image[:band] < 128).all(axis=-1).any()  # the caption's text
     assert str(out) in capsys.readouterr().out
 
 
