@@ -117,8 +117,16 @@ def _show(args: argparse.Namespace) -> int:
     with torch.no_grad():
         features = extractor(image)
     _check_drawable(features, extractor.output_layouts, args.backbone)
+    # a picture drawn with random weights says so in itself, wherever it ends up
+    random = f"RANDOM weights (seed {args.seed}): shows the mechanics, not what trained weights see"
     path = save_feature_grid(
-        args.out, features, image, channels=args.channels, tile_size=args.tile_size, input_range=extractor.input_range
+        args.out,
+        features,
+        image,
+        channels=args.channels,
+        tile_size=args.tile_size,
+        input_range=extractor.input_range,
+        caption=random if extractor.weights is None else None,
     )
     print(f"wrote {path} ({', '.join(features)}; {args.channels} most active channels each)")
     return 0

@@ -14,6 +14,7 @@ from PIL import Image
 
 from featurehooks import FeatureExtractor, dump_features
 from featurehooks.cli import main
+from featurehooks.viz import add_caption
 
 SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3", "-q"]
 
@@ -218,9 +219,23 @@ def test_show_writes_a_png_grid(images: Path, tmp_path: Path, capsys: pytest.Cap
                  "relu2_2", "--out", str(out), "--channels", "4", "--tile-size", "32",
                  "--resize", "32", "--crop", "32"])  # fmt: skip
     assert code == 0 and "wrote" in capsys.readouterr().out
+    width, height = 5 * 32 + 4 * 2, 2 * (14 + 32) + 2  # image + 4 maps; 2 layers
     with Image.open(out) as grid:
         assert grid.format == "PNG" and grid.mode == "RGB"
-        assert grid.size == (5 * 32 + 4 * 2, 2 * (14 + 32) + 2)  # image + 4 maps; 2 layers
+        picture = np.asarray(grid)
+    caption = "RANDOM weights (seed 0): shows the mechanics, not what trained weights see"
+    band = add_caption(np.zeros((height, width, 3), np.uint8), caption)[:-height]
+    np.testing.assert_array_equal(picture[: len(band)], band)  # random weights: the picture says so on top
+
+
+def test_show_with_pretrained_weights_draws_no_caption(
+    images: Path, tmp_path: Path, resnet18_cached: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "grid.png"
+    argv = ["show", str(images / "0.png"), "--backbone", "resnet18", "--layers", "layer1", "--out", str(out)]
+    assert main([*argv, "--channels", "2", "--tile-size", "16", "--resize", "32", "--crop", "32"]) == 0
+    with Image.open(out) as grid:
+        assert grid.size == (3 * 16 + 2 * 2, 14 + 16)  # image + 2 maps, one layer: no band
 
 
 @pytest.mark.parametrize(

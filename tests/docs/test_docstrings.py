@@ -38,8 +38,6 @@ PUBLIC_MODULES = (
     "featurehooks.errors",
 )
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-# viz.py's examples are being written elsewhere (issue 21); its names are checked once they have an Examples: section
-PENDING_MODULES = ("featurehooks.viz",)
 
 
 def _exported(module: ModuleType) -> list[str]:
@@ -98,14 +96,6 @@ def _source_docstring(qualified: str) -> tuple[str, str, int]:
     return docstring.value, str(found.filepath), docstring.lineno or 0
 
 
-def _skip_if_pending(qualified: str) -> None:
-    value = _resolve(qualified)
-    text = (inspect.getdoc(value) or "") if _has_own_doc(value) else _source_docstring(qualified)[0]
-    module = value.__module__ if _has_own_doc(value) and not inspect.ismodule(value) else qualified
-    if module.startswith(PENDING_MODULES) and "Examples:" not in text:
-        pytest.skip(f"{qualified}: the examples of {module} are not written yet")
-
-
 def _doctests(qualified: str) -> list[doctest.DocTest]:
     value = _resolve(qualified)
     if _has_own_doc(value):
@@ -119,7 +109,6 @@ def _doctests(qualified: str) -> list[doctest.DocTest]:
 
 @pytest.mark.parametrize("qualified", NAMES)
 def test_public_name_has_an_example(qualified: str) -> None:
-    _skip_if_pending(qualified)
     value = _resolve(qualified)
     text = (inspect.getdoc(value) or "") if _has_own_doc(value) else _source_docstring(qualified)[0]
     assert text.strip(), f"{qualified} has no docstring"
@@ -131,7 +120,6 @@ def test_public_name_has_an_example(qualified: str) -> None:
 @pytest.mark.slow  # 110 examples, 13 of them build a VGG: about 35 s of CPU in all
 @pytest.mark.parametrize("qualified", NAMES)
 def test_examples_run(qualified: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _skip_if_pending(qualified)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what examples write with tempfile lands here
     tests = _doctests(qualified)
     assert tests, f"{qualified} has no example to run"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import FeatureStatistics, frechet_distance, kernel_inception_distance
 from featurehooks.probes.watch import watch
 
-from helpers import REPO
+from helpers import load_script
 
 # --------------------------------------------------------------------------------------------------
 # item 1: watch accumulates so that every finite float32 input gives finite, correct statistics
@@ -186,16 +187,9 @@ def test_cli_uncached_weights_suggest_the_flag(tmp_path: Path, capsys: pytest.Ca
 # --------------------------------------------------------------------------------------------------
 # item 14: the examples write to demo-output/ (ignored by git) by default, never into the repository
 
-EXAMPLES = REPO / "examples"
 
-
-def _example(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _example(name: str) -> ModuleType:
+    return load_script(f"examples/{name}.py")
 
 
 @pytest.mark.parametrize("name", ["watch_training", "grad_cam", "style_transfer"])
