@@ -1,6 +1,6 @@
 """What the test files share: the repository's root, scripts loaded by path, a tiny seeded extractor, a folder of
 seeded random PNGs, sweeps sampled for ``make test-fast``, a deadline for code that could hang, a scaling module
-for the probes.
+for the probes, the CLI under torchrun with two CPU ranks.
 
 The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
 because module-level helpers of the test files (``dump(...)``) call them too.
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import signal
+import socket
+import subprocess
 import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
@@ -112,3 +115,28 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.value
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for torchrun's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m featurehooks ARGS`` on CPU; the whole process group dies on timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TORCH_HOME (seeded weights) is inherited
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "featurehooks", *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

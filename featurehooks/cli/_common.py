@@ -68,6 +68,11 @@ def cli_message(text: str) -> str:
     return text
 
 
+def is_main_rank() -> bool:
+    """Whether this process writes and prints: the only one, or rank 0 of a torchrun job (``RANK``)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def weights_from(text: str) -> str | None:
     """``--weights``: a member name or file, or None for ``none``/``random`` (seeded random init)."""
     return None if text.lower() in ("none", "random") else text

@@ -20,6 +20,7 @@ from ._common import (
     build_extractor,
     check_output_file,
     device_from,
+    is_main_rank,
     non_negative,
     positive,
     size,
@@ -262,8 +263,9 @@ def _stats(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         **sizes(args),
     )
-    path = stats.save(args.out)
-    print(f"wrote {path}: {args.layers[0]}, {stats.count} images, {stats.dim} features")
+    if is_main_rank():  # under torchrun every rank holds the merged statistics; one writes them
+        path = stats.save(args.out)
+        print(f"wrote {path}: {args.layers[0]}, {stats.count} images, {stats.dim} features")
     return 0
 
 
@@ -278,6 +280,8 @@ def _fd(args: argparse.Namespace) -> int:
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = args.kid_keep if args.kid else 0
     sides = [{args.layers[0]: files[s]} if s in files else _computed(args, s, model, keep) for s in sources]
+    if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
+        return 0
     for layer in args.layers:
         a, b = sides[0][layer], sides[1][layer]
         with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form

@@ -1,9 +1,9 @@
 """Batch feature dumps: streaming per-layer ``.npy`` files, a manifest, resume, and torchrun sharding.
 
 Modules, one job each: ``store`` (files, journal, atomic manifest), ``manifest`` (its typed fields),
-``plan`` (settings, resume/overwrite rules, completion), ``sharding`` (ranks and their rows), ``run``
-(``dump_features``, which ties them together). Images reach it through ``featurehooks.stream`` (listing,
-decoding, batches of features), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
+``plan`` (settings, resume/overwrite rules, completion), ``run`` (``dump_features``, which ties them together).
+Images reach it through ``featurehooks.stream`` (listing, decoding, batches of features, torchrun ranks and their
+rows), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
 """
 
 from ..stream import IMAGE_SUFFIXES, list_images

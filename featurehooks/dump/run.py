@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 from .._layout import Pool, as_pool
 from ..errors import InvalidValueError, RunFailedError
 from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from ..stream.sharding import Distributed, chunk_rows, split_contiguous
 from .manifest import Manifest
 from .plan import Plan, describe_settings, finish_dump, plan_dump
-from .sharding import Distributed, chunk_rows, split_contiguous
 from .store import DumpStore
 
 if TYPE_CHECKING:

@@ -39,8 +39,16 @@ from torch import Tensor
 from .._atomic import write_atomic
 from .._layout import Pool
 from ..dump import DumpResult, read_manifest
-from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
-from ..stream import Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from ..errors import (
+    InputNotFoundError,
+    InvalidTypeError,
+    InvalidValueError,
+    LayerNotFoundError,
+    RunFailedError,
+    did_you_mean,
+)
+from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from ..stream.sharding import Distributed, split_contiguous
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -621,6 +629,36 @@ def _warn_skipped(skipped: list[tuple[str, str]], total: int) -> None:
     )
 
 
+def _accumulate(
+    stats: dict[str, FeatureStatistics],
+    extractor: FeatureExtractor,
+    inputs: Inputs,
+    batches: list[list[int]],
+    pool: Pool | None,
+    num_workers: int | None,
+    progress: bool,
+    rank: int,
+) -> list[tuple[str, str]]:
+    """Add the pooled features of ``batches`` (this rank's share of the rows) to ``stats``; the rows skipped."""
+    skipped: list[tuple[str, str]] = []
+    label = "statistics" if rank == 0 else f"statistics rank {rank}"
+    with Progress(sum(map(len, batches)), progress, label=label, rank=rank) as bar:
+        found = extract_batches(
+            extractor, inputs, batches, pool=pool, dtype="float32", num_workers=num_workers, progress=bar
+        )
+        for batch in found:
+            skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
+            for name, into in stats.items():
+                vectors = batch.arrays[name]
+                if vectors.ndim != 2:
+                    raise InvalidValueError(
+                        f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, not "
+                        "vectors; pool them (pool='avg', 'max' or 'cls')"
+                    )
+                into.update(vectors[batch.valid])
+    return skipped
+
+
 def feature_statistics_by_layer(
     extractor: FeatureExtractor,
     source: SourceSpec,
@@ -669,22 +707,28 @@ def feature_statistics_by_layer(
     stats = {name: FeatureStatistics(keep=keep, seed=seed, origin=origins[name]) for name in wanted}
     total = len(inputs.names)
     batches = [list(range(start, min(start + batch_size, total))) for start in range(0, total, batch_size)]
-    skipped: list[tuple[str, str]] = []
-    with Progress(total, progress, label="statistics") as bar:
-        found = extract_batches(
-            extractor, inputs, batches, pool=pool, dtype="float32", num_workers=num_workers, progress=bar
-        )
-        for batch in found:
-            skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
-            for name in wanted:
-                vectors = batch.arrays[name]
-                if vectors.ndim != 2:
-                    raise InvalidValueError(
-                        f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, not "
-                        "vectors; pool them (pool='avg', 'max' or 'cls')"
-                    )
-                stats[name].update(vectors[batch.valid])
-    _warn_skipped(skipped, total)
+    ranks = Distributed.from_environment(extractor.device)
+    try:
+        try:
+            mine = split_contiguous(batches, ranks.world_size, ranks.rank)
+            skipped = _accumulate(stats, extractor, inputs, mine, pool, num_workers, progress, ranks.rank)
+        except Exception as exc:
+            if ranks.world_size > 1:  # the other ranks wait for this one's share: tell them why it is missing
+                ranks.all_gather(f"{type(exc).__name__}: {exc}")
+            raise
+        shares = ranks.all_gather((stats, skipped))  # in rank order: rank r holds the r-th run of rows
+    finally:
+        ranks.close()
+    failed = [f"rank {rank}: {share}" for rank, share in enumerate(shares) if isinstance(share, str)]
+    if failed:
+        raise RunFailedError(f"the statistics failed on {'; '.join(failed)}")
+    stats, skipped = shares[0]
+    for other, other_skipped in shares[1:]:
+        for name in wanted:
+            stats[name].merge(other[name])
+        skipped.extend(other_skipped)
+    if ranks.is_main:
+        _warn_skipped(skipped, total)
     return stats
 
 

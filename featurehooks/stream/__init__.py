@@ -10,7 +10,8 @@ Modules, in the order data flows through them:
 - ``tiling``: CPU micro-batches whose largest activation fits the cache;
 - ``pipeline``: ``feature_batches``, the one loop from batches of rows to batches of features, and
   ``extract_batches``, that loop for a ``FeatureExtractor`` over ``Inputs``;
-- ``progress``: the best-effort bar on stderr.
+- ``progress``: the best-effort bar on stderr;
+- ``sharding``: torchrun ranks, the contiguous share of the rows each takes, and the collectives that join them.
 
 It imports the modules below it (``images``, ``_layout``, ``errors``; ``extractor`` for types only) and
 nothing from ``dump``, ``metrics`` or ``cli``, which all import it.

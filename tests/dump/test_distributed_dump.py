@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,10 @@ import pytest
 from PIL import Image
 
 from featurehooks.cli import main
-from featurehooks.dump.sharding import Distributed, chunk_rows, split_contiguous
+from featurehooks.stream.sharding import Distributed, chunk_rows, split_contiguous
 
 from dump_helpers import mark_unfinished
+from helpers import free_port, torchrun
 
 
 @pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])
@@ -50,34 +50,10 @@ def make_inputs(folder: Path) -> None:
     (folder / "img_05b.png").write_bytes(b"\x89PNG broken")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 ARGS = [
     "--backbone", "resnet18", "--weights", "DEFAULT", "--layers", "layer1", "layer2",
     "--batch-size", "2", "--workers", "1", "--resize", "36", "--crop", "32", "--device", "cpu", "-q",
 ]  # fmt: skip
-
-
-def torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 -m featurehooks ARGS`` on CPU; the whole process group dies on timeout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # TORCH_HOME (seeded weights) is inherited
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "featurehooks", *args,
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def same_files(a: Path, b: Path) -> None:

@@ -1,8 +1,9 @@
-"""Splitting a dump across torch.distributed ranks (torchrun), without padding or duplicates.
+"""Splitting work across torch.distributed ranks (torchrun), without padding or duplicates.
 
 Rows are grouped in fixed chunks (the batch size); each rank takes one contiguous run of the pending
 chunks. Batches are always whole chunks, so every row is computed in the same batch whatever the
-number of ranks or restarts, and the bytes written do not depend on them.
+number of ranks or restarts: a dump's bytes do not depend on them, and statistics merged from the ranks
+equal one process's to float rounding.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from ..errors import RunFailedError
 
 __all__ = ["Distributed", "chunk_rows", "split_contiguous"]
 
+T = TypeVar("T")  # what is split: row indices, batches of them
+
 
 def chunk_rows(chunk: int, chunk_size: int, num_rows: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` of chunk number ``chunk``."""
@@ -27,7 +30,7 @@ def chunk_rows(chunk: int, chunk_size: int, num_rows: int) -> tuple[int, int]:
     return start, min(start + chunk_size, num_rows)
 
 
-def split_contiguous(items: Sequence[int], parts: int, part: int) -> list[int]:
+def split_contiguous(items: Sequence[T], parts: int, part: int) -> list[T]:
     """Part ``part`` of ``parts`` contiguous, non-padded pieces of ``items`` (sizes differ by at most one)."""
     base, extra = divmod(len(items), parts)
     start = part * base + min(part, extra)
@@ -37,7 +40,7 @@ def split_contiguous(items: Sequence[int], parts: int, part: int) -> list[int]:
 
 @dataclass
 class Distributed:
-    """Rank and world size of this process, and the collectives a dump needs (no-ops when alone).
+    """Rank and world size of this process, and the collectives dumps and statistics need (no-ops when alone).
 
     With ``WORLD_SIZE > 1`` in the environment (torchrun sets it) and no process group yet, one is
     created (``nccl`` for CUDA devices, else ``gloo``) and destroyed by ``close()``.
@@ -75,6 +78,14 @@ class Distributed:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank reports ``ok``."""
