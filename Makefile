@@ -1,5 +1,7 @@
 # Quick start: `make demo` then `make test`. Both create .venv on first use.
-# `make test-fast` leaves out the tests marked slow (model sweeps, subprocesses, big images): the edit loop.
+# `make test` runs the tests of the code; `make docs` builds the documentation and runs every block and docstring
+# example in it (tests/docs); `make test-fast` leaves out the tests marked slow (model sweeps, subprocesses, big
+# images): the edit loop. CI runs lint, docs and test.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,10 +24,10 @@ demo: $(STAMP)
 	$(PY) examples/style_transfer.py --side-by-side --out demo-output/style_transfer.png
 
 test: $(STAMP)
-	$(PYTEST)
+	$(PYTEST) --ignore=tests/docs
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not slow"
+	$(PYTEST) --ignore=tests/docs -m "not slow"
 
 # ruff (lint and format) everywhere; mypy on the library, strict on the engine (pyproject.toml, [tool.mypy])
 lint: $(STAMP)
@@ -35,9 +37,11 @@ lint: $(STAMP)
 
 # the user guide (docs/*.md) and the API reference generated from the docstrings (docs/api/), into site/;
 # --strict: a warning (a broken link, a docstring griffe cannot read) fails the build (not --quiet: it hides
-# the warnings, and --strict then passes)
+# the warnings, and --strict then passes); then every code block of README.md and docs/, and every docstring
+# example, runs (tests/docs)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+	$(PYTEST) tests/docs
 
 # the CPU benchmarks, one after another (about an hour on 2 quiet cores); results land in benchmarks/results/
 BENCHMARKS := extraction losses memory_formats metrics probes dump_throughput dump_memory compile

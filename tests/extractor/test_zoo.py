@@ -56,6 +56,7 @@ TOO_SLOW = {
     "vit_h_14": "a forward and backward at its fixed 518x518 input take 105 s, random init of 632M parameters 5 s",
     "regnet_y_128gf": "random init of 644M parameters takes 5-10 s, the whole check 9 s",
     "vit_l_16": "a forward and backward of ViT-L at its fixed 224x224 input take 6.5 s, the whole check 9 s",
+    "vit_l_32": "ViT-L's blocks again (vit_b_32 has its patching): the check took 10 s, the suite's slowest model",
 }
 STAGE_LAYOUTS = ("NCHW", "NHWC", "NLC")
 # The smallest model of each family, and the variants whose blocks differ: batch norm (VGG), bottlenecks and
