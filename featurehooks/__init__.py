@@ -22,7 +22,7 @@ from .extractor import CapturedFeatures, FeatureExtractor, capture
 from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
 from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, TotalVariationLoss
-from .metrics import LPIPS, FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
+from .metrics import DISTS, LPIPS, FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
 from .probes import clip_grad, detect_nonfinite, reverse_grad, scale_grad, watch
 from .viz import feature_grid, save_feature_grid
 
@@ -32,6 +32,7 @@ __all__ = [
     "BackboneNotFoundError",
     "CapturedFeatures",
     "CorruptDumpError",
+    "DISTS",
     "DumpLockedError",
     "DumpResult",
     "FeatureExtractor",

@@ -29,6 +29,7 @@ from ._common import (
     sizes,
     weights_from,
 )
+from ._dists import add_dists_command
 from ._metrics import add_metric_commands
 
 if TYPE_CHECKING:
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(run=_show)
     add_metric_commands(commands)
+    add_dists_command(commands)
     return parser
 
 

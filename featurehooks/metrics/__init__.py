@@ -12,6 +12,7 @@ Examples:
     >>> mean, std = metrics.kernel_inception_distance(real, fake, subsets=10, subset_size=100)
 """
 
+from .dists import DISTS
 from .frechet import frechet_distance, kernel_inception_distance
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
@@ -25,6 +26,7 @@ from .statistics import (
 
 __all__ = [
     "BATCH_PIXELS",
+    "DISTS",
     "LPIPS",
     "FeatureOrigin",
     "FeatureStatistics",

@@ -1,4 +1,4 @@
-"""Scoring pairs of images from two folders with a pairwise metric such as LPIPS.
+"""Scoring pairs of images from two folders with a pairwise metric such as LPIPS or DISTS.
 
 ``pair_files`` matches the images of two folders by their path relative to each folder;
 ``score_pairs`` streams the pairs through the input pipeline dumps use (``featurehooks.stream``:
@@ -269,7 +269,8 @@ def score_pairs(
     by float rounding only, as a batched convolution does).
 
     Args:
-        metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")``.
+        metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")`` or
+            ``DISTS(reduction="none")``.
         pairs: the ``ImagePair`` items of ``pair_files``, or ``(path_a, path_b)`` items.
         batch_size: pairs per forward, at most.
         batch_pixels: pixels per forward, at most: the sum over its pairs of height × width (of one
@@ -286,8 +287,8 @@ def score_pairs(
 
     Raises:
         InvalidValueError: an image cannot be read (the error names the file), the images of a pair
-            differ in size, or the metric does not return one value per pair (for ``LPIPS`` pass
-            ``reduction="none"``).
+            differ in size, or the metric does not return one value per pair (for ``LPIPS`` and
+            ``DISTS`` pass ``reduction="none"``).
 
     Examples:
         >>> import pathlib, tempfile, torch
@@ -345,6 +346,6 @@ def _pair_scores(metric: PairMetric, pairs: Tensor) -> dict[str, np.ndarray]:
         shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise InvalidValueError(
             f"the metric returned {shape} for {len(pairs)} pairs; it must return one value per pair "
-            "(for LPIPS pass reduction='none' and spatial=False)"
+            "(for LPIPS and DISTS pass reduction='none', and spatial=False to LPIPS)"
         )
     return {"score": values.detach().float().cpu().numpy()}
