@@ -16,6 +16,7 @@ from .dists import DISTS
 from .frechet import frechet_distance, kernel_inception_distance
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
+from .prdc import PRDC, Manifold, precision_recall
 from .statistics import (
     FeatureOrigin,
     FeatureStatistics,
@@ -28,9 +29,11 @@ __all__ = [
     "BATCH_PIXELS",
     "DISTS",
     "LPIPS",
+    "PRDC",
     "FeatureOrigin",
     "FeatureStatistics",
     "ImagePair",
+    "Manifold",
     "feature_statistics",
     "feature_statistics_by_layer",
     "find_heads",
@@ -38,6 +41,7 @@ __all__ = [
     "kernel_inception_distance",
     "load_heads",
     "pair_files",
+    "precision_recall",
     "score_pairs",
     "statistics_from_dump",
 ]
