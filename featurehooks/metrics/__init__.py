@@ -14,6 +14,7 @@ Examples:
 
 from .dists import DISTS
 from .frechet import frechet_distance, kernel_inception_distance
+from .interop import PooledFeatures
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
@@ -34,6 +35,7 @@ __all__ = [
     "FeatureStatistics",
     "ImagePair",
     "Manifold",
+    "PooledFeatures",
     "feature_statistics",
     "feature_statistics_by_layer",
     "find_heads",
