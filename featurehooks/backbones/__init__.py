@@ -16,6 +16,7 @@ from ..errors import InvalidTypeError, InvalidValueError
 from . import timm_models, torchvision_models
 from ._files import is_state_dict_file, load_fitting, read_state_dict
 from .base import Backbone, Preprocessing
+from .fid_inception import FID_INCEPTION, fid_inception_architecture, load_fid_inception
 
 BackboneSpec = Union[str, nn.Module]
 """A backbone: a torchvision model name (``"vgg16"``), ``"timm/<name>"``, or your own ``nn.Module``.
@@ -65,6 +66,7 @@ def available_backbones(include: str | None = None) -> list[str]:
         True
     """
     names = torchvision_models.torchvision_names()
+    names = sorted([*names, FID_INCEPTION])
     return [n for n in names if include is None or fnmatch.fnmatch(n, include)]
 
 
@@ -107,6 +109,8 @@ def load_backbone(
         backbone = _own_module(spec, weights, explained=mean is not None)
     elif isinstance(spec, str) and spec.startswith(timm_models.PREFIX):
         backbone = timm_models.load(spec[len(timm_models.PREFIX) :], weights)
+    elif spec == FID_INCEPTION:
+        backbone = load_fid_inception(weights)
     elif isinstance(spec, str):
         backbone = torchvision_models.load(spec, weights)
     else:
@@ -164,6 +168,8 @@ def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
         >>> next(backbone.model.parameters()).device, backbone.preprocessing.resize_size
         (device(type='meta'), 232)
     """
+    if spec == FID_INCEPTION:
+        return fid_inception_architecture(weights)
     if spec.startswith(timm_models.PREFIX):
         return timm_models.architecture(spec[len(timm_models.PREFIX) :], weights)
     return torchvision_models.architecture(spec, weights)

@@ -30,6 +30,7 @@ from ._common import (
     weights_from,
 )
 from ._dists import add_dists_command
+from ._fid import add_fid_command
 from ._metrics import add_metric_commands
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
     add_metric_commands(commands)
     add_dists_command(commands)
+    add_fid_command(commands)
     return parser
 
 

@@ -13,6 +13,7 @@ Examples:
 """
 
 from .dists import DISTS
+from .fid import FID_LAYERS, fid_extractor, fid_statistics, load_mu_sigma
 from .frechet import frechet_distance, kernel_inception_distance
 from .interop import PooledFeatures
 from .lpips import LPIPS, find_heads, load_heads
@@ -29,6 +30,7 @@ from .statistics import (
 __all__ = [
     "BATCH_PIXELS",
     "DISTS",
+    "FID_LAYERS",
     "LPIPS",
     "PRDC",
     "FeatureOrigin",
@@ -38,10 +40,13 @@ __all__ = [
     "PooledFeatures",
     "feature_statistics",
     "feature_statistics_by_layer",
+    "fid_extractor",
+    "fid_statistics",
     "find_heads",
     "frechet_distance",
     "kernel_inception_distance",
     "load_heads",
+    "load_mu_sigma",
     "pair_files",
     "precision_recall",
     "score_pairs",

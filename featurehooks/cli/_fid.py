@@ -1,0 +1,239 @@
+"""The ``fid`` subcommand: the FID ``python -m pytorch_fid`` prints, from image sets or statistics files."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+from ._common import UserError, check_output_file, device_from, non_negative, positive, weights_from
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..extractor import FeatureExtractor
+    from ..metrics import FeatureStatistics
+
+__all__ = ["add_fid_command"]
+
+_DIMS = (64, 192, 768, 2048)  # pytorch-fid's --dims (featurehooks.metrics.FID_LAYERS, not imported before it runs)
+_SINGULAR = "fewer than dimensions + 1"  # frechet_distance's warning for small sets, said here per set instead
+
+_EPILOG = """\
+examples:
+  featurehooks fid real/ fake/                        # prints "FID:  <value>", as python -m pytorch_fid does
+  featurehooks fid --save-stats real/ real.npz        # a reference set's statistics, computed once
+  featurehooks fid real.npz fake/
+  featurehooks fid fid_stats_cifar10_train.npz fake/  # pytorch-fid's and TTUR's mu/sigma files are read too
+
+The network is pytorch-fid's port of TensorFlow's FID Inception (backbone fid_inception) with its weights
+file pt_inception-2015-12-05-6726825d.pth, read from $TORCH_HOME/hub/checkpoints/ (where pytorch-fid's own
+download puts it) or given with --weights FILE. Every image enters at its own size and is resized to
+299x299 inside the network (bilinear, no antialiasing), as pytorch-fid does: the number equals its number
+on the same images. Folders are searched recursively (pytorch-fid reads a folder's own files only).
+
+A statistics file is one written by --save-stats or `featurehooks stats` (refused unless it holds these
+features), or any .npz with arrays mu and sigma (pytorch-fid's --save-stats, TTUR's precomputed files),
+taken as it is. Sets of 2048 images or fewer give a singular covariance and a number dominated by the
+estimate's bias: FID needs at least 2049 images per set, and is usually reported on 10,000 or 50,000.
+"""
+
+Side = Union["FeatureStatistics", "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def add_fid_command(commands: Any) -> None:
+    """Add ``fid`` to the ``featurehooks`` command's subparsers."""
+    fid = commands.add_parser(
+        "fid",
+        help="FID between two image sets (or statistics files), the number python -m pytorch_fid prints",
+        description="Fréchet Inception Distance between two image sets (folders, globs or files) or statistics "
+        "files, on the TensorFlow Inception network of pytorch-fid, with its preprocessing.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fid.add_argument("set_a", metavar="A", help="image folder (recursive), glob or file; or a statistics .npz")
+    fid.add_argument(
+        "set_b",
+        metavar="B",
+        help="image folder (recursive), glob or file; or a statistics .npz; with --save-stats, the .npz to write",
+    )
+    fid.add_argument(
+        "--save-stats",
+        action="store_true",
+        help="write the statistics of the images A to the file B instead (pytorch-fid's --save-stats)",
+    )
+    fid.add_argument(
+        "--dims",
+        type=int,
+        choices=_DIMS,
+        default=2048,
+        help="features: 2048 (pool3) is FID; 64, 192, 768 are pytorch-fid's earlier blocks (default: 2048)",
+    )
+    fid.add_argument(
+        "--weights",
+        default="DEFAULT",
+        metavar="FILE",
+        help="the weights file (default: DEFAULT, pt_inception-2015-12-05-6726825d.pth from the torch hub cache), "
+        "or 'none' for a seeded random init, which is not the FID network",
+    )
+    fid.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
+    fid.add_argument("--batch-size", type=positive, default=50, metavar="N", help="images per batch (default: 50)")
+    fid.add_argument(
+        "--workers",
+        "--num-workers",
+        dest="workers",
+        type=non_negative,
+        default=None,
+        metavar="N",
+        help="decoding processes (default: up to 4)",
+    )
+    fid.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    fid.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    fid.set_defaults(run=_fid)
+
+
+def _fid(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..metrics import fid_extractor, frechet_distance
+    from ..stream import list_images
+
+    device = device_from(args.device)  # a bad --device fails before anything is read
+    weights = weights_from(args.weights)
+    if args.save_stats:
+        return _save_stats(args, device, weights)
+    sources = (args.set_a, args.set_b)
+    files = {source: _read_file(args, source, weights) for source in sources if _is_statistics_file(source)}
+    images = {source: list_images([source]) for source in sources if source not in files}  # before any compute
+
+    @functools.cache
+    def model() -> FeatureExtractor:  # one network for both sets, none for two files
+        if weights is None:
+            torch.manual_seed(args.seed)
+            print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
+        return fid_extractor(weights, dims=args.dims, device=device)
+
+    sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
+    for label, source, side in zip("AB", sources, sides):
+        _warn_if_small(label, source, side, args.dims)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = frechet_distance(sides[0], sides[1])
+    _print_warnings([w for w in caught if _SINGULAR not in str(w.message)])
+    print("FID: ", value)  # exactly pytorch-fid's line: two spaces, the float's shortest repr
+    return 0
+
+
+def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | None) -> int:
+    import torch
+
+    from ..metrics import fid_extractor
+    from ..stream import list_images
+
+    if _is_statistics_file(args.set_a):
+        raise UserError(f"--save-stats computes the statistics of images, and {args.set_a} is a statistics file")
+    check_output_file(args.set_b)
+    files = list_images([args.set_a])
+    if weights is None:
+        torch.manual_seed(args.seed)
+    stats = _computed(args, files, lambda: fid_extractor(weights, dims=args.dims, device=device))
+    path = stats.save(args.set_b)
+    _warn_if_small("A", args.set_a, stats, args.dims)
+    print(f"wrote {path}: FID statistics of {stats.count} images, {stats.dim} features")
+    return 0
+
+
+def _is_statistics_file(source: str) -> bool:
+    """Whether a set is given as a statistics ``.npz`` rather than images."""
+    return source.endswith(".npz") and Path(source).is_file()
+
+
+def _read_file(args: argparse.Namespace, source: str, weights: str | None) -> Side:
+    """A statistics file: featurehooks' own (checked against what this command computes), or a mu/sigma pair."""
+    from ..metrics import FID_LAYERS, FeatureStatistics, load_mu_sigma
+
+    if _has_meta(source):
+        stats = FeatureStatistics.load(source)
+        _check_origin(args, source, stats, weights)
+        if stats.dim != args.dims:
+            raise UserError(f"{source} holds statistics of {stats.dim} features, not --dims {args.dims}")
+        return stats
+    mu, sigma = load_mu_sigma(source)
+    if mu.shape[0] != args.dims:
+        hint = f"pass --dims {mu.shape[0]}" if mu.shape[0] in FID_LAYERS else "they are not FID statistics"
+        raise UserError(f"{source} holds the statistics of {mu.shape[0]} features, not --dims {args.dims}: {hint}")
+    return mu, sigma
+
+
+def _has_meta(source: str) -> bool:
+    """Whether an ``.npz`` is featurehooks' own statistics file (it has a ``meta`` array), not a bare mu/sigma."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return "meta.npy" in archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False  # load_mu_sigma says what is wrong with it
+
+
+def _check_origin(args: argparse.Namespace, source: str, stats: FeatureStatistics, weights: str | None) -> None:
+    """Refuse, before any compute, a featurehooks statistics file of other features than this command's."""
+    from ..backbones.fid_inception import FID_INCEPTION, fid_inception_architecture
+    from ..metrics import FID_LAYERS
+
+    origin = stats.origin
+    if origin is None:  # saved from Python without an origin: nothing to check
+        return
+    layer = FID_LAYERS[args.dims]
+    if (origin.backbone, origin.layer, origin.pool) != (FID_INCEPTION, layer, "avg"):
+        raise UserError(
+            f"{source} holds statistics of {origin.backbone} {origin.layer} (pool {origin.pool}), not FID's "
+            f"({FID_INCEPTION} {layer}, pool avg): compute them with `featurehooks fid --save-stats`, or compare "
+            "them with `featurehooks fd`"
+        )
+    expected = fid_inception_architecture(weights).weights  # what this command records: nothing is read
+    if origin.weights != expected:
+        asked = "none" if weights is None else args.weights
+        raise UserError(
+            f"{source} holds statistics computed with weights {origin.weights or 'none (random init)'}, but this "
+            f"command uses --weights {asked} ({expected or 'random init'}): pass the weights the file was computed with"
+        )
+
+
+def _computed(args: argparse.Namespace, files: list[str], model: Callable[[], FeatureExtractor]) -> FeatureStatistics:
+    """FID statistics of ``files``, their warnings (unreadable images) printed as one line each."""
+    from ..metrics import fid_statistics
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = fid_statistics(
+            files,
+            extractor=model(),
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            progress=not args.quiet,
+        )
+    _print_warnings(caught)
+    return stats
+
+
+def _warn_if_small(label: str, source: str, side: Side, dims: int) -> None:
+    """One line on stderr for a set of no more images than features: its covariance is singular."""
+    if isinstance(side, tuple):  # a mu/sigma file does not say how many images it summarizes
+        return
+    count = side.count
+    if count <= dims:
+        print(
+            f"featurehooks: warning: {label} ({source}) holds {count} images, fewer than {dims + 1}: its {dims}x{dims} "
+            f"covariance is singular and FID is dominated by the estimate's bias; use at least {dims + 1} images "
+            "(FID is usually reported on 10,000 or 50,000), and compare only FIDs of equal numbers of images",
+            file=sys.stderr,
+        )
+
+
+def _print_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for warning in caught:
+        print(f"featurehooks: warning: {warning.message}", file=sys.stderr)

@@ -1,0 +1,270 @@
+"""FID as papers report it: statistics of the TensorFlow Inception's pool features, as pytorch-fid computes them.
+
+``fid_statistics`` streams images through the ``"fid_inception"`` backbone (pytorch-fid's port of the
+TensorFlow graph and its weights file) with pytorch-fid's preprocessing: every image enters at its own
+size, is resized to 299x299 inside the model (bilinear, no antialiasing) and scaled to [-1, 1]; the
+2048 features of the pool layer are summarized in a ``FeatureStatistics``. ``frechet_distance`` of two
+such statistics is the number ``python -m pytorch_fid`` prints for the same images.
+
+``load_mu_sigma`` reads the mean and covariance of any FID statistics file: pytorch-fid's ``--save-stats``
+output, the precomputed ``.npz`` files of the original TensorFlow code (TTUR), or featurehooks' own.
+
+Which FID is which (all use the weights of TensorFlow's 2015 Inception graph; their numbers still differ):
+
+- pytorch-fid, ``fid_statistics`` and ``featurehooks fid``: images in [0, 1] resized to 299 inside the
+  network by ``F.interpolate(..., mode="bilinear", align_corners=False)`` (half-pixel centers, no
+  antialiasing), then scaled by ``2x - 1``.
+- clean-fid (``mode="clean"``): ``uint8`` pixels resized to 299 by Pillow's bicubic filter on each channel
+  in float32 (antialiased when downscaling), outside the network, then scaled by ``(x - 128) / 128``.
+- torchmetrics' ``FrechetInceptionDistance`` (torch-fidelity's network): ``uint8`` pixels (floats in [0, 1]
+  with ``normalize=True`` are truncated to ``uint8`` by ``(x * 255).byte()``) resized by TensorFlow 1's
+  bilinear rule (source = destination x in / out: no half-pixel offset), then scaled by ``(x - 128) / 128``.
+- ``featurehooks fd --backbone inception_v3``: torchvision's Inception-v3 and ImageNet preprocessing: a
+  Fréchet distance, not FID.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import TYPE_CHECKING, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..backbones.fid_inception import FID_INCEPTION
+from ..errors import InputNotFoundError, InvalidValueError
+from .statistics import FeatureStatistics, _member_header, _read_member, feature_statistics
+
+if TYPE_CHECKING:
+    from ..extractor import FeatureExtractor
+    from ..stream import SourceSpec
+
+__all__ = ["FID_LAYERS", "fid_extractor", "fid_statistics", "load_mu_sigma"]
+
+FID_LAYERS = {64: "maxpool1", 192: "maxpool2", 768: "Mixed_6e", 2048: "avgpool"}
+"""The layer of ``"fid_inception"`` whose average-pooled output has ``dims`` features, by ``dims``: pytorch-fid's
+``--dims`` blocks. 2048 (``avgpool``, TensorFlow's ``pool_3``) is FID; the others are only comparable with
+themselves.
+
+Examples:
+    >>> from featurehooks.metrics import FID_LAYERS
+    >>> FID_LAYERS[2048]
+    'avgpool'
+"""
+
+WeightsArg = Union[str, "os.PathLike[str]", None]
+_DEFAULT_DIMS = 2048
+_DEFAULT_BATCH = 50  # pytorch-fid's
+_MAX_DIMS = 1 << 16  # a (D, D) float64 covariance of more features than this is 32 GiB: no FID file holds one
+
+
+def _check_dims(dims: object) -> str:
+    if isinstance(dims, bool) or dims not in FID_LAYERS:
+        raise InvalidValueError(f"dims must be one of {sorted(FID_LAYERS)} (pytorch-fid's --dims), got {dims!r}")
+    return FID_LAYERS[dims]  # type: ignore[index]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fid_extractor(
+    weights: WeightsArg = "DEFAULT",
+    *,
+    dims: int = _DEFAULT_DIMS,
+    device: str | torch.device | None = None,
+) -> FeatureExtractor:
+    """A ``FeatureExtractor`` of the FID Inception's layer of ``dims`` features, on ``device``, without a graph.
+
+    Args:
+        weights: ``"DEFAULT"`` (pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth``, read from the torch hub
+            cache), a local copy of that file, or ``None`` for random init (the architecture, not the FID network).
+        dims: 2048 for FID (the pool layer), or 64, 192, 768 for pytorch-fid's earlier blocks (``FID_LAYERS``).
+        device: where it computes; ``None``: CUDA when available, else the CPU (as pytorch-fid chooses).
+
+    Shape:
+        input: ``(B, 3, H, W)`` in [0, 1], any size; output: ``{layer: (B, dims, h, w)}`` (1x1 for 2048).
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import fid_extractor
+        >>> _ = torch.manual_seed(0)
+        >>> ext = fid_extractor(weights=None, device="cpu")  # random init: not the FID network
+        >>> {name: tuple(value.shape) for name, value in ext(torch.rand(2, 3, 40, 60)).items()}
+        {'avgpool': (2, 2048, 1, 1)}
+    """
+    from ..extractor import FeatureExtractor
+
+    layer = _check_dims(dims)
+    extractor = FeatureExtractor(FID_INCEPTION, [layer], weights=weights, mode="detach")
+    return extractor.to(_default_device() if device is None else device)
+
+
+def _layer_of(extractor: FeatureExtractor) -> str:
+    """The FID layer ``extractor`` returns, refused unless it is a ``"fid_inception"`` extractor of one of them."""
+    taps = list(extractor.taps)
+    if extractor.backbone_name != FID_INCEPTION or len(taps) != 1 or taps[0].path not in FID_LAYERS.values():
+        raise InvalidValueError(
+            f"extractor= must return one FID layer of {FID_INCEPTION!r} ({', '.join(FID_LAYERS.values())}), as "
+            f"fid_extractor() builds; this one is {extractor.backbone_name!r} with layers {extractor.layers}: use "
+            "feature_statistics for other features"
+        )
+    return taps[0].name
+
+
+def fid_statistics(
+    source: SourceSpec,
+    *,
+    weights: WeightsArg = "DEFAULT",
+    dims: int = _DEFAULT_DIMS,
+    device: str | torch.device | None = None,
+    extractor: FeatureExtractor | None = None,
+    batch_size: int = _DEFAULT_BATCH,
+    num_workers: int | None = None,
+    keep: int = 0,
+    seed: int = 0,
+    progress: bool = False,
+) -> FeatureStatistics:
+    """FID statistics of an image collection: pytorch-fid's ``calculate_activation_statistics``, streamed.
+
+    ``feature_statistics`` of ``fid_extractor(weights, dims=dims, device=device)`` with no resize or crop
+    outside the network: each image enters at its own size, and a batch of images of several sizes runs one
+    forward per size (pytorch-fid stacks a batch, so it needs one size per batch). Mean and covariance
+    are accumulated in float64 without keeping the features; they equal pytorch-fid's on the same files
+    to float32 rounding (measured: 1e-6 of their scale on CPU).
+
+    Files are read as featurehooks reads them (``read_image``): the same pixels as pytorch-fid's
+    ``Image.open(path).convert("RGB")`` for RGB and grayscale PNG and JPEG files, but EXIF orientation is
+    applied and transparent pixels are composited on white (pytorch-fid ignores both), and folders are
+    searched recursively, any suffix case (pytorch-fid lists a folder's own files with lower-case suffixes).
+
+    Args:
+        source: a folder (searched recursively), a glob, an image path, a list of these, a ``Dataset`` of image
+            tensors or an ``(N, 3, H, W)`` tensor (floats in [0, 1], or ``uint8``), as ``feature_statistics`` takes.
+        weights: see ``fid_extractor``.
+        dims: see ``fid_extractor``.
+        device: see ``fid_extractor``.
+        extractor: a ``fid_extractor()`` to reuse (e.g. for two sets with one random init); it fixes weights,
+            dims and device, which must then be left as they are.
+        batch_size: images per forward (pytorch-fid's default, 50).
+        num_workers: decoding processes (default: up to 4).
+        keep: also keep a sample of at most this many feature vectors (for ``kernel_inception_distance``).
+        seed: seed of that sample.
+        progress: a progress bar on stderr.
+
+    Returns:
+        ``FeatureStatistics`` of ``(N, dims)`` vectors, their origin naming ``"fid_inception"``, the layer, the
+        weights and the preprocessing, so they are compared only with statistics of the same features.
+
+    Raises:
+        InvalidValueError: ``dims`` is not a pytorch-fid block, ``extractor`` is no FID extractor or comes with
+            ``weights``/``dims``/``device``, or bad options.
+        WeightsUnavailableError: the weights file is neither cached nor downloadable, or unusable.
+        InputNotFoundError: ``source`` finds no images.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import fid_extractor, fid_statistics
+        >>> _ = torch.manual_seed(0)
+        >>> ext = fid_extractor(weights=None, device="cpu")  # random init: not the FID network ("DEFAULT" is)
+        >>> real = fid_statistics(torch.rand(4, 3, 32, 32), extractor=ext)  # or folders, globs, file lists
+        >>> fake = fid_statistics(torch.rand(4, 3, 48, 40), extractor=ext)  # another size: resized inside
+        >>> real.count, real.dim, real.origin.layer
+        (4, 2048, 'avgpool')
+
+        ``frechet_distance(real, fake)`` is then the FID (of 10,000 or more images a set, as papers report it).
+
+    References:
+        Heusel, Ramsauer, Unterthiner, Nessler, Hochreiter (2017). GANs Trained by a Two Time-Scale Update
+        Rule Converge to a Local Nash Equilibrium. NeurIPS.
+        Seitzer (2020). pytorch-fid: FID Score for PyTorch. https://github.com/mseitzer/pytorch-fid
+    """
+    if extractor is None:
+        extractor = fid_extractor(weights, dims=dims, device=device)
+    elif weights != "DEFAULT" or dims != _DEFAULT_DIMS or device is not None:
+        raise InvalidValueError(
+            "extractor= already fixes the weights, dims and device: pass either extractor= or weights=/dims=/device="
+        )
+    layer = _layer_of(extractor)
+    return feature_statistics(
+        extractor,
+        source,
+        layer=layer,
+        pool="avg",
+        batch_size=batch_size,
+        num_workers=num_workers,
+        resize_size=None,
+        crop_size=None,
+        keep=keep,
+        seed=seed,
+        progress=progress,
+    )
+
+
+def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
+    """The mean ``mu`` and covariance ``sigma`` of a FID statistics ``.npz`` file, as float64 tensors.
+
+    Reads pytorch-fid's ``--save-stats`` files, the precomputed files of the original TensorFlow code
+    (TTUR's ``fid_stats_*.npz``) and featurehooks' statistics files alike: any ``.npz`` with arrays ``mu``
+    ``(D,)`` and ``sigma`` ``(D, D)``. No pickle is read, and each array's size is checked before it is
+    decompressed. Such a file records neither the count nor the network: ``frechet_distance`` takes the pair
+    as it is, with no check that it comes from the same features (``FeatureStatistics.load`` keeps those of
+    featurehooks' own files).
+
+    Shape:
+        ``mu``: ``(D,)``; ``sigma``: ``(D, D)``.
+
+    Raises:
+        InputNotFoundError: no such file.
+        InvalidValueError: not an ``.npz`` archive, no ``mu``/``sigma`` arrays, shapes that do not fit, values that
+            are not finite real numbers.
+
+    Examples:
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from featurehooks.metrics import frechet_distance, load_mu_sigma
+        >>> path = os.path.join(tempfile.mkdtemp(), "ref.npz")
+        >>> np.savez_compressed(path, mu=np.zeros(3), sigma=np.eye(3))  # as pytorch-fid --save-stats writes
+        >>> mu, sigma = load_mu_sigma(path)
+        >>> tuple(sigma.shape), frechet_distance((mu, sigma), (mu + 1, sigma))
+        ((3, 3), 3.0)
+    """
+    where = os.fspath(path)
+    if not os.path.isfile(where):
+        raise InputNotFoundError(f"no statistics file {where}")
+    try:
+        mu, sigma = _read_mu_sigma(where)
+    except InvalidValueError as exc:
+        raise InvalidValueError(f"{where} is not a FID statistics file: {exc}") from None
+    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt archives
+        raise InvalidValueError(f"{where} is not a FID statistics file ({exc})") from None
+    return torch.from_numpy(mu), torch.from_numpy(sigma)
+
+
+def _read_mu_sigma(where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``mu`` and ``sigma`` of the archive ``where`` as float64 arrays, their headers checked before reading."""
+    if not zipfile.is_zipfile(where):
+        raise InvalidValueError("it is not an .npz archive (a pickle, a single .npy array, or a damaged file)")
+    with zipfile.ZipFile(where) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        missing = [name for name in ("mu", "sigma") if f"{name}.npy" not in members]
+        if missing:
+            raise InvalidValueError(f"no {' and '.join(missing)} array (found {', '.join(sorted(members)) or 'none'})")
+        size = os.path.getsize(where)
+        headers = {name: _member_header(archive, members[f"{name}.npy"], size) for name in ("mu", "sigma")}
+        (mu_shape, mu_dtype), (sigma_shape, sigma_dtype) = headers["mu"], headers["sigma"]
+        if len(mu_shape) != 1 or not 0 < mu_shape[0] <= _MAX_DIMS or sigma_shape != (mu_shape[0],) * 2:
+            raise InvalidValueError(
+                f"mu of shape {mu_shape} and sigma of shape {sigma_shape}: expected (D,) and (D, D)"
+            )
+        for name, dtype in (("mu", mu_dtype), ("sigma", sigma_dtype)):
+            if dtype.kind not in "fiu":
+                raise InvalidValueError(f"its {name} holds {dtype}, not real numbers")
+        mu, sigma = (
+            np.asarray(_read_member(archive, members[f"{name}.npy"]), dtype=np.float64) for name in ("mu", "sigma")
+        )
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        raise InvalidValueError("it holds NaN or infinite values")
+    return mu, sigma

@@ -1,0 +1,156 @@
+"""``featurehooks fid``: the number ``python -m pytorch_fid`` prints, statistics files both ways, one-line errors."""
+
+from __future__ import annotations
+
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from featurehooks.backbones.fid_inception import FIDInceptionV3, fid_weights_path
+from featurehooks.cli import main
+from featurehooks.metrics import FeatureStatistics, load_mu_sigma
+
+pytest.importorskip("pytorch_fid")
+from pytorch_fid.fid_score import calculate_fid_given_paths  # noqa: E402
+
+from helpers import SEED  # noqa: E402
+
+RUN = ["--workers", "0", "--device", "cpu", "-q"]
+FAST = ["--dims", "64"]  # pytorch-fid's first block: the whole command, with a 64-d covariance
+
+
+@pytest.fixture(scope="module")
+def fid_weights(torch_home: Path) -> Path:
+    """Seeded FID Inception weights where pytorch-fid and featurehooks both read them (He-scaled: features of
+    order one, as a trained network's; written as tests/metrics/test_fid.py writes them)."""
+    path = Path(fid_weights_path())
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = FIDInceptionV3(init_weights=False)
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+                    torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+        torch.save(model.state_dict(), path)
+    return path
+
+
+def _folder(root: Path, name: str, shift: int, size: tuple[int, int]) -> Path:
+    folder = root / name
+    folder.mkdir()
+    rng = np.random.default_rng(shift)
+    for i in range(3):
+        pixels = np.clip(rng.integers(0, 200, (*size, 3)) + shift, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory: pytest.TempPathFactory, fid_weights: Path) -> tuple[Path, Path]:
+    """Three PNGs a set, of another size in each set (pytorch-fid stacks a batch: one size per folder)."""
+    root = tmp_path_factory.mktemp("fid_sets")
+    return _folder(root, "a", 0, (33, 47)), _folder(root, "b", 40, (50, 38))
+
+
+def _printed(out: str) -> float:
+    lines = out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FID:  "), out
+    return float(lines[0][len("FID:  ") :])
+
+
+def _pytorch_fid(sets: tuple[Path, Path], dims: int) -> float:
+    """What ``python -m pytorch_fid A B --dims dims --device cpu`` prints."""
+    return float(
+        calculate_fid_given_paths([str(s) for s in sets], batch_size=50, device="cpu", dims=dims, num_workers=0)
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(sets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """A's statistics saved with --save-stats, and pytorch-fid's number for the two folders, with --dims 64: the
+    same code path as 2048 (another layer), where a Fréchet distance costs milliseconds, not 16 s of CPU."""
+    path = tmp_path_factory.mktemp("fid_stats") / "a.npz"
+    assert main(["fid", "--save-stats", str(sets[0]), str(path), *FAST, *RUN]) == 0
+    return path, _pytorch_fid(sets, 64)
+
+
+def test_prints_pytorch_fids_number(
+    sets: tuple[Path, Path], reference: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    assert main(["fid", str(sets[0]), str(sets[1]), *FAST, *RUN]) == 0
+    captured = capsys.readouterr()
+    assert _printed(captured.out) == pytest.approx(reference[1], rel=1e-6)
+    assert "A (" in captured.err and "fewer than 65" in captured.err  # three images a set: a singular covariance
+
+
+@pytest.mark.slow
+def test_prints_pytorch_fids_fid(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The 2048 features of FID (a minute of CPU: two 2048x2048 eigendecompositions here, scipy's sqrtm there)."""
+    assert main(["fid", str(sets[0]), str(sets[1]), *RUN]) == 0
+    captured = capsys.readouterr()
+    assert _printed(captured.out) == pytest.approx(_pytorch_fid(sets, 2048), rel=1e-6)
+    assert "fewer than 2049" in captured.err and "B (" in captured.err
+
+
+def test_saved_statistics_stand_in_for_the_folder(
+    sets: tuple[Path, Path], reference: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, theirs = reference
+    stats = FeatureStatistics.load(path)
+    assert stats.count == 3 and stats.origin is not None and stats.origin.backbone == "fid_inception"
+    with np.load(path) as arrays:  # what pytorch-fid reads from it
+        assert arrays["mu"].shape == (64,) and arrays["sigma"].shape == (64, 64)
+    capsys.readouterr()
+    assert main(["fid", str(path), str(sets[1]), *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == pytest.approx(theirs, rel=1e-6)
+    bare = path.with_name("bare.npz")  # pytorch-fid's own --save-stats file: mu and sigma only
+    mu, sigma = load_mu_sigma(path)
+    np.savez_compressed(bare, mu=mu.numpy(), sigma=sigma.numpy())
+    assert main(["fid", str(bare), str(path), *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == pytest.approx(0.0, abs=1e-6 * theirs)
+
+
+def test_errors_are_one_line_exit_2(
+    sets: tuple[Path, Path],
+    reference: tuple[Path, float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path, _ = reference  # statistics of --dims 64
+    other = tmp_path / "resnet.npz"
+    FeatureStatistics(origin=None).update(torch.zeros(3, 512)).save(other)
+    bare = tmp_path / "bare192.npz"
+    np.savez(bare, mu=np.zeros(192), sigma=np.eye(192))
+    cases = [
+        (["fid", str(tmp_path / "missing"), str(sets[1])], "no such file or folder"),
+        (["fid", "--save-stats", str(path), str(tmp_path / "x.npz")], "is a statistics file"),
+        (["fid", str(path), str(other), *FAST], "512 features, not --dims 64"),
+        (["fid", str(path), str(bare), *FAST], "pass --dims 192"),
+        (["fid", str(path), str(sets[1]), *FAST, "--weights", "none"], "weights pt_inception-2015-12-05-6726825d"),
+        (["fid", str(path), str(sets[1]), "--dims", "192"], "not FID's (fid_inception maxpool2"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main([*argv, *RUN]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("featurehooks: error: ") and message in err, (argv, err)
+
+
+def test_missing_weights_say_where_to_put_them(
+    sets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def offline(url: str, dst: str, *args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    assert main(["fid", str(sets[0]), str(sets[1]), *FAST, *RUN]) == 2
+    err = capsys.readouterr().err
+    assert "pt_inception-2015-12-05-6726825d.pth" in err and str(tmp_path / "hub" / "checkpoints") in err
+    assert "--weights none" in err and "https://github.com/mseitzer/pytorch-fid/releases" in err
