@@ -211,15 +211,18 @@ class DISTS(nn.Module):
     Equal to ``DISTS_pytorch.DISTS`` on the same VGG16 weights (tested to 1e-5 per image, and in
     input gradients): ``reduction="none"`` is its ``forward(x, y)`` (which keeps no graph unless
     ``require_grad=True``, and returns a scalar for one image), ``"mean"`` its
-    ``forward(x, y, require_grad=True, batch_average=True)``.
+    ``forward(x, y, require_grad=True, batch_average=True)``. Mind that its default
+    ``require_grad=False`` still returns a graph to the input, through the image term alone: an input
+    gradient taken from it misses every VGG term.
 
     Images of any size from ``MIN_SIDE`` (17) pixels a side are accepted; the two images of a pair
     must have one size. DISTS resizes nothing: ``piq.DISTS`` first shrinks images whose shorter side
     exceeds 256 to 256, this (like ``DISTS_pytorch``) does not.
 
     Speed and memory: as ``LPIPS``, a pair that needs no graph runs as one concatenated batch on an
-    accelerator and in two forwards on the CPU; the image without a graph in a loss is computed
-    without one.
+    accelerator and in two forwards on the CPU (as ``DISTS_pytorch`` does, at the same speed); the
+    image without a graph in a loss is computed without one. ``torch.compile(fullgraph=True)``
+    traces it whole.
 
     Args:
         calibrated: use the learned ``alpha`` and ``beta``; ``False`` weighs every channel of every
@@ -249,14 +252,13 @@ class DISTS(nn.Module):
         >>> import torch
         >>> from featurehooks.metrics import DISTS
         >>> metric = DISTS(weights=None, calibrated=False, reduction="none")  # random weights: offline
-        >>> x = torch.rand(2, 3, 64, 48)
-        >>> scores = metric(x, torch.rand(2, 3, 64, 48))
+        >>> x, y = torch.rand(2, 3, 64, 48), torch.rand(2, 3, 64, 48)
+        >>> scores = metric(x, y)  # one value per pair of images
         >>> scores.shape, bool((scores > 0).all()), metric(x, x).abs().max().item() < 1e-6
         (torch.Size([2]), True, True)
-        >>> loss = DISTS(weights=None, calibrated=False)  # reduction="mean": a training loss
-        >>> leaf = x.clone().requires_grad_(True)
-        >>> loss(leaf, torch.rand(1, 3, 64, 48)).backward()  # a target of batch 1 is broadcast
-        >>> leaf.grad.shape
+        >>> output = x.clone().requires_grad_(True)
+        >>> metric(output, y[:1]).mean().backward()  # as a loss; a target of batch 1 is broadcast
+        >>> output.grad.shape
         torch.Size([2, 3, 64, 48])
 
     References:
