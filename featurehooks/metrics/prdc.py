@@ -448,7 +448,7 @@ def precision_recall(
     real_set = _manifold(real, k, "real", chunk_size, place)
     fake_set = _manifold(fake, k, "fake", chunk_size, place)
     if real_set.origin is not None and fake_set.origin is not None:
-        real_set.origin.check_matches(fake_set.origin, "the real and fake features")
+        real_set.origin.check_matches(fake_set.origin, "the real and fake sets")
     if real_set.dim != fake_set.dim:
         raise InvalidValueError(f"real has {real_set.dim} features per vector and fake {fake_set.dim}")
     few = min(real_set.count, fake_set.count)
