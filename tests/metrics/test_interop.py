@@ -183,13 +183,9 @@ feature = fh.metrics.PooledFeatures(ext, "layer4", pool="avg")  # uint8 images i
 fid = FrechetInceptionDistance(feature=feature)
 kid = KernelInceptionDistance(feature=feature, subset_size=4)
 
-
-def batch(*patterns: str) -> torch.Tensor:  # the files' uint8 images, stacked: what torchmetrics takes
-    return torch.stack([fh.read_image(path) for pattern in patterns for path in sorted(glob(pattern))])
-
-
-shapes = batch("examples/images/*shapes*.png")
-others = batch("examples/images/*stripes*.png", "examples/images/*texture*.png")
+files = sorted(glob("examples/images/*.png"))
+shapes = torch.stack([fh.read_image(p) for p in files if "shapes" in p])      # uint8 images, as torchmetrics takes
+others = torch.stack([fh.read_image(p) for p in files if "shapes" not in p])  # stripes and textures
 for metric in (fid, kid):
     metric.update(shapes, real=True)
     metric.update(others, real=False)
