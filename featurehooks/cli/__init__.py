@@ -24,6 +24,7 @@ from ._common import (
     at_least,
     build_extractor,
     cli_message,
+    is_main_rank,
     non_negative,
     positive,
     sizes,
@@ -70,7 +71,7 @@ def _extract(args: argparse.Namespace) -> int:
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
     result = _dump(build_extractor(args, args.output_format), sources, args)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main_rank():
         manifest = result.manifest
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
         skipped = len(manifest["skipped"])
