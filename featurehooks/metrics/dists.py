@@ -34,7 +34,7 @@ from ..functional import Reduction, check_reduction, reduce_loss
 from ..losses._base import check_images
 from .lpips import _package_dir
 
-__all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "find_alpha_beta", "load_alpha_beta"]
+__all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]
 
 AlphaBetaSpec = Union[str, "os.PathLike[str]", Mapping[str, Tensor], None]
 
@@ -109,17 +109,35 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]
     return contextlib.nullcontext()
 
 
-def _trunk(weights: WeightsSpec) -> tuple[nn.Sequential, str | None]:
-    """VGG16's ``features`` up to relu5_3 with L2 pooling in place of max pooling, and the weights' name or file."""
+class L2PooledVGG16(nn.Sequential):
+    """DISTS' trunk: VGG16's ``features`` up to ``relu5_3``, each max pooling replaced by ``L2Pool2d``.
+
+    Its modules keep their index in ``torchvision.models.vgg16().features`` as their name (``"29"`` is
+    ``relu5_3``), so a state dict of that ``features`` (keys ``"0.weight"`` ...) fits it.
+
+    Examples:
+        >>> import torchvision
+        >>> from featurehooks.metrics.dists import L2PooledVGG16
+        >>> trunk = L2PooledVGG16(torchvision.models.vgg16().features)
+        >>> len(trunk), type(trunk[4]).__name__
+        (30, 'L2Pool2d')
+    """
+
+    def __init__(self, features: nn.Module) -> None:
+        modules = list(features.children())
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for index in range(_TRUNK_END):
+            if index in _POOLS:
+                layers[str(index)] = L2Pool2d(_CHANNELS[_POOLS.index(index) + 1])
+            else:
+                layers[str(index)] = modules[index]
+        super().__init__(layers)
+
+
+def _trunk(weights: WeightsSpec) -> tuple[L2PooledVGG16, str | None]:
+    """DISTS' trunk on VGG16 ``weights``, and the weights' name or file (None: random)."""
     vgg = load_backbone("vgg16", weights)
-    features = list(vgg.model.get_submodule("features").children())
-    layers: OrderedDict[str, nn.Module] = OrderedDict()
-    for index in range(_TRUNK_END):
-        if index in _POOLS:
-            layers[str(index)] = L2Pool2d(_CHANNELS[_POOLS.index(index) + 1])
-        else:
-            layers[str(index)] = features[index]
-    return nn.Sequential(layers), vgg.weights
+    return L2PooledVGG16(vgg.model.get_submodule("features")), vgg.weights
 
 
 def find_alpha_beta() -> Path | None:
@@ -381,7 +399,10 @@ class DISTS(nn.Module):
         return reduce_loss(score, self.reduction)
 
     def extra_repr(self) -> str:
-        return f"calibrated={self.calibrated}, reduction={self.reduction!r}, input_range={self.input_range}"
+        return (
+            f"calibrated={self.calibrated}, reduction={self.reduction!r}, input_range={self.input_range}, "
+            f"weights={self.weights!r}"
+        )
 
 
 def _structure_texture(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

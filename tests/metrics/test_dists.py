@@ -150,7 +150,10 @@ def test_frozen_in_eval_and_out_of_the_state_dict(metric: DISTS) -> None:
     assert set(parent.state_dict()) == {"0.weight", "0.bias"}
     assert {name for name, _ in metric.named_buffers()} >= {"alpha", "beta"}
     torch.testing.assert_close(metric.alpha.sum() + metric.beta.sum(), torch.tensor(1.0))
-    assert repr(metric).startswith("DISTS(\n  calibrated=True, reduction='none', input_range=(0.0, 1.0)")
+    assert repr(metric).startswith(
+        "DISTS(\n  calibrated=True, reduction='none', input_range=(0.0, 1.0), weights='VGG16_Weights.IMAGENET1K_V1'"
+    )
+    assert "backbone='L2PooledVGG16'" in repr(metric)
     pools = [m for m in metric.extractor.backbone.modules() if isinstance(m, L2Pool2d)]
     assert len(pools) == 4 and not any(isinstance(m, nn.MaxPool2d) for m in metric.extractor.backbone.modules())
 
