@@ -183,6 +183,29 @@ def test_identical_and_black_images_give_zero_with_finite_gradients(metric: DIST
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_one_concatenated_forward_equals_the_reference(
+    reference: nn.Module, metric: DISTS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions round to 1e-3
+    x, y = (image.cuda() for image in pair((64, 48)))
+    cuda_reference, cuda_metric = reference.cuda(), metric.cuda()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(cuda_metric(x, y), cuda_reference(x, y), atol=ATOL, rtol=0)
+            with torch.autocast("cuda", dtype=torch.float16):
+                half = cuda_metric(x, y)
+        assert half.dtype == torch.float32 and torch.isfinite(half).all()
+        torch.testing.assert_close(half, cuda_metric(x, y), rtol=0.05, atol=0)
+        ref_grads = grads(lambda a, b: cuda_reference(a, b, require_grad=True), x, y)
+        for ours, theirs in zip(grads(cuda_metric, x, y), ref_grads):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * float(theirs.abs().max()))
+    finally:
+        reference.cpu()
+        metric.cpu()
+
+
 @pytest.mark.slow
 def test_compiles_to_one_graph(metric: DISTS) -> None:
     x, y = pair((40, 36))
