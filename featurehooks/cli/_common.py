@@ -46,6 +46,7 @@ _PHRASES = (
     ("pool='avg' (or 'max', 'cls')", "--pool avg (or max, cls)"),
     ("(pool='avg', 'max' or 'cls')", "(--pool avg, max or cls)"),
     ("compute them with keep=N", "compute them with `featurehooks stats --keep N`"),
+    ("(use a smaller k,", "(use a smaller --prdc-k,"),
 )
 _FORMS = (
     (re.compile(r"\bweights=None\b"), "--weights none"),

@@ -145,6 +145,19 @@ def add_metric_commands(commands: Any) -> None:
         metavar="N",
         help="vectors per KID subset; each set needs at least N (default: 1000)",
     )
+    fd.add_argument(
+        "--prdc",
+        action="store_true",
+        help="also precision, recall, density and coverage, with A as the reference (real) set",
+    )
+    fd.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="nearest neighbours (default: 5)")
+    fd.add_argument(
+        "--prdc-keep",
+        type=positive,
+        default=10_000,
+        metavar="N",
+        help="vectors kept per set for PRDC (default: 10000; with --kid, the larger of the two keeps)",
+    )
     fd.set_defaults(run=_fd)
 
     stats = commands.add_parser(
@@ -278,7 +291,7 @@ def _fd(args: argparse.Namespace) -> int:
     for source, stats in files.items():  # every file checked before any image is read
         _check_setup(args, source, stats.origin, computed)
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
-    keep = args.kid_keep if args.kid else 0
+    keep = max(args.kid_keep if args.kid else 0, args.prdc_keep if args.prdc else 0)  # one sample serves both
     sides = [{args.layers[0]: files[s]} if s in files else _computed(args, s, model, keep) for s in sources]
     if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
         return 0
@@ -298,8 +311,24 @@ def _fd(args: argparse.Namespace) -> int:
                 )
             mean, std = kernel_inception_distance(a, b, subset_size=args.kid_subset_size)
             line += f", KID {mean:.6g} ± {std:.3g}"
+        if args.prdc:
+            line += ", " + _prdc_text(a, b, args.prdc_k, layer)
         print(f"{line} (A: {a.count} images, B: {b.count} images)")
     return 0
+
+
+def _prdc_text(a: FeatureStatistics, b: FeatureStatistics, k: int, layer: str) -> str:
+    """Precision, recall, density and coverage of B against the reference A, from their kept vectors."""
+    from ..metrics import precision_recall
+
+    with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
+        warnings.simplefilter("always")
+        found = precision_recall(a, b, k=k)
+    _print_warnings(caught, f"{layer}: ")
+    return (
+        f"precision {found.precision:.4f}, recall {found.recall:.4f}, density {found.density:.4f}, "
+        f"coverage {found.coverage:.4f} (k={k})"
+    )
 
 
 def _kept(stats: FeatureStatistics) -> int:

@@ -11,7 +11,13 @@ from PIL import Image
 
 import featurehooks as fh
 from featurehooks.cli import main
-from featurehooks.metrics import FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
+from featurehooks.metrics import (
+    FeatureStatistics,
+    feature_statistics,
+    frechet_distance,
+    kernel_inception_distance,
+    precision_recall,
+)
 
 MODEL = ["--backbone", "resnet18", "--layers", "layer4", "--weights", "none", "--resize", "36", "--crop", "32"]
 RUN = ["--workers", "0", "-q"]
@@ -51,6 +57,21 @@ def test_fd_prints_the_libraries_distance_and_kid(sets: tuple[Path, Path], capsy
     printed_kid = float(out.split("KID ")[1].split(" ")[0])
     assert printed_fd == pytest.approx(fd, rel=1e-5) and printed_fd > 0
     assert printed_kid == pytest.approx(kid, rel=1e-5)
+
+
+def test_fd_prdc_prints_the_libraries_precision_recall(
+    sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = sets
+    assert main(["fd", str(a), str(b), *MODEL, *RUN, "--prdc", "--prdc-k", "2"]) == 0
+    captured = capsys.readouterr()
+    with pytest.warns(UserWarning, match="fewer than 1,000"):
+        expected = precision_recall(_library_stats(a, keep=10_000), _library_stats(b, keep=10_000), k=2)
+    values = ", ".join(f"{name} {value:.4f}" for name, value in expected._asdict().items())
+    assert f"{values} (k=2) (A: 6 images, B: 6 images)" in captured.out
+    assert "layer4: " in captured.err and "1,000" in captured.err  # six vectors: the small-set warning, one line
+    assert main(["fd", str(a), str(b), *MODEL, *RUN, "--prdc", "--prdc-k", "6"]) == 2
+    assert "use a smaller --prdc-k" in capsys.readouterr().err
 
 
 def test_stats_file_stands_in_for_its_images(
