@@ -78,6 +78,9 @@ def fid_extractor(
 ) -> FeatureExtractor:
     """A ``FeatureExtractor`` of the FID Inception's layer of ``dims`` features, on ``device``, without a graph.
 
+    It computes in NCHW, as pytorch-fid does (``memory_format="contiguous"``); build
+    ``FeatureExtractor("fid_inception", ["avgpool"], memory_format=...)`` for another format.
+
     Args:
         weights: ``"DEFAULT"`` (pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth``, read from the torch hub
             cache), a local copy of that file, or ``None`` for random init (the architecture, not the FID network).
@@ -98,7 +101,9 @@ def fid_extractor(
     from ..extractor import FeatureExtractor
 
     layer = _check_dims(dims)
-    extractor = FeatureExtractor(FID_INCEPTION, [layer], weights=weights, mode="detach")
+    # NCHW, as pytorch-fid computes: the same statistics to 1e-16. "auto" picks channels-last for large images on
+    # the CPU, with FIDs 3e-7 apart (measured on 512x512 photos) and no measured gain in speed
+    extractor = FeatureExtractor(FID_INCEPTION, [layer], weights=weights, mode="detach", memory_format="contiguous")
     return extractor.to(_default_device() if device is None else device)
 
 
@@ -133,7 +138,7 @@ def fid_statistics(
     outside the network: each image enters at its own size, and a batch of images of several sizes runs one
     forward per size (pytorch-fid stacks a batch, so it needs one size per batch). Mean and covariance
     are accumulated in float64 without keeping the features; they equal pytorch-fid's on the same files
-    to float32 rounding (measured: 1e-6 of their scale on CPU).
+    (measured on the CPU: the mean bitwise, the covariance to 1e-16 of its scale).
 
     Files are read as featurehooks reads them (``read_image``): the same pixels as pytorch-fid's
     ``Image.open(path).convert("RGB")`` for RGB and grayscale PNG and JPEG files, but EXIF orientation is

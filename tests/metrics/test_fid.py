@@ -189,6 +189,7 @@ def test_frechet_distance_of_pytorch_fids_own_moments_is_theirs() -> None:
 def test_extractor_is_reused_and_checked(fid_weights: Path) -> None:
     images = torch.rand(2, 3, 20, 20, generator=torch.Generator().manual_seed(SEED))
     extractor = fid_extractor(device="cpu", dims=192)
+    assert extractor.memory_format == "contiguous"  # NCHW, as pytorch-fid computes
     assert fid_statistics(images, extractor=extractor, num_workers=0).origin.layer == "maxpool2"
     with pytest.raises(fh.InvalidValueError, match="either extractor= or weights="):
         fid_statistics(images, extractor=extractor, dims=2048, weights=None)
