@@ -154,3 +154,22 @@ def test_missing_weights_say_where_to_put_them(
     err = capsys.readouterr().err
     assert "pt_inception-2015-12-05-6726825d.pth" in err and str(tmp_path / "hub" / "checkpoints") in err
     assert "--weights none" in err and "https://github.com/mseitzer/pytorch-fid/releases" in err
+
+
+def test_help_and_random_weights(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fid", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for word in (
+        "--save-stats",
+        "--dims",
+        "--weights",
+        "--num-workers",
+        "pt_inception-2015-12-05-6726825d.pth",
+        "2049",
+    ):
+        assert word in text, word
+    assert main(["fid", str(sets[0]), str(sets[1]), "--weights", "none", *FAST, *RUN]) == 0
+    captured = capsys.readouterr()
+    assert _printed(captured.out) > 0 and "random init, not the FID network" in captured.err
