@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from ._common import UserError, check_output_file, device_from, non_negative, positive, weights_from
+from ._common import UserError, check_output_file, device_from, is_main_rank, non_negative, positive, weights_from
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,7 @@ def _fid(args: argparse.Namespace) -> int:
 
     from ..metrics import fid_extractor, frechet_distance
     from ..stream import list_images
+    from ..stream.sharding import process_group
 
     device = device_from(args.device)  # a bad --device fails before anything is read
     weights = weights_from(args.weights)
@@ -120,7 +121,10 @@ def _fid(args: argparse.Namespace) -> int:
             print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
         return fid_extractor(weights, dims=args.dims, device=device)
 
-    sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
+    with process_group(device):  # under torchrun: one group for both sets
+        sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
+    if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
+        return 0
     for label, source, side in zip("AB", sources, sides):
         _warn_if_small(label, source, side, args.dims)
     with warnings.catch_warnings(record=True) as caught:
@@ -144,6 +148,8 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     if weights is None:
         torch.manual_seed(args.seed)
     stats = _computed(args, files, lambda: fid_extractor(weights, dims=args.dims, device=device))
+    if not is_main_rank():  # every rank holds the merged statistics; one writes them
+        return 0
     path = stats.save(args.set_b)
     _warn_if_small("A", args.set_a, stats, args.dims)
     print(f"wrote {path}: FID statistics of {stats.count} images, {stats.dim} features")

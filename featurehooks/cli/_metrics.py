@@ -284,6 +284,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _fd(args: argparse.Namespace) -> int:
     from ..metrics import frechet_distance, kernel_inception_distance
+    from ..stream.sharding import process_group
 
     sources = (args.set_a, args.set_b)
     files = {source: _statistics_file(args, source) for source in sources if _is_statistics_file(source)}
@@ -292,7 +293,8 @@ def _fd(args: argparse.Namespace) -> int:
         _check_setup(args, source, stats.origin, computed)
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = max(args.kid_keep if args.kid else 0, args.prdc_keep if args.prdc else 0)  # one sample serves both
-    sides = [{args.layers[0]: files[s]} if s in files else _computed(args, s, model, keep) for s in sources]
+    with process_group(device_from(args.device)):  # under torchrun: one group for both sets
+        sides = [{args.layers[0]: files[s]} if s in files else _computed(args, s, model, keep) for s in sources]
     if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
         return 0
     for layer in args.layers:

@@ -9,7 +9,8 @@ equal one process's to float rounding.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import RunFailedError
 
-__all__ = ["Distributed", "chunk_rows", "split_contiguous"]
+__all__ = ["Distributed", "chunk_rows", "process_group", "split_contiguous"]
 
 T = TypeVar("T")  # what is split: row indices, batches of them
 
@@ -98,3 +99,18 @@ class Distributed:
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(device: torch.device) -> Iterator[Distributed]:
+    """One process group for several collective steps (a command that computes two image sets).
+
+    Under torchrun with no group yet, one is created here and destroyed at the end; the steps' own
+    ``Distributed.from_environment`` then join it instead of each creating and destroying one (a second
+    group created right after the first can meet the first's stale addresses in torchrun's store).
+    """
+    ranks = Distributed.from_environment(device)
+    try:
+        yield ranks
+    finally:
+        ranks.close()

@@ -56,3 +56,18 @@ def test_fd_of_two_ranks_prints_the_one_process_line_once(
     fd = float(lines[0].split("FD ")[1].split()[0])
     assert fd == pytest.approx(float(expected.split("FD ")[1].split()[0]), rel=1e-5)  # printed to 6 digits
     assert lines[0].split(" (")[1] == expected.split(" (")[1]  # the same counts: A: 7 images, B: 6 images
+
+
+def test_fid_of_two_ranks_prints_the_one_process_number_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = _images(tmp_path / "a", 5, 3), _images(tmp_path / "b", 4, 4)
+    fid = ["fid", str(a), str(b), "--dims", "64", "--weights", "none", "--batch-size", "2", "--workers", "0"]
+    run = torchrun([*fid, "--device", "cpu", "-q"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FID:  ")
+    assert main([*fid, "--device", "cpu", "-q"]) == 0
+    expected = float(capsys.readouterr().out.split("FID:  ")[1])
+    # FID is a small difference of traces of order one: float64 rounding of the merged moments moves it ~1e-10
+    assert float(lines[0].split("FID:  ")[1]) == pytest.approx(expected, rel=0, abs=1e-8)
