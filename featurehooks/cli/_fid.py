@@ -118,7 +118,8 @@ def _fid(args: argparse.Namespace) -> int:
     def model() -> FeatureExtractor:  # one network for both sets, none for two files
         if weights is None:
             torch.manual_seed(args.seed)
-            print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
+            if is_main_rank():  # once, not once per torchrun rank
+                print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
         return fid_extractor(weights, dims=args.dims, device=device)
 
     with process_group(device):  # under torchrun: one group for both sets

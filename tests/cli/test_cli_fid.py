@@ -10,34 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from featurehooks.backbones.fid_inception import FIDInceptionV3, fid_weights_path
 from featurehooks.cli import main
 from featurehooks.metrics import FeatureStatistics, load_mu_sigma
 
 pytest.importorskip("pytorch_fid")
 from pytorch_fid.fid_score import calculate_fid_given_paths  # noqa: E402
 
-from helpers import SEED  # noqa: E402
-
 RUN = ["--workers", "0", "--device", "cpu", "-q"]
 FAST = ["--dims", "64"]  # pytorch-fid's first block: the whole command, with a 64-d covariance
-
-
-@pytest.fixture(scope="module")
-def fid_weights(torch_home: Path) -> Path:
-    """Seeded FID Inception weights where pytorch-fid and featurehooks both read them (He-scaled: features of
-    order one, as a trained network's; written as tests/metrics/test_fid.py writes them)."""
-    path = Path(fid_weights_path())
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            model = FIDInceptionV3(init_weights=False)
-            for module in model.modules():
-                if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
-                    torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-        torch.save(model.state_dict(), path)
-    return path
 
 
 def _folder(root: Path, name: str, shift: int, size: tuple[int, int]) -> Path:

@@ -18,8 +18,6 @@ from PIL import Image
 import featurehooks as fh
 from featurehooks.backbones.fid_inception import (
     FID_WEIGHTS_URL,
-    FIDInceptionV3,
-    fid_weights_path,
     load_fid_inception,
 )
 from featurehooks.metrics import FID_LAYERS, fid_extractor, fid_statistics, frechet_distance, load_mu_sigma
@@ -29,28 +27,6 @@ from pytorch_fid.fid_score import calculate_activation_statistics, calculate_fre
 from pytorch_fid.inception import InceptionV3  # noqa: E402
 
 from helpers import SEED  # noqa: E402
-
-
-def write_fid_weights(path: Path) -> Path:
-    """Seeded weights of the FID Inception saved at ``path``: He-normal convolutions (after ``manual_seed(SEED)``),
-    so that features stay of order one through the 94 convolutions, as a trained network's pool3 features are
-    (torchvision's init multiplies them by about 1e8, where pytorch-fid's ``sqrtm`` fails on a small set)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            model = FIDInceptionV3(init_weights=False)
-            for module in model.modules():
-                if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
-                    torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-        torch.save(model.state_dict(), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def fid_weights(torch_home: Path) -> Path:
-    """The seeded file where pytorch-fid and featurehooks both look for pt_inception-2015-12-05-6726825d.pth."""
-    return write_fid_weights(Path(fid_weights_path()))
 
 
 @pytest.fixture(scope="module")
