@@ -31,7 +31,7 @@ from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError
 from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Reduction, check_reduction, reduce_loss
-from ..losses._base import check_images
+from ..losses._base import check_rgb_pair
 from .lpips import _package_dir
 
 __all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]
@@ -338,19 +338,7 @@ class DISTS(nn.Module):
         return super().train(False)
 
     def _check_pair(self, input: Tensor, target: Tensor) -> None:
-        check_images(input, "input")
-        check_images(target, "target")
-        for name, images in (("input", input), ("target", target)):
-            if images.shape[1] != 3:
-                hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
-                raise InvalidValueError(f"{name} must have 3 channels (RGB), got shape {tuple(images.shape)}{hint}")
-        if input.shape[1:] != target.shape[1:] or target.shape[0] not in (1, input.shape[0]):
-            raise InvalidValueError(
-                f"input {tuple(input.shape)} and target {tuple(target.shape)} do not match: DISTS compares images "
-                "of one size, and the target's batch must be 1 or the input's"
-            )
-        if input.device != target.device:
-            raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
+        check_rgb_pair(input, target, "DISTS")
         if min(input.shape[-2:]) < MIN_SIDE:
             raise InvalidValueError(
                 f"images of {input.shape[-2]}x{input.shape[-1]} are too small for DISTS: it needs at least "

@@ -30,7 +30,7 @@ from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
 from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
-from ..losses._base import check_images
+from ..losses._base import check_rgb_pair
 
 __all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
 
@@ -326,19 +326,7 @@ class LPIPS(nn.Module):
     # -- features ----------------------------------------------------------------------------------
 
     def _check_pair(self, input: Tensor, target: Tensor) -> None:
-        check_images(input, "input")
-        check_images(target, "target")
-        for name, images in (("input", input), ("target", target)):
-            if images.shape[1] != 3:
-                hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
-                raise InvalidValueError(f"{name} must have 3 channels (RGB), got shape {tuple(images.shape)}{hint}")
-        if input.shape[1:] != target.shape[1:] or target.shape[0] not in (1, input.shape[0]):
-            raise InvalidValueError(
-                f"input {tuple(input.shape)} and target {tuple(target.shape)} do not match: LPIPS compares images "
-                "of one size, and the target's batch must be 1 or the input's"
-            )
-        if input.device != target.device:
-            raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
+        check_rgb_pair(input, target, "LPIPS")
         smallest = _MIN_SIDE[self.net]
         if min(input.shape[-2:]) < smallest:
             raise InvalidValueError(
