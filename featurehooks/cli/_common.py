@@ -6,6 +6,8 @@ import argparse
 import os
 import re
 import stat
+import sys
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -239,3 +241,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="the backbone's memory format (default: auto, channels_last for convolutional backbones on cpu/cuda "
         "and images large enough for it to pay, NCHW otherwise)",
     )
+
+
+def print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> None:
+    """The library's warnings as one line each on stderr, not in Python's form."""
+    for warning in caught:
+        print(f"featurehooks: warning: {prefix}{warning.message}", file=sys.stderr)

@@ -9,17 +9,14 @@ metric's own options and one call of each.
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ..metrics.pairs import BATCH_PIXELS
-from ._common import UserError, check_output_file, device_from, non_negative, positive, size, weights_from
-from ._metrics import _print_warnings, _write_scores
+from ._common import device_from, weights_from
+from ._pairs import add_pair_options, folder_pairs, report_scores, score_folder_pairs
 
 if TYPE_CHECKING:
-    from ..metrics.pairs import ImagePair, PairMetric
+    pass
 
 __all__ = ["add_dists_command", "add_pair_options", "folder_pairs", "report_scores", "score_folder_pairs"]
 
@@ -45,86 +42,6 @@ _FLAGS = (
     ("alpha_beta=", "--alpha-beta"),
     ("calibrated=False", "--uncalibrated"),
 )
-
-
-def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
-    """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
-    --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, -q."""
-    parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
-    parser.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
-    parser.add_argument(
-        "--weights", default="DEFAULT", help="backbone weights: DEFAULT, a member name, a local file, or none"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none")
-    parser.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
-    parser.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
-    parser.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
-    parser.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
-    parser.add_argument(
-        "--batch-size", type=positive, default=16, metavar="N", help="pairs per batch, at most (default: 16)"
-    )
-    parser.add_argument(
-        "--batch-pixels",
-        type=positive,
-        default=BATCH_PIXELS,
-        metavar="N",
-        help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
-        f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
-    )
-    parser.add_argument(
-        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("-q", "--quiet", action="store_true", help=f"no progress bar while {metric} runs")
-
-
-def folder_pairs(args: argparse.Namespace) -> list[ImagePair]:
-    """The pairs of ``DIR_A`` and ``DIR_B``, once ``--out`` is known to be writable (before any compute).
-
-    What is left out (files in one folder only, unreadable entries) is listed on stderr; no pair at all
-    is a UserError.
-    """
-    from ..metrics import pair_files
-
-    if args.out is not None:
-        check_output_file(args.out)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
-    _print_warnings(caught)
-    for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
-        if names:
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            print(f"featurehooks: {len(names)} file(s) only in {folder}, left out: {shown}", file=sys.stderr)
-    if not pairs:
-        raise UserError(f"no image in {args.dir_a} has a counterpart with the same relative path in {args.dir_b}")
-    return pairs
-
-
-def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: list[ImagePair]) -> list[float]:
-    """``score_pairs`` with the command's options."""
-    from ..metrics import score_pairs
-
-    return score_pairs(
-        metric,
-        pairs,
-        batch_size=args.batch_size,
-        batch_pixels=args.batch_pixels,
-        num_workers=args.workers,
-        resize_size=args.resize,
-        crop_size=args.crop,
-        progress=not args.quiet,
-    )
-
-
-def report_scores(args: argparse.Namespace, label: str, pairs: list[ImagePair], scores: list[float]) -> None:
-    """Write ``--out`` (``name,score``) and print ``<label>: mean ± std over N pairs``."""
-    import statistics
-
-    if args.out is not None:
-        _write_scores(args.out, [pair.name for pair in pairs], scores)
-    spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
-    print(f"{label}: {statistics.fmean(scores):.6g} ± {spread:.3g} over {len(scores)} pairs")
 
 
 def add_dists_command(commands: Any) -> None:

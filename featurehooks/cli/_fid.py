@@ -11,7 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from ._common import UserError, check_output_file, device_from, is_main_rank, non_negative, positive, weights_from
+from ._common import (
+    UserError,
+    check_output_file,
+    device_from,
+    is_main_rank,
+    non_negative,
+    positive,
+    print_warnings,
+    weights_from,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +140,7 @@ def _fid(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = frechet_distance(sides[0], sides[1])
-    _print_warnings([w for w in caught if _SINGULAR not in str(w.message)])
+    print_warnings([w for w in caught if _SINGULAR not in str(w.message)])
     print("FID: ", value)  # exactly pytorch-fid's line: two spaces, the float's shortest repr
     return 0
 
@@ -225,7 +234,7 @@ def _computed(args: argparse.Namespace, files: list[str], model: Callable[[], Fe
             num_workers=args.workers,
             progress=not args.quiet,
         )
-    _print_warnings(caught)
+    print_warnings(caught)
     return stats
 
 
@@ -242,8 +251,3 @@ def _warn_if_small(label: str, source: str, side: Side, dims: int) -> None:
             "reported on 10,000 or 50,000), and compare only FIDs of equal numbers of images",
             file=sys.stderr,
         )
-
-
-def _print_warnings(caught: list[warnings.WarningMessage]) -> None:
-    for warning in caught:
-        print(f"featurehooks: warning: {warning.message}", file=sys.stderr)

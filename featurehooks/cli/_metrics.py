@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._layout import Pool, as_pool
-from ..metrics.pairs import BATCH_PIXELS
 from ._common import (
     UserError,
     add_model_options,
@@ -23,11 +21,12 @@ from ._common import (
     is_main_rank,
     non_negative,
     positive,
-    size,
+    print_warnings,
     sizes,
     weights_arg,
     weights_from,
 )
+from ._pairs import add_pair_options, folder_pairs, report_scores, score_folder_pairs
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -91,36 +90,11 @@ def add_metric_commands(commands: Any) -> None:
         epilog=_LPIPS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    lpips.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
-    lpips.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
+    add_pair_options(lpips, "LPIPS")
     lpips.add_argument("--net", choices=("alex", "vgg", "squeeze"), default="alex", help="backbone (default: alex)")
     lpips.add_argument("--version", choices=("0.0", "0.1"), default="0.1", help="LPIPS version (default: 0.1)")
     lpips.add_argument("--uncalibrated", action="store_true", help="the baseline without the learned heads")
     lpips.add_argument("--heads", metavar="FILE", default=None, help="a file with the calibrated linear heads")
-    lpips.add_argument(
-        "--weights", default="DEFAULT", help="backbone weights: DEFAULT, a member name, a local file, or none"
-    )
-    lpips.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none")
-    lpips.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
-    lpips.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
-    lpips.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
-    lpips.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
-    lpips.add_argument(
-        "--batch-size", type=positive, default=16, metavar="N", help="pairs per batch, at most (default: 16)"
-    )
-    lpips.add_argument(
-        "--batch-pixels",
-        type=positive,
-        default=BATCH_PIXELS,
-        metavar="N",
-        help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
-        f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
-    )
-    lpips.add_argument(
-        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
-    )
-    lpips.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    lpips.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     lpips.set_defaults(run=_lpips)
 
     fd = commands.add_parser(
@@ -178,25 +152,12 @@ def add_metric_commands(commands: Any) -> None:
 
 
 def _lpips(args: argparse.Namespace) -> int:
-    import statistics
-
     import torch
 
-    from ..metrics import LPIPS, pair_files, score_pairs
+    from ..metrics import LPIPS
 
     device = device_from(args.device)
-    if args.out is not None:
-        check_output_file(args.out)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
-    _print_warnings(caught)
-    for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
-        if names:
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            print(f"featurehooks: {len(names)} file(s) only in {folder}, left out: {shown}", file=sys.stderr)
-    if not pairs:
-        raise UserError(f"no image in {args.dir_a} has a counterpart with the same relative path in {args.dir_b}")
+    pairs = folder_pairs(args)
     weights = weights_from(args.weights)
     if weights is None:
         torch.manual_seed(args.seed)
@@ -208,45 +169,9 @@ def _lpips(args: argparse.Namespace) -> int:
         weights=weights,
         heads=args.heads,
     ).to(device)
-    scores = score_pairs(
-        metric,
-        pairs,
-        batch_size=args.batch_size,
-        batch_pixels=args.batch_pixels,
-        num_workers=args.workers,
-        resize_size=args.resize,
-        crop_size=args.crop,
-        progress=not args.quiet,
-    )
-    if args.out is not None:
-        _write_scores(args.out, [pair.name for pair in pairs], scores)
-    spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
     kind = "uncalibrated" if args.uncalibrated else "calibrated"
-    print(
-        f"LPIPS ({args.net}, v{args.version}, {kind}): {statistics.fmean(scores):.6g} ± {spread:.3g} "
-        f"over {len(scores)} pairs"
-    )
+    report_scores(args, f"LPIPS ({args.net}, v{args.version}, {kind})", pairs, score_folder_pairs(args, metric, pairs))
     return 0
-
-
-def _write_scores(path: str, names: list[str], scores: list[float]) -> None:
-    """``name,score`` rows, written atomically (a failed run leaves no half-written file)."""
-    import csv
-    import io
-
-    from .._atomic import write_atomic
-
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["name", "score"])
-    writer.writerows([name, repr(score)] for name, score in zip(names, scores))
-    write_atomic(Path(path), text.getvalue())
-
-
-def _print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> None:
-    """The library's warnings as one line each on stderr, not in Python's form."""
-    for warning in caught:
-        print(f"featurehooks: warning: {prefix}{warning.message}", file=sys.stderr)
 
 
 def _pool_text(args: argparse.Namespace) -> str:
@@ -302,7 +227,7 @@ def _fd(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
             warnings.simplefilter("always")
             line = f"{layer}: FD {frechet_distance(a, b):.6g}"
-        _print_warnings(caught, f"{layer}: ")
+        print_warnings(caught, f"{layer}: ")
         if args.kid:
             kept = min(_kept(a), _kept(b))
             if kept < args.kid_subset_size:
@@ -326,7 +251,7 @@ def _prdc_text(a: FeatureStatistics, b: FeatureStatistics, k: int, layer: str) -
     with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
         warnings.simplefilter("always")
         found = precision_recall(a, b, k=k)
-    _print_warnings(caught, f"{layer}: ")
+    print_warnings(caught, f"{layer}: ")
     return (
         f"precision {found.precision:.4f}, recall {found.recall:.4f}, density {found.density:.4f}, "
         f"coverage {found.coverage:.4f} (k={k})"

@@ -1,0 +1,112 @@
+"""What the per-pair metric commands (``lpips``, ``dists``) share: their options, the pairing of two folders, the
+scoring loop and the report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..metrics.pairs import BATCH_PIXELS
+from ._common import UserError, check_output_file, non_negative, positive, print_warnings, size
+
+if TYPE_CHECKING:
+    from ..metrics.pairs import ImagePair, PairMetric
+
+__all__ = ["add_pair_options", "folder_pairs", "report_scores", "score_folder_pairs"]
+
+
+def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
+    """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
+    --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, -q."""
+    parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
+    parser.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
+    parser.add_argument(
+        "--weights", default="DEFAULT", help="backbone weights: DEFAULT, a member name, a local file, or none"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none")
+    parser.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
+    parser.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
+    parser.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
+    parser.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
+    parser.add_argument(
+        "--batch-size", type=positive, default=16, metavar="N", help="pairs per batch, at most (default: 16)"
+    )
+    parser.add_argument(
+        "--batch-pixels",
+        type=positive,
+        default=BATCH_PIXELS,
+        metavar="N",
+        help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
+        f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
+    )
+    parser.add_argument(
+        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("-q", "--quiet", action="store_true", help=f"no progress bar while {metric} runs")
+
+
+def folder_pairs(args: argparse.Namespace) -> list[ImagePair]:
+    """The pairs of ``DIR_A`` and ``DIR_B``, once ``--out`` is known to be writable (before any compute).
+
+    What is left out (files in one folder only, unreadable entries) is listed on stderr; no pair at all
+    is a UserError.
+    """
+    from ..metrics import pair_files
+
+    if args.out is not None:
+        check_output_file(args.out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
+    print_warnings(caught)
+    for folder, names in ((args.dir_a, only_a), (args.dir_b, only_b)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            print(f"featurehooks: {len(names)} file(s) only in {folder}, left out: {shown}", file=sys.stderr)
+    if not pairs:
+        raise UserError(f"no image in {args.dir_a} has a counterpart with the same relative path in {args.dir_b}")
+    return pairs
+
+
+def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: list[ImagePair]) -> list[float]:
+    """``score_pairs`` with the command's options."""
+    from ..metrics import score_pairs
+
+    return score_pairs(
+        metric,
+        pairs,
+        batch_size=args.batch_size,
+        batch_pixels=args.batch_pixels,
+        num_workers=args.workers,
+        resize_size=args.resize,
+        crop_size=args.crop,
+        progress=not args.quiet,
+    )
+
+
+def report_scores(args: argparse.Namespace, label: str, pairs: list[ImagePair], scores: list[float]) -> None:
+    """Write ``--out`` (``name,score``) and print ``<label>: mean ± std over N pairs``."""
+    import statistics
+
+    if args.out is not None:
+        write_scores(args.out, [pair.name for pair in pairs], scores)
+    spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
+    print(f"{label}: {statistics.fmean(scores):.6g} ± {spread:.3g} over {len(scores)} pairs")
+
+
+def write_scores(path: str, names: list[str], scores: list[float]) -> None:
+    """``name,score`` rows, written atomically (a failed run leaves no half-written file)."""
+    import csv
+    import io
+
+    from .._atomic import write_atomic
+
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["name", "score"])
+    writer.writerows([name, repr(score)] for name, score in zip(names, scores))
+    write_atomic(Path(path), text.getvalue())
