@@ -24,6 +24,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ..errors import WeightsUnavailableError
+from ._files import check_kinds, load_fitting
+
 _local = threading.local()  # .depth: how many meta_parameters() blocks the current thread is inside
 _install_lock = threading.Lock()
 # The method we replace; kept after restoring, for a thread that looked the patched one up just before.
@@ -153,3 +156,20 @@ def meta_tensor_names(model: nn.Module) -> list[str]:
     """Names of the parameters and buffers of ``model`` that are still on the meta device."""
     named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
     return [name for name, tensor in named if tensor.is_meta]
+
+
+def adopt_state(model: nn.Module, state: dict[str, torch.Tensor], source: str, what: str) -> nn.Module:
+    """Load ``state`` into ``model`` built under ``meta_parameters()``, adopting its tensors in the architecture's
+    dtypes; ``what`` names the model in the error raised when tensors are left without values."""
+    check_kinds(model, state, source)  # before the cast below, which would turn integers into floats
+    # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision file
+    # would otherwise make a half-precision model), as a copying load_state_dict does
+    dtypes = {key: value.dtype for key, value in model.state_dict().items()}
+    state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
+    load_fitting(model, state, source, assign=True)
+    left = meta_tensor_names(model)
+    if left:
+        raise WeightsUnavailableError(
+            f"the weights in {source} leave {len(left)} tensors of {what} without values: {', '.join(left[:5])}"
+        )
+    return model

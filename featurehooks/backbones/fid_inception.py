@@ -37,14 +37,12 @@ from torchvision.models.inception import (
 
 from ..errors import WeightsUnavailableError
 from ._files import (
-    check_kinds,
     hub_checkpoint_path,
     is_state_dict_file,
-    load_fitting,
     load_hub_checkpoint,
     read_state_dict,
 )
-from ._meta import meta_parameters, meta_tensor_names
+from ._meta import adopt_state, meta_parameters
 from .base import Backbone, Preprocessing
 
 __all__ = [
@@ -283,16 +281,4 @@ def _with_state(state: dict[str, Tensor], source: str) -> nn.Module:
     """The network built on the meta device, adopting ``state``'s tensors in the architecture's dtypes."""
     with meta_parameters():
         model = FIDInceptionV3(init_weights=False)
-    check_kinds(model, state, source)  # before the cast below, which would turn integers into floats
-    # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision file
-    # would otherwise make a half-precision model), as a copying load_state_dict does
-    dtypes = {key: value.dtype for key, value in model.state_dict().items()}
-    state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
-    load_fitting(model, state, source, assign=True)
-    left = meta_tensor_names(model)
-    if left:
-        raise WeightsUnavailableError(
-            f"the weights in {source} leave {len(left)} tensors of {FID_INCEPTION} without values: "
-            + ", ".join(left[:5])
-        )
-    return model
+    return adopt_state(model, state, source, FID_INCEPTION)

@@ -15,8 +15,8 @@ from torch import nn
 from torchvision.models import WeightsEnum
 
 from ..errors import BackboneNotFoundError, WeightsUnavailableError, did_you_mean
-from ._files import check_kinds, is_state_dict_file, load_fitting, load_hub_checkpoint, read_state_dict
-from ._meta import meta_parameters, meta_tensor_names
+from ._files import is_state_dict_file, load_hub_checkpoint, read_state_dict
+from ._meta import adopt_state, meta_parameters
 from .base import Backbone, Preprocessing
 
 IN_CHANNELS = 3  # every torchvision classification model takes RGB images
@@ -267,16 +267,4 @@ def load(name: str, weights: str | os.PathLike[str] | WeightsEnum | None) -> Bac
 def _with_state(name: str, member: WeightsEnum, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Build on the meta device and adopt the loaded tensors, skipping a random init that would be overwritten."""
     model = build(name, member, meta=True)
-    state = _without_discarded_heads(name, _fix_legacy_keys(state))
-    # assign=True adopts the file's tensors as they are: keep the architecture's dtypes (a half-precision
-    # file would otherwise make a half-precision model), as a copying load_state_dict does.
-    check_kinds(model, state, source)  # before the cast below, which would turn integers into floats
-    dtypes = {key: value.dtype for key, value in model.state_dict().items()}
-    state = {key: value.to(dtypes.get(key, value.dtype)) for key, value in state.items()}
-    load_fitting(model, state, source, assign=True)
-    left = meta_tensor_names(model)
-    if left:
-        raise WeightsUnavailableError(
-            f"the weights in {source} leave {len(left)} tensors of {name} without values: {', '.join(left[:5])}"
-        )
-    return model
+    return adopt_state(model, _without_discarded_heads(name, _fix_legacy_keys(state)), source, name)
