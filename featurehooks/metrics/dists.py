@@ -28,10 +28,11 @@ from torch import Tensor, nn
 
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
-from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError
+from ..errors import InvalidValueError, WeightsUnavailableError
 from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Reduction, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
+from ._full_reference import calibration, concatenation_pays, pair_features
 from .lpips import _package_dir
 
 __all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]
@@ -301,18 +302,14 @@ class DISTS(nn.Module):
         check_reduction(reduction)
         self.reduction: Reduction = reduction
         self.calibrated = bool(calibrated)
-        if not self.calibrated and alpha_beta is not None:
-            raise InvalidValueError("alpha_beta= was given with calibrated=False; the uncalibrated baseline uses none")
-        if not self.calibrated:
-            alpha, beta = torch.ones(sum(_CHANNELS)), torch.ones(sum(_CHANNELS))
-            self.alpha_beta_source = "uncalibrated (all ones)"
-        elif alpha_beta is None:
-            (alpha, beta), self.alpha_beta_source = _bundled_alpha_beta()
-        elif isinstance(alpha_beta, (str, os.PathLike, Mapping)):
-            alpha, beta = load_alpha_beta(alpha_beta)
-            self.alpha_beta_source = "a state dict" if isinstance(alpha_beta, Mapping) else str(alpha_beta)
-        else:
-            raise InvalidTypeError(f"alpha_beta must be a path, a state dict or None, not {type(alpha_beta).__name__}")
+        (alpha, beta), self.alpha_beta_source = calibration(
+            self.calibrated,
+            alpha_beta,
+            "alpha_beta",
+            ones=lambda: (torch.ones(sum(_CHANNELS)), torch.ones(sum(_CHANNELS))),
+            bundled=_bundled_alpha_beta,
+            load=load_alpha_beta,
+        )
         trunk, self.weights = _trunk(weights)
         self.extractor = FeatureExtractor(
             trunk,
@@ -347,20 +344,8 @@ class DISTS(nn.Module):
             )
 
     def _features(self, input: Tensor, target: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Features of both images: one concatenated forward when both or neither need a graph on an
-        accelerator, else two, the one without a graph computed without one."""
-        grad = torch.is_grad_enabled()
-        input_graph, target_graph = grad and input.requires_grad, grad and target.requires_grad
-        same_batch = input.shape[0] == target.shape[0]
-        if input_graph == target_graph and same_batch and input.device.type != "cpu":
-            both = self.extractor(torch.cat([input, target.to(input.dtype)]))
-            split = {name: value.chunk(2) for name, value in both.items()}
-            return {k: v[0] for k, v in split.items()}, {k: v[1] for k, v in split.items()}
-        with torch.set_grad_enabled(input_graph):
-            first = self.extractor(input)
-        with torch.set_grad_enabled(target_graph):
-            second = self.extractor(target)
-        return first, second
+        """Features of both images (see ``pair_features``)."""
+        return pair_features(self.extractor, input, target, concatenation_pays(input))
 
     def _unit(self, images: Tensor) -> Tensor:
         """The images in [0, 1], DISTS' first term."""

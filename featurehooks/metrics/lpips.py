@@ -31,6 +31,7 @@ from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableErro
 from ..extractor import FeatureExtractor, MemoryFormat
 from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
+from ._full_reference import calibration, concatenation_pays, pair_features
 
 __all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
 
@@ -186,7 +187,7 @@ def load_heads(source: str | os.PathLike[str] | Mapping[str, Tensor], net: str) 
     return heads
 
 
-def _bundled_heads(net: str, version: str) -> list[Tensor]:
+def _bundled_heads(net: str, version: str) -> tuple[list[Tensor], str]:
     path = find_heads(net, version)
     if path is None:
         torchmetrics = " (or torchmetrics, which bundles the 0.1 heads)" if version == "0.1" else ""
@@ -195,7 +196,7 @@ def _bundled_heads(net: str, version: str) -> list[Tensor]:
             f"(pip install lpips), which bundles them as lpips/weights/v{version}/{net}.pth, or pass "
             f"heads='path/to/{net}.pth'; calibrated=False needs no heads"
         )
-    return load_heads(path, net)
+    return load_heads(path, net), str(path)
 
 
 class LPIPS(nn.Module):
@@ -282,19 +283,14 @@ class LPIPS(nn.Module):
         self.calibrated = bool(calibrated)
         self.spatial = bool(spatial)
         spec = LPIPS_NETS[self.net]
-        if not self.calibrated and heads is not None:
-            raise InvalidValueError("heads= was given with calibrated=False; the uncalibrated baseline uses no heads")
-        if not self.calibrated:
-            weights_per_layer = [torch.ones(c) for c in spec.channels]
-            self.heads_source = "uncalibrated (all ones)"
-        elif heads is None:
-            weights_per_layer = _bundled_heads(self.net, self.version)
-            self.heads_source = str(find_heads(self.net, self.version))
-        elif isinstance(heads, (str, os.PathLike, Mapping)):
-            weights_per_layer = load_heads(heads, self.net)
-            self.heads_source = "a state dict" if isinstance(heads, Mapping) else str(heads)
-        else:
-            raise InvalidTypeError(f"heads must be a path, a state dict or None, not {type(heads).__name__}")
+        weights_per_layer, self.heads_source = calibration(
+            self.calibrated,
+            heads,
+            "heads",
+            ones=lambda: [torch.ones(c) for c in spec.channels],
+            bundled=lambda: _bundled_heads(self.net, self.version),
+            load=lambda source: load_heads(source, self.net),
+        )
         mean, std = input_scaling(self.version)
         self.extractor = FeatureExtractor(
             spec.backbone,
@@ -337,23 +333,11 @@ class LPIPS(nn.Module):
     def _one_forward(self, input: Tensor) -> bool:
         """Whether a pair that needs no graph (or two) runs as one concatenated batch: on accelerators only
         (see the class docstring)."""
-        return input.device.type != "cpu"
+        return concatenation_pays(input)
 
     def _features(self, input: Tensor, target: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Features of both images: one concatenated forward when both or neither need a graph (and the pair
-        is small enough on the CPU), else two, the one without a graph computed without one."""
-        grad = torch.is_grad_enabled()
-        input_graph, target_graph = grad and input.requires_grad, grad and target.requires_grad
-        same_batch = input.shape[0] == target.shape[0]
-        if input_graph == target_graph and same_batch and self._one_forward(input):
-            both = self.extractor(torch.cat([input, target.to(input.dtype)]))
-            split = {name: value.chunk(2) for name, value in both.items()}
-            return {k: v[0] for k, v in split.items()}, {k: v[1] for k, v in split.items()}
-        with torch.set_grad_enabled(input_graph):
-            first = self.extractor(input)
-        with torch.set_grad_enabled(target_graph):
-            second = self.extractor(target)
-        return first, second
+        """Features of both images (see ``pair_features``)."""
+        return pair_features(self.extractor, input, target, self._one_forward(input))
 
     # -- distances ---------------------------------------------------------------------------------
 
