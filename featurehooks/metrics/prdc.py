@@ -18,7 +18,6 @@ Nothing of size ``N × N`` is ever held: distances are computed in blocks of row
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import warnings
@@ -31,9 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._atomic import write_atomic
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from .statistics import FeatureOrigin, FeatureStatistics
+from .statistics import FeatureOrigin, FeatureStatistics, write_npz
 
 __all__ = ["PRDC", "Manifold", "precision_recall"]
 
@@ -302,16 +300,7 @@ class Manifold:
             "dim": self.dim,
             "origin": asdict(self.origin) if self.origin is not None else None,
         }
-        buffer = io.BytesIO()
-        np.savez(
-            buffer,
-            features=self.features.cpu().numpy(),
-            radii=self.radii.cpu().numpy(),
-            meta=np.array(json.dumps(meta)),
-        )
-        target = Path(path)
-        write_atomic(target, buffer.getvalue())
-        return target
+        return write_npz(path, meta, features=self.features.cpu().numpy(), radii=self.radii.cpu().numpy())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Manifold:

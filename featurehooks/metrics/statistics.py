@@ -400,17 +400,7 @@ class FeatureStatistics:
         }
         mean = self._mean if self._count else torch.zeros(self._dim, dtype=torch.float64)
         sigma = self.covariance if self._count >= 2 else torch.zeros(self._dim, self._dim, dtype=torch.float64)
-        buffer = io.BytesIO()
-        np.savez(
-            buffer,
-            mu=mean.numpy(),
-            sigma=sigma.numpy(),
-            features=self._kept[: self._filled],
-            meta=np.array(json.dumps(meta)),
-        )
-        target = Path(path)
-        write_atomic(target, buffer.getvalue())
-        return target
+        return write_npz(path, meta, mu=mean.numpy(), sigma=sigma.numpy(), features=self._kept[: self._filled])
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FeatureStatistics:
@@ -481,6 +471,17 @@ class FeatureStatistics:
             self.origin.check_matches(other.origin, what)
         if self._dim is not None and other._dim is not None and self._dim != other._dim:
             raise InvalidValueError(f"{what} have different feature dimensions: {self._dim} vs {other._dim}")
+
+
+def write_npz(path: str | os.PathLike[str], meta: dict[str, Any], **arrays: np.ndarray) -> Path:
+    """Write ``arrays`` and ``meta`` (a JSON string member) to an uncompressed ``.npz`` at exactly ``path``,
+    atomically: the file format of statistics and manifolds."""
+    buffer = io.BytesIO()
+    members: dict[str, Any] = {**arrays, "meta": np.array(json.dumps(meta))}
+    np.savez(buffer, **members)
+    target = Path(path)
+    write_atomic(target, buffer.getvalue())
+    return target
 
 
 def _read_archive(where: str) -> dict[str, Any]:
