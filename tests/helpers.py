@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -68,6 +68,18 @@ def tiny_extractor(
         parts["conv2"] = nn.Conv2d(channels[0], channels[1], 3)
     options = {"mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25), **kwargs}
     return FeatureExtractor(nn.Sequential(parts), list(layers), **options)
+
+
+def bf16_value_and_grad(
+    metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``metric(x, y)`` under CPU bfloat16 autocast and its gradient to ``x``: checked finite, the value float32."""
+    leaf = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = metric(leaf, y)
+    (grad,) = torch.autograd.grad(value.sum(), leaf)
+    assert value.dtype == torch.float32 and torch.isfinite(value).all() and torch.isfinite(grad).all()
+    return value, grad
 
 
 def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:

@@ -71,17 +71,20 @@ def test_auto_runs_channels_last_where_convolutions_do_the_work(
     assert seeded_extractor(backbone, layers, mode="grad").memory_format_for(LARGE) == "contiguous"
 
 
+class ConvThenMatmul(nn.Module):
+    """A convolution, then a matmul head of 3x the convolution's FLOPs at 224 px."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(16)
+        self.head = nn.Linear(8 * 16 * 16, 16384)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.pool(self.conv(x)).flatten(1))
+
+
 def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> None:
-    class ConvThenMatmul(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 8, 3, padding=1)
-            self.pool = nn.AdaptiveAvgPool2d(16)
-            self.head = nn.Linear(8 * 16 * 16, 16384)  # 3x the convolution's FLOPs at 224 px
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.head(self.pool(self.conv(x)).flatten(1))
-
     early = fh.FeatureExtractor(ConvThenMatmul(), ["conv"], weights=None)
     late = fh.FeatureExtractor(ConvThenMatmul(), ["head"], weights=None)
     assert early._conv_share == pytest.approx(1.0) and early.memory_format_for(LARGE) == "channels_last"
@@ -471,13 +474,7 @@ def test_without_early_exit_the_whole_forward_must_run_in_channels_last() -> Non
 
 
 def test_a_model_catching_every_exception_cannot_stretch_the_share_past_the_tap() -> None:
-    class Guarded(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 8, 3, padding=1)
-            self.pool = nn.AdaptiveAvgPool2d(16)
-            self.head = nn.Linear(8 * 16 * 16, 16384)
-
+    class Guarded(ConvThenMatmul):
         def forward(self, x: Tensor) -> Tensor:
             try:
                 features = self.conv(x)

@@ -31,6 +31,14 @@ def execution_order(model: nn.Module, run) -> list[str]:
     return order
 
 
+class OneConv(nn.Module):
+    """A 1x1 convolution ``conv``, for models whose ``forward`` defeats the meta dry run (``.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+
 @pytest.fixture(scope="module")
 def vgg(vgg16_cached: Path) -> fh.FeatureExtractor:
     return fh.FeatureExtractor("vgg16", ["relu1_2", "relu3_3"])
@@ -166,11 +174,7 @@ def test_a_call_past_the_last_one_is_refused_with_the_real_names(resnet18_cached
 
 
 def test_each_call_of_an_untraceable_module_is_its_own_tap(images: torch.Tensor) -> None:
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 3, 1)
-
+    class Shared(OneConv):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.conv(x)
             scale = y.sum().item()  # .item() cannot run on meta tensors, so there is no trace
@@ -187,11 +191,7 @@ def test_each_call_of_an_untraceable_module_is_its_own_tap(images: torch.Tensor)
 
 
 def test_in_place_change_found_at_runtime_is_cloned_with_a_warning(images: torch.Tensor) -> None:
-    class InPlace(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 3, 1)
-
+    class InPlace(OneConv):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.conv(x)
             y.relu_()

@@ -16,6 +16,8 @@ from featurehooks.errors import InvalidTypeError, InvalidValueError, WeightsUnav
 from featurehooks.metrics import dists as fh_dists
 from featurehooks.metrics.dists import DISTS, MIN_SIDE, L2Pool2d, find_alpha_beta, load_alpha_beta
 
+from helpers import bf16_value_and_grad
+
 DISTS_pytorch = pytest.importorskip("DISTS_pytorch")
 from DISTS_pytorch import DISTS_pt  # noqa: E402  (after the skip: DISTS_pytorch is a dev extra)
 
@@ -160,11 +162,7 @@ def test_frozen_in_eval_and_out_of_the_state_dict(metric: DISTS) -> None:
 
 def test_bf16_autocast_is_finite_and_close(metric: DISTS) -> None:
     x, y = pair((48, 40))
-    leaf = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        value = metric(leaf, y)
-    (grad,) = torch.autograd.grad(value.sum(), leaf)
-    assert value.dtype == torch.float32 and torch.isfinite(value).all() and torch.isfinite(grad).all()
+    value, grad = bf16_value_and_grad(metric, x, y)
     torch.testing.assert_close(value, metric(x, y).detach(), rtol=0.05, atol=0)
     (full,) = grads(metric, x, y)[:1]
     cosine = torch.nn.functional.cosine_similarity(grad.flatten(), full.flatten(), dim=0)

@@ -22,6 +22,8 @@ from featurehooks.metrics import lpips as fh_lpips
 from featurehooks.metrics.lpips import LPIPS, find_heads, load_heads
 from featurehooks.metrics.pairs import ImagePair, pair_files, score_pairs
 
+from helpers import bf16_value_and_grad
+
 lpips = pytest.importorskip("lpips")
 
 NETS = ("alex", "vgg", "squeeze")
@@ -213,11 +215,7 @@ def test_frozen_in_eval_and_out_of_the_state_dict(trunks: None) -> None:
 def test_bf16_autocast_is_finite_and_close(trunks: None, pair) -> None:
     x, y = pair
     metric = LPIPS("alex", reduction="none")
-    leaf = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        value = metric(leaf, y)
-    (grad,) = torch.autograd.grad(value.sum(), leaf)
-    assert value.dtype == torch.float32 and torch.isfinite(value).all() and torch.isfinite(grad).all()
+    value, _ = bf16_value_and_grad(metric, x, y)
     torch.testing.assert_close(value, metric(x, y).detach(), rtol=0.1, atol=0)
 
 
