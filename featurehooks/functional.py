@@ -57,10 +57,11 @@ GramNormalization = Literal["chw", "hw", "none"]
 """What a Gram matrix is divided by: ``C * H * W``, ``H * W``, or nothing (see ``gram_matrix``).
 
 Examples:
-    >>> import typing
-    >>> from featurehooks.functional import GramNormalization
-    >>> typing.get_args(GramNormalization)
-    ('chw', 'hw', 'none')
+    >>> import torch
+    >>> from featurehooks.functional import gram_matrix
+    >>> features = torch.ones(1, 2, 4, 4)  # C = 2, H * W = 16: each entry of F F^T sums 16 ones
+    >>> [gram_matrix(features, normalization)[0, 0, 0].item() for normalization in ("chw", "hw", "none")]
+    [0.5, 1.0, 16.0]
 """
 Distance = Union[str, Callable[[Tensor, Tensor], Tensor]]
 """A name from ``DISTANCES`` (or ``BATCH_DISTANCES`` where a loss takes it), or a callable
