@@ -43,15 +43,16 @@ def pool_features(feature: Tensor, layout: Layout, pool: Pool | None, name: str)
 
 
 def features_as_arrays(
-    extractor: FeatureExtractor, images: Tensor, pool: Pool | None, dtype: str, *, micro_batches: bool = False
+    extractor: FeatureExtractor, images: Tensor, pool: Pool | None, dtype: str, *, budget: int | None = None
 ) -> dict[str, np.ndarray]:
     """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU;
-    with ``micro_batches``, on the CPU in micro-batches sized to the cache (see ``tiling``). Arrays are
-    C-ordered whatever the memory format the backbone ran in.
+    with a ``budget``, on the CPU in micro-batches whose largest activation takes at most that many bytes (see
+    ``tiling``; the rows are bitwise those of one forward). Arrays are C-ordered whatever the memory format the
+    backbone ran in.
 
     The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works.
     """
-    size = micro_batch_size(extractor, images) if micro_batches else images.shape[0]
+    size = images.shape[0] if budget is None else micro_batch_size(extractor, images, budget)
     parts = [_part_as_arrays(extractor, part, pool, dtype) for part in images.split(max(size, 1))]
     if len(parts) == 1:
         return parts[0]

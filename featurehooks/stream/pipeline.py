@@ -23,6 +23,7 @@ from .forward import features_as_arrays, placement
 from .loader import Batch, loader_workers, row_loader
 from .progress import Progress
 from .sources import Inputs
+from .tiling import WORKERS_BUDGET, cache_budget
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -126,10 +127,12 @@ def extract_batches(
     """``feature_batches`` of ``extractor`` over ``batches`` (lists of rows) of ``inputs``, decoded by up to
     ``num_workers`` processes; features pooled with ``pool`` and cast to ``dtype``.
 
-    Without decoding workers, CPU forwards run in cache-sized micro-batches (see ``tiling``).
+    CPU forwards run in micro-batches (see ``tiling``): cache-sized without decoding workers, else bounded to
+    ``WORKERS_BUDGET`` for the largest activation.
     """
     workers = loader_workers(num_workers, len(batches))
     rows = inputs.rows(extractor.input_range)
     loader = row_loader(rows, batches, workers, pin=extractor.device.type == "cuda")
-    forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, micro_batches=workers == 0)
+    budget = cache_budget() if workers == 0 else WORKERS_BUDGET
+    forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, budget=budget)
     return feature_batches(forward, loader, model=extractor, progress=progress)

@@ -342,16 +342,16 @@ def test_cache_sizes_are_read_as_sysfs_writes_them(text: str, expected: int | No
     assert tiling._size_in_bytes(text) == expected
 
 
-def test_micro_batches_fit_the_cache_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_micro_batches_fit_the_budget_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     resnet = seeded_extractor("resnet18", ["layer4"])
-    monkeypatch.setattr(tiling, "cache_budget", lambda: 16 * 2**20)
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224)) == 5  # 16 MiB / 3.06 MiB per image
-    assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224)) == 3
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta")) == 32
-    monkeypatch.setattr(tiling, "cache_budget", lambda: 1)
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224)) == 1
+    mib = 2**20
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 5  # 16 MiB / 3.06 MiB per image
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), tiling.WORKERS_BUDGET) == 20
+    assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224), 16 * mib) == 3
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta"), 16 * mib) == 32
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 1) == 1
     monkeypatch.setattr(resnet, "activation_bytes", lambda height, width: None)  # untraced: no sizes to go by
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224)) == 32
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 32
 
 
 @pytest.mark.parametrize("pool", [None, "avg"])
@@ -360,7 +360,7 @@ def test_micro_batched_dump_rows_equal_one_forward(monkeypatch: pytest.MonkeyPat
     images = torch.rand(7, 3, 64, 64)
     whole = stream_forward.features_as_arrays(extractor, images, pool, "float32")
     monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 3)  # 3 + 3 + 1
-    tiled = stream_forward.features_as_arrays(extractor, images, pool, "float32", micro_batches=True)
+    tiled = stream_forward.features_as_arrays(extractor, images, pool, "float32", budget=1)
     direct = extractor(images)
     for name, array in tiled.items():
         assert array.flags.c_contiguous and array.shape == whole[name].shape
@@ -415,12 +415,12 @@ def test_the_command_line_takes_a_memory_format(tmp_path: Path, capsys: pytest.C
     assert "invalid choice" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("workers", "tiled"), [(0, True), (1, False)])
-def test_dumps_tile_only_when_no_worker_shares_the_cores(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, tiled: bool
+@pytest.mark.parametrize("workers", [0, 1])
+def test_dumps_tile_to_the_cache_only_when_no_worker_shares_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
     calls = []
-    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda _, images: calls.append(len(images)) or 1)
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda _, images, budget: calls.append(budget) or 1)
     folder = tmp_path / "images"
     folder.mkdir()
     for i in range(3):
@@ -437,7 +437,8 @@ def test_dumps_tile_only_when_no_worker_shares_the_cores(
         crop_size=32,
         pool="avg",
     )
-    assert bool(calls) == tiled and result.load("layer1").shape == (3, 64)
+    expected = tiling.cache_budget() if workers == 0 else tiling.WORKERS_BUDGET  # workers: memory-bounded
+    assert set(calls) == {expected} and result.load("layer1").shape == (3, 64)
 
 
 def test_a_memory_format_given_to_to_cannot_override_the_choice() -> None:
