@@ -194,6 +194,28 @@ def seeded_hub_weights(name: str) -> Path:
     return path
 
 
+def seeded_fid_weights() -> Path:
+    """Seeded FID Inception weights where pytorch-fid and featurehooks both read them.
+
+    Same recipe as ``tests/conftest.py`` (He-normal convolutions after seed 0, so pool3 features stay of order
+    one, as a trained network's are; torchvision's init makes them about 1e8, where pytorch-fid's sqrtm fails).
+    """
+    from featurehooks.backbones.fid_inception import FIDInceptionV3, fid_weights_path
+
+    path = Path(fid_weights_path())
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = FIDInceptionV3(init_weights=False)
+            for layer in model.modules():
+                if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+        torch.save(model.state_dict(), path.with_suffix(".partial"))
+        path.with_suffix(".partial").replace(path)
+    return path
+
+
 def load_seeded(name: str) -> torch.nn.Module:
     """A plain torchvision model (no hooks) with the seeded cached weights, frozen and in eval mode."""
     import torchvision.models as tvm

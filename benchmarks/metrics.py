@@ -1,19 +1,26 @@
-"""Question 4: is featurehooks' LPIPS at least as fast as lpips.LPIPS, and leaner, as a metric and as a loss?
+"""Question 4: are featurehooks' LPIPS, DISTS and FID at least as fast as their references, and leaner?
 
-For each trunk (AlexNet, VGG16, SqueezeNet 1.1) two groups, each contender on the same seeded
-torchvision checkpoint and lpips' own calibrated heads, on the same [0, 1] images:
+LPIPS (trunks AlexNet, VGG16, SqueezeNet 1.1) against ``lpips.LPIPS`` and DISTS against
+``DISTS_pytorch.DISTS``, each contender on the same seeded torchvision checkpoint and the reference's
+own calibrated weights, on the same [0, 1] images, in two groups:
 
 - *metric*: per-image distances of a pair of batches under ``torch.no_grad()``;
 - *loss step*: the mean distance of an input that requires grad to a target that does not, then
   ``torch.autograd.grad`` back to the input (what a training loop pays).
 
-Next to ``featurehooks LPIPS`` (its own choice of forward, named in the *forward* column) and
-``lpips.LPIPS`` run the module forced to each way of computing the pair, so the choice is measured:
-in the metric group one concatenated batch and two forwards; in the loss group one concatenated
-forward (a graph through both halves) against its graph-free target forward. Peak memory is taken
-for one call of each contender apart from the timing.
+Next to ``featurehooks LPIPS`` (its own choice of forward, named in the *forward* column) run the
+module forced to each way of computing the pair, so the choice is measured: in the metric group one
+concatenated batch and two forwards; in the loss group one concatenated forward (a graph through both
+halves) against its graph-free target forward. Peak memory is taken for one call of each contender
+apart from the timing (memory the call allocates).
 
-    python benchmarks/metrics.py                  # CPU, a few minutes on 2 cores
+FID: ``featurehooks fid A B`` against ``python -m pytorch_fid A B`` on the same two folders of PNGs and
+the same seeded weights file, each call a fresh process as a user runs it (start-up, decoding, the
+network, the distance), with the same batch size, decoding workers, device and threads; images/s and
+the peak resident memory of the largest process.
+
+    python benchmarks/metrics.py                  # CPU, about 15 minutes on 2 cores
+    python benchmarks/metrics.py --metrics fid    # one metric (lpips, dists, fid)
     python benchmarks/metrics.py --device cuda    # adds bf16 autocast + channels_last groups
     python benchmarks/metrics.py --quick          # seconds: checks the script, not speed
 """
@@ -21,14 +28,26 @@ for one call of each contender apart from the timing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
-from collections.abc import Callable
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor, nn
 
+from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
 import _harness as H
@@ -37,10 +56,21 @@ FH = "featurehooks LPIPS"
 FH_ONE = "featurehooks LPIPS, one concatenated forward"
 FH_TWO = "featurehooks LPIPS, two forwards"
 REF = "lpips.LPIPS"
+FH_DISTS = "featurehooks DISTS"
+REF_DISTS = "DISTS_pytorch.DISTS"
+FH_FID = "featurehooks fid"
+REF_FID = "python -m pytorch_fid"
 METRIC = "metric (no grad)"
 LOSS = "loss step (forward + grad to the input)"
+MODES = (METRIC, LOSS)
+FID = "FID of two folders (a fresh process each)"
 NETS = tuple(LPIPS_NETS)
+METRICS = ("lpips", "dists", "fid")
 SHAPES = H.Shapes(quick="2x32", cpu="1x224,4x224", cuda="16x224,64x224")
+# images per folder, their side, FID features, images per batch
+FID_SETS = {"quick": (6, 64, 64, 4), "cpu": (100, 256, 2048, 50), "cuda": (1000, 256, 2048, 50)}
+
+Distance = Callable[[Tensor, Tensor], Tensor]
 
 
 class TwoForwards(LPIPS):
@@ -63,8 +93,29 @@ class OneForward(LPIPS):
         return {k: v[0] for k, v in halves.items()}, {k: v[1] for k, v in halves.items()}
 
 
-def build(net: str, cfg: H.Settings) -> dict[str, nn.Module]:
-    """The contenders of one trunk, on the device, all reading its one seeded checkpoint."""
+@dataclass
+class Contenders:
+    """One metric on one trunk: the modules, each one's per-image distance of [0, 1] images, and who runs when."""
+
+    metric: str
+    net: str
+    modules: dict[str, nn.Module]
+    distances: dict[str, Distance]
+    ours: str
+    reference: str
+    loss_names: list[str]
+
+    def names(self, mode: str) -> list[str]:
+        return list(self.modules) if mode == METRIC else self.loss_names
+
+    def close(self) -> None:
+        for name, module in self.modules.items():
+            if name != self.reference:
+                module.extractor.close()
+
+
+def lpips_contenders(net: str, cfg: H.Settings) -> Contenders:
+    """featurehooks' LPIPS (and forced to each forward) and lpips.LPIPS, all reading one seeded checkpoint."""
     import lpips
 
     H.seeded_hub_weights(LPIPS_NETS[net].backbone)
@@ -76,35 +127,49 @@ def build(net: str, cfg: H.Settings) -> dict[str, nn.Module]:
         FH_TWO: TwoForwards(net, reduction="none"),
         REF: reference,
     }
+    distances: dict[str, Distance] = {name: module for name, module in modules.items() if name != REF}
+    distances[REF] = lambda a, b: reference(a, b, normalize=True).flatten()  # [0, 1] -> lpips' [-1, 1]
+    return Contenders("lpips", net, _ready(modules, cfg), distances, FH, REF, [FH, FH_ONE, REF])
+
+
+def dists_contenders(net: str, cfg: H.Settings) -> Contenders:
+    """featurehooks' DISTS and DISTS_pytorch's, on one seeded VGG16 checkpoint and DISTS_pytorch's alpha/beta."""
+    from DISTS_pytorch import DISTS as ReferenceDISTS
+
+    H.seeded_hub_weights("vgg16")
+    modules: dict[str, nn.Module] = {FH_DISTS: DISTS(reduction="none"), REF_DISTS: ReferenceDISTS()}
+    reference, ours = modules[REF_DISTS], modules[FH_DISTS]
+
+    def reference_distance(a: Tensor, b: Tensor) -> Tensor:
+        # require_grad: features with a graph in a loss step (its default computes them under no_grad)
+        return reference(a, b, require_grad=a.requires_grad).reshape(-1)
+
+    distances: dict[str, Distance] = {FH_DISTS: ours, REF_DISTS: reference_distance}
+    return Contenders("dists", net, _ready(modules, cfg), distances, FH_DISTS, REF_DISTS, list(modules))
+
+
+def _ready(modules: dict[str, nn.Module], cfg: H.Settings) -> dict[str, nn.Module]:
     for module in modules.values():
         module.eval().to(cfg.device)
     return modules
 
 
-def distance_fn(name: str, module: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """Per-image distances ``(B,)`` of [0, 1] images, whichever library."""
-    if name == REF:
-        return lambda a, b: module(a, b, normalize=True).flatten()  # [0, 1] -> lpips' [-1, 1]
-    return lambda a, b: module(a, b)
-
-
-def contenders(
-    modules: dict[str, nn.Module], mode: str, x: Tensor, y: Tensor, precision: str, device: torch.device
+def calls(
+    found: Contenders, mode: str, x: Tensor, y: Tensor, precision: str, device: torch.device
 ) -> dict[str, Callable[[], Tensor]]:
     """Zero-argument calls: distances under no_grad (metric) or the gradient to the input (loss step)."""
-    names = [FH, FH_ONE, FH_TWO, REF] if mode == METRIC else [FH, FH_ONE, REF]
     leaf = x.detach().clone().requires_grad_(True)
     fns: dict[str, Callable[[], Tensor]] = {}
-    for name in names:
-        dist = distance_fn(name, modules[name])
+    for name in found.names(mode):
+        dist = found.distances[name]
         if mode == METRIC:
 
-            def call(d: Callable[[Tensor, Tensor], Tensor] = dist) -> Tensor:
+            def call(d: Distance = dist) -> Tensor:
                 with torch.no_grad(), H.autocast(precision, device):
                     return d(x, y)
         else:
 
-            def call(d: Callable[[Tensor, Tensor], Tensor] = dist) -> Tensor:
+            def call(d: Distance = dist) -> Tensor:
                 with H.autocast(precision, device):
                     loss = d(leaf, y).float().mean()
                 (grad,) = torch.autograd.grad(loss, leaf)
@@ -114,17 +179,15 @@ def contenders(
     return fns
 
 
-def run_group(
-    net: str, modules: dict[str, nn.Module], mode: str, batch: int, size: int, precision: str, cfg: H.Settings
-) -> H.Group:
+def run_group(found: Contenders, mode: str, batch: int, size: int, precision: str, cfg: H.Settings) -> H.Group:
     x = H.images(batch, size, cfg, precision, seed=1)
     y = H.images(batch, size, cfg, precision, seed=2)
-    fns = contenders(modules, mode, x, y, precision, cfg.device)
+    fns = calls(found, mode, x, y, precision, cfg.device)
     outputs = {name: fn().float() for name, fn in fns.items()}  # also the first warm-up call
-    reference = outputs[REF]
+    reference = outputs[found.reference]
     scale = 1.0 if mode == METRIC else float(reference.abs().max())  # gradients: relative to their size
     with torch.no_grad(), H.autocast(precision, cfg.device):
-        value = float(distance_fn(REF, modules[REF])(x, y).float().mean())
+        value = float(found.distances[found.reference](x, y).float().mean())
     extras: dict[str, dict[str, Any]] = {
         name: {"max_abs_diff": H.max_abs_diff(out, reference) / max(scale, 1e-30)} for name, out in outputs.items()
     }
@@ -133,105 +196,254 @@ def run_group(
     for name, fn in fns.items():
         gc.collect()
         extras[name]["peak_mib"] = H.peak_memory(fn, cfg.device) / 2**20
-        extras[name]["lpips"] = value
-    chosen = FH_ONE if mode == METRIC and modules[FH]._one_forward(x) else FH_TWO
-    extras[FH]["forward"] = "one" if chosen == FH_ONE else "two"
-    params = {"net": net, "batch": batch, "size": size, "precision": precision}
-    group = H.make_group(mode, params, timing, REF, extras)
+        extras[name]["distance"] = value
+        extras[name]["images_per_s"] = batch / timing.median(name)
+    if found.metric == "lpips":
+        chosen = FH_ONE if mode == METRIC and found.modules[FH]._one_forward(x) else FH_TWO
+        extras[FH]["forward"] = "one" if chosen == FH_ONE else "two"
+    params = {"metric": found.metric, "net": found.net, "batch": batch, "size": size, "precision": precision}
+    group = H.make_group(mode, params, timing, found.reference, extras)
     H.log(
         f"{mode} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)" for r in group.rows)
     )
     return group
 
 
+# ------------------------------------------------------------------------------------------------ FID
+
+
+def write_folders(root: Path, count: int, side: int) -> tuple[Path, Path]:
+    """Two folders of ``count`` smooth random ``side``x``side`` RGB PNGs (another seed each)."""
+    folders = root / "a", root / "b"
+    for seed, folder in enumerate(folders):
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(H.SEED + seed)
+        coarse = torch.rand(count, 3, max(side // 16, 2), max(side // 16, 2), generator=generator)
+        pictures = torch.nn.functional.interpolate(coarse, size=(side, side), mode="bilinear", align_corners=False)
+        pixels = (pictures * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        for i, array in enumerate(pixels):
+            Image.fromarray(np.ascontiguousarray(array)).save(folder / f"{i:05d}.png")
+    return folders
+
+
+# Runs argv[2:] and writes its peak RSS (KiB) to argv[1]. A lean process between this one and the command: a
+# child's ru_maxrss counts the memory of the process it was forked from (here, torch and the trunks: 1.8 GB).
+MEASURED_RUN = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@dataclass
+class Process:
+    """One command run as a fresh process each call; keeps each call's peak RSS and the FID it printed."""
+
+    command: list[str]
+    env: dict[str, str]
+    peaks_mib: list[float] = dataclasses.field(default_factory=list)
+    fid: float | None = None
+
+    def __call__(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            peak = Path(tmp) / "maxrss"
+            done = subprocess.run(
+                [sys.executable, "-c", MEASURED_RUN, str(peak), *self.command],
+                env=self.env,
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode:
+                raise SystemExit(f"{' '.join(self.command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+            self.peaks_mib.append(int(peak.read_text()) / 1024)
+        match = re.search(r"FID:\s+(\S+)", done.stdout)
+        if not match:
+            raise SystemExit(f"{' '.join(self.command)} printed no FID:\n{done.stdout[-2000:]}")
+        self.fid = float(match.group(1))
+
+
+def fid_commands(a: Path, b: Path, dims: int, batch: int, cfg: H.Settings) -> dict[str, Process]:
+    """The two command lines on the same folders, batch size, workers, device and threads."""
+    workers = "0" if cfg.quick else str(min(4, os.cpu_count() or 1))
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONWARNINGS": "ignore"}
+    same = [str(a), str(b), "--dims", str(dims), "--batch-size", str(batch), "--device", str(cfg.device)]
+    return {
+        FH_FID: Process([sys.executable, "-m", "featurehooks", "fid", *same, "--workers", workers, "-q"], env),
+        REF_FID: Process([sys.executable, "-m", "pytorch_fid", *same, "--num-workers", workers], env),
+    }
+
+
+def run_fid(root: Path, cfg: H.Settings) -> H.Group:
+    count, side, dims, batch = FID_SETS["quick" if cfg.quick else cfg.device.type]
+    a, b = write_folders(root, count, side)
+    H.seeded_fid_weights()
+    processes = fid_commands(a, b, dims, batch, cfg)
+    rounds = {"min_reps": 1, "max_reps": 1} if cfg.quick else {}  # quick: each command twice (one untimed)
+    timing = H.time_interleaved(dict(processes), dataclasses.replace(cfg, warmup=1, **rounds), budget=0.0)
+    reference = processes[REF_FID].fid
+    extras = {
+        name: {
+            "peak_rss_mib": statistics.median(process.peaks_mib),
+            "images_per_s": 2 * count / timing.median(name),
+            "distance": process.fid,
+            "max_abs_diff": abs(process.fid - reference) / max(abs(reference), 1e-30),
+        }
+        for name, process in processes.items()
+    }
+    params = {"metric": "fid", "images": f"{count}+{count}", "size": side, "dims": dims, "batch": batch}
+    group = H.make_group(FID, params, timing, REF_FID, extras)
+    H.log(
+        f"{FID} {params}: "
+        + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_rss_mib']:.0f} MiB)" for r in group.rows)
+    )
+    return group
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
 def targets(groups: list[H.Group]) -> list[H.Target]:
     found = []
     for g in groups:
         label = H.format_params(g.params)
-        peak = g.row(FH).extra["peak_mib"] / max(g.row(REF).extra["peak_mib"], 1e-9)
+        if g.case == FID:
+            rss = g.row(FH_FID).extra["peak_rss_mib"] / g.row(REF_FID).extra["peak_rss_mib"]
+            found.append(
+                H.Target(
+                    "fid: pytorch_fid time / featurehooks time (faster)", label, H.ratio(g, REF_FID, FH_FID), 1.0, ">="
+                )
+            )
+            found.append(H.Target("fid: featurehooks peak RSS / pytorch_fid peak RSS", label, rss, 1.0, "<="))
+            continue
+        ours, reference = (FH, REF) if g.params["metric"] == "lpips" else (FH_DISTS, REF_DISTS)
+        short = "LPIPS" if ours == FH else "DISTS"
+        peak = g.row(ours).extra["peak_mib"] / max(g.row(reference).extra["peak_mib"], 1e-9)
+        # LPIPS promises a fifth less memory than lpips; DISTS no more than DISTS_pytorch
+        peak_limit = 0.8 if ours == FH else 1.0
         if g.case == METRIC:
-            found.append(H.Target("metric: lpips time / LPIPS time (no slower)", label, H.ratio(g, REF, FH), 1.0, ">="))
-            found.append(H.Target("metric: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
-            chosen, other = (FH_ONE, FH_TWO) if g.row(FH).extra.get("forward") == "one" else (FH_TWO, FH_ONE)
-            # two forwards trade a little time for memory: allowed up to 10% over one concatenated forward
             found.append(
                 H.Target(
-                    f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
+                    f"metric: {reference} time / {short} time (no slower)",
                     label,
-                    H.ratio(g, chosen, other),
-                    1.1,
-                    "<=",
-                )
-            )
-        else:
-            found.append(H.Target("loss: lpips time / LPIPS time (faster)", label, H.ratio(g, REF, FH), 1.0, ">="))
-            found.append(H.Target("loss: LPIPS peak / lpips peak", label, peak, 0.8, "<="))
-            found.append(
-                H.Target(
-                    "loss: graph-free target forward / one concatenated forward",
-                    label,
-                    H.ratio(g, FH, FH_ONE),
+                    H.ratio(g, reference, ours),
                     1.0,
-                    "<=",
+                    ">=",
                 )
             )
+            found.append(H.Target(f"metric: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
+            if ours == FH:
+                chosen, other = (FH_ONE, FH_TWO) if g.row(FH).extra.get("forward") == "one" else (FH_TWO, FH_ONE)
+                # two forwards trade a little time for memory: allowed up to 10% over one concatenated forward
+                found.append(
+                    H.Target(
+                        f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
+                        label,
+                        H.ratio(g, chosen, other),
+                        1.1,
+                        "<=",
+                    )
+                )
+        else:
+            found.append(
+                H.Target(
+                    f"loss: {reference} time / {short} time (faster)", label, H.ratio(g, reference, ours), 1.0, ">="
+                )
+            )
+            found.append(H.Target(f"loss: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
+            if ours == FH:
+                found.append(
+                    H.Target(
+                        "loss: graph-free target forward / one concatenated forward",
+                        label,
+                        H.ratio(g, FH, FH_ONE),
+                        1.0,
+                        "<=",
+                    )
+                )
     return found
+
+
+def pair_metrics(metrics: list[str], nets: list[str]) -> Iterator[tuple[str, Callable[[str, H.Settings], Contenders]]]:
+    """(trunk, builder) of every LPIPS and DISTS contender set asked for."""
+    if "lpips" in metrics:
+        yield from ((net, lpips_contenders) for net in nets)
+    if "dists" in metrics:
+        yield "vgg", dists_contenders
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
-    p.add_argument("--nets", default=",".join(NETS), help="subset of alex, vgg, squeeze")
-    p.add_argument("--modes", default="metric,loss", help="subset of metric, loss")
+    p.add_argument("--metrics", default=",".join(METRICS), help="subset of lpips, dists, fid")
+    p.add_argument("--nets", default=",".join(NETS), help="LPIPS trunks: subset of alex, vgg, squeeze")
+    p.add_argument("--modes", default="metric,loss", help="LPIPS and DISTS groups: subset of metric, loss")
     SHAPES.add_option(p)
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=10.0)
     shapes = SHAPES.parse(args.shapes, cfg)
-    nets = args.nets.split(",")
+    metrics, nets = args.metrics.split(","), args.nets.split(",")
     modes = [{"metric": METRIC, "loss": LOSS}[m] for m in args.modes.split(",")]
     notes = [
-        "ratio = median / median of lpips.LPIPS in the same group (lower is faster); every contender reads the "
-        "same seeded trunk checkpoint and lpips' bundled v0.1 heads.",
-        "max abs diff: metric, largest difference of the per-image distances from lpips'; loss step, of the "
-        "input gradients, relative to the largest lpips gradient.",
+        "ratio = median / median of the reference in the same group (lower is faster); every contender reads the "
+        "same seeded weights: the trunk's torchvision checkpoint and lpips' v0.1 heads or DISTS_pytorch's "
+        "alpha/beta; FID, one pt_inception-2015-12-05 file in the hub cache.",
+        "max abs diff: metric, largest difference of the per-image distances from the reference's; loss step, of "
+        "the input gradients, relative to the largest reference gradient; FID, of the printed FID, relative to "
+        "pytorch_fid's (below 2049 images the covariance is singular, where pytorch_fid's sqrtm is inexact).",
         "peak MiB: memory allocated during one call above what was allocated before it "
-        + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
+        + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events).")
+        + " peak RSS MiB (FID): the largest process's peak resident memory, median over the calls.",
         f"*{FH_ONE}* and *{FH_TWO}* are the module forced to one way; *forward* says which way featurehooks "
         "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, where they cost 0.66-0.8x "
         "the memory at about the same time; loss: always a graph-free target forward).",
     ]
-    config = {"nets": nets, "modes": modes, "shapes": shapes, "precisions": H.precisions(cfg), **cfg.timing_config()}
+    config = {
+        "metrics": metrics,
+        "nets": nets,
+        "modes": modes,
+        "shapes": shapes,
+        "precisions": H.precisions(cfg),
+        "fid_set": FID_SETS["quick" if cfg.quick else cfg.device.type],
+        **cfg.timing_config(),
+    }
     results = H.Results(
         "metrics",
-        "LPIPS as a metric and as a loss step: time / lpips.LPIPS",
+        "LPIPS, DISTS and FID: time / the reference implementation",
         cfg,
         config,
         targets,
         notes,
         [
+            ("images_per_s", "images/s", ".1f"),
             ("peak_mib", "peak MiB", ".1f"),
+            ("peak_rss_mib", "peak RSS MiB", ".0f"),
             ("max_abs_diff", "max abs diff", ".2g"),
-            ("lpips", "LPIPS", ".4g"),
+            ("distance", "distance", ".4g"),
             ("forward", "forward", ""),
         ],
     )
-    with H.seeded_torch_home(args.torch_home):
-        for net in nets:
-            H.log(f"building LPIPS({net!r})")
-            modules = build(net, cfg)
+    with H.seeded_torch_home(args.torch_home) as home:
+        for net, build in pair_metrics(metrics, nets):
+            H.log(f"building {build.__name__.split('_')[0]} on {net!r}")
+            found = build(net, cfg)
             try:
                 for precision in H.precisions(cfg):
                     if precision == "bf16":
-                        for module in modules.values():
+                        for module in found.modules.values():
                             module.to(memory_format=torch.channels_last)
                     for batch, size in shapes:
                         for mode in modes:
-                            results.add(run_group(net, modules, mode, batch, size, precision, cfg))
+                            results.add(run_group(found, mode, batch, size, precision, cfg))
             finally:
-                for name, module in modules.items():
-                    if name != REF:
-                        module.extractor.close()
-                del modules
+                found.close()
+                del found
                 gc.collect()
+        if "fid" in metrics:
+            with tempfile.TemporaryDirectory(prefix="fh_fid_", dir=home) as root:
+                results.add(run_fid(Path(root), cfg))
     return results.finish()
 
 

@@ -211,22 +211,43 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
 
 
 def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
-    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--nets", "alex,squeeze")
+    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "lpips,dists", "--nets", "squeeze")
     groups = payload["groups"]
-    assert {(g["case"], g["params"]["net"]) for g in groups} == {
-        (case, net) for case in (metrics.METRIC, metrics.LOSS) for net in ("alex", "squeeze")
-    }
+    assert [(g["case"], g["params"]["metric"], g["params"]["net"]) for g in groups] == [
+        (case, metric, net) for metric, net in (("lpips", "squeeze"), ("dists", "vgg")) for case in metrics.MODES
+    ]
     for group in groups:
         rows = {row["name"]: row for row in group["rows"]}
-        expected = (
-            [metrics.FH, metrics.FH_ONE, metrics.FH_TWO, metrics.REF]
-            if group["case"] == metrics.METRIC
-            else [metrics.FH, metrics.FH_ONE, metrics.REF]
-        )
-        assert list(rows) == expected and group["baseline"] == metrics.REF
-        for row in rows.values():  # every contender computes lpips' distances (metric) or input gradients (loss)
+        if group["params"]["metric"] == "dists":
+            expected = [metrics.FH_DISTS, metrics.REF_DISTS]
+        elif group["case"] == metrics.METRIC:
+            expected = [metrics.FH, metrics.FH_ONE, metrics.FH_TWO, metrics.REF]
+        else:
+            expected = [metrics.FH, metrics.FH_ONE, metrics.REF]
+        assert list(rows) == expected and group["baseline"] == expected[-1]
+        for row in rows.values():  # every contender computes the reference's distances or input gradients
             assert row["max_abs_diff"] <= 1e-4, row
-            assert row["peak_mib"] >= 0
-        assert rows[metrics.FH]["forward"] in ("one", "two")
+            assert row["peak_mib"] >= 0 and row["images_per_s"] > 0
+        if group["params"]["metric"] == "lpips":
+            assert rows[metrics.FH]["forward"] in ("one", "two")
     claims = {t["claim"].split(" (")[0] for t in payload["targets"]}
-    assert {"metric: LPIPS peak / lpips peak", "loss: LPIPS peak / lpips peak"} <= claims
+    assert {
+        "metric: LPIPS peak / lpips.LPIPS peak",
+        "loss: LPIPS peak / lpips.LPIPS peak",
+        "metric: DISTS peak / DISTS_pytorch.DISTS peak",
+        "loss: DISTS peak / DISTS_pytorch.DISTS peak",
+    } <= claims
+
+
+def test_metrics_quick_fid(tmp_path: Path, torch_home: Path) -> None:
+    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "fid")
+    rows = _single_group_rows(payload)
+    assert list(rows) == [metrics.FH_FID, metrics.REF_FID]
+    for row in rows.values():  # both commands print the same FID from a process of bounded size
+        assert row["max_abs_diff"] <= 1e-5 and row["distance"] > 0, row
+        assert 100 < row["peak_rss_mib"] < 8000 and row["images_per_s"] > 0, row
+    claims = {t["claim"].split(" (")[0] for t in payload["targets"]}
+    assert claims == {
+        "fid: pytorch_fid time / featurehooks time",
+        "fid: featurehooks peak RSS / pytorch_fid peak RSS",
+    }
