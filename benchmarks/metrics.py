@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events).")
         + " peak RSS MiB (FID): the largest process's peak resident memory, median over the calls.",
         f"*{FH_ONE}* and *{FH_TWO}* are the module forced to one way; *forward* says which way featurehooks "
-        "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, where they cost 0.66-0.8x "
-        "the memory at about the same time; loss: always a graph-free target forward).",
+        "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, for less memory; loss: "
+        "always a graph-free target forward).",
     ]
     config = {
         "metrics": metrics,
