@@ -277,6 +277,13 @@ class Timing:
         return q[0], q[2]
 
 
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of one call of ``fn`` (no warm-up: for calls that start a fresh process each time)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def time_interleaved(
     contenders: dict[str, Callable[[], Any]],
     cfg: Settings,

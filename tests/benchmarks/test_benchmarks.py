@@ -243,8 +243,8 @@ def test_metrics_quick_fid(tmp_path: Path, torch_home: Path) -> None:
     metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "fid")
     rows = _single_group_rows(payload)
     assert list(rows) == [metrics.FH_FID, metrics.REF_FID]
-    for row in rows.values():  # both commands print the same FID from a process of bounded size
-        assert row["max_abs_diff"] <= 1e-5 and row["distance"] > 0, row
+    for row in rows.values():  # both print the same FID (--dims 64), from a process of bounded size
+        assert row["max_abs_diff"] <= 1e-6 and row["distance"] > 0, row
         assert 100 < row["peak_rss_mib"] < 8000 and row["images_per_s"] > 0, row
     claims = {t["claim"].split(" (")[0] for t in payload["targets"]}
     assert claims == {
