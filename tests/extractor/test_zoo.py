@@ -227,10 +227,8 @@ def weighted_sum(features: Mapping[str, Tensor], weights: Mapping[str, Tensor]) 
     return sum(((features[key] * weight).sum() for key, weight in weights.items()), torch.zeros(()))
 
 
-@pytest.mark.parametrize("name", slow_unless(MODELS, FAST))
-def test_list_layers_names_every_fx_leaf_call(name: str) -> None:
-    rows = layer_rows(name)
-    graph = fx_graph(name)
+def check_list_layers(rows: Sequence[fh.FeatureInfo], graph: FxGraph) -> None:
+    """``list_layers`` has a row for every FX leaf call, named and counted as FX does, and no other running leaf."""
     assert len({row.name for row in rows}) == len(rows), "layer names must be unique"
     by_site = {(row.path, row.call): row for row in rows}
     missing = [call.name for call in graph.calls if (call.path, call.call) not in by_site]
@@ -243,33 +241,45 @@ def test_list_layers_names_every_fx_leaf_call(name: str) -> None:
     assert fx_visible_sites(rows, graph.leaves) == {(call.path, call.call) for call in graph.calls}
 
 
-@pytest.mark.parametrize("name", slow_unless(MODELS, FAST))
-def test_features_and_input_gradients_match_fx(name: str) -> None:
-    if name in TOO_SLOW:
-        pytest.skip(TOO_SLOW[name])
-    picked = pick_nodes(layer_rows(name), fx_graph(name))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        extractor = fh.FeatureExtractor(name, picked, weights=None, mode="grad")
-    with extractor:
-        reference = fx_reference(extractor.backbone, picked)
-        side = input_side(name, extractor.preprocessing.crop_size or SMALL)
-        generator = torch.Generator().manual_seed(SEED)
-        images = torch.rand(1, 3, side, side, generator=generator)
-        ours_input, theirs_input = images.clone().requires_grad_(), images.clone().requires_grad_()
-        ours = extractor(ours_input)
-        theirs = reference(extractor.normalize(theirs_input))
-        assert list(ours) == picked
-        for node in picked:
-            torch.testing.assert_close(ours[node], theirs[node], rtol=0, atol=0, msg=lambda m, n=node: f"{n}: {m}")
-        weights = {node: torch.randn(ours[node].shape, generator=generator) for node in picked}
-        weighted_sum(ours, weights).backward()
-        weighted_sum(theirs, weights).backward()
+def check_features_and_input_gradients(name: str, extractor: fh.FeatureExtractor, picked: list[str]) -> None:
+    """The extractor's features equal FX's bit for bit, and its input gradients to float32 rounding."""
+    reference = fx_reference(extractor.backbone, picked)
+    side = input_side(name, extractor.preprocessing.crop_size or SMALL)
+    generator = torch.Generator().manual_seed(SEED)
+    images = torch.rand(1, 3, side, side, generator=generator)
+    ours_input, theirs_input = images.clone().requires_grad_(), images.clone().requires_grad_()
+    ours = extractor(ours_input)
+    theirs = reference(extractor.normalize(theirs_input))
+    assert list(ours) == picked
+    for node in picked:
+        torch.testing.assert_close(ours[node], theirs[node], rtol=0, atol=0, msg=lambda m, n=node: f"{n}: {m}")
+    weights = {node: torch.randn(ours[node].shape, generator=generator) for node in picked}
+    weighted_sum(ours, weights).backward()
+    weighted_sum(theirs, weights).backward()
     # Relative to the largest gradient: FX clones every tap and we only those changed in place later, so the
     # two autograd graphs add up the gradients reaching a tensor in different orders, which float32 rounds
     # differently (at most 1.2e-6 of the largest apart, ResNet-50; in float64 1e-14).
     scale = float(theirs_input.grad.abs().max())
     torch.testing.assert_close(ours_input.grad / scale, theirs_input.grad / scale, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", slow_unless(MODELS, FAST))
+def test_model_against_fx(name: str) -> None:
+    """One model through the three checks of the module docstring, traced and initialized once for all three:
+    list_layers against FX's graph; features and input gradients against ``create_feature_extractor``; and, for
+    the models of ``CHANNELS_LAST_SAMPLE``, channels-last against NCHW."""
+    rows, graph = layer_rows(name), fx_graph(name)
+    check_list_layers(rows, graph)
+    if name in TOO_SLOW:
+        pytest.skip(TOO_SLOW[name])
+    picked = pick_nodes(rows, graph)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        extractor = fh.FeatureExtractor(name, picked, weights=None, mode="grad")
+    with extractor:
+        check_features_and_input_gradients(name, extractor, picked)
+    if name in CHANNELS_LAST_SAMPLE:
+        check_channels_last(name, extractor, picked)
 
 
 def _run_in_format(
@@ -289,22 +299,16 @@ def _run_in_format(
     return extractor, values, images.grad.double() if grad else None
 
 
-@pytest.mark.parametrize("name", slow_unless(CHANNELS_LAST_SAMPLE, FAST))
-def test_channels_last_matches_nchw(name: str) -> None:
+def check_channels_last(name: str, extractor: fh.FeatureExtractor, picked: list[str]) -> None:
     """Each model of the sample runs in channels-last when asked, with the NCHW values to float32 rounding, 1e-5 of each
     feature's scale. Where "auto" picks channels-last, input gradients too: their norm-relative error from
     a float64 run is at most twice NCHW's (deep random networks amplify float32 rounding in either format,
     a ReLU tie decided the other way moves a whole path: 1% of the norm between the two formats on
     wide_resnet101_2). The others (ViT, Swin, ConvNeXt, MaxViT) run NCHW unless asked, so only their values
-    are checked, without a graph. One random init; every run is a copy of it."""
-    if name in TOO_SLOW:
-        pytest.skip(TOO_SLOW[name])
-    picked = pick_nodes(layer_rows(name), fx_graph(name))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        auto = fh.FeatureExtractor(name, picked, weights=None)
+    are checked, without a graph. Every run is a copy of the FX check's backbone."""
+    auto = fh.FeatureExtractor(extractor.backbone, picked)  # the default format and mode: what "auto" picks
     auto.close()  # its backbone is copied by every run below, without hooks
-    side = input_side(name, auto.preprocessing.crop_size or SMALL)
+    side = input_side(name, extractor.preprocessing.crop_size or SMALL)
     grad = auto.memory_format_for((8, 3, 224, 224)) == "channels_last"
     runs = {
         fmt: _run_in_format(auto.backbone, picked, side, fmt, torch.float32, grad)
