@@ -82,6 +82,28 @@ def bf16_value_and_grad(
     return value, grad
 
 
+needs_cpu_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bfloat16 kernels (precision='bf16')"
+)
+"""Marks a test of ``precision="bf16"`` on the CPU: it runs where oneDNN has bfloat16 kernels (AVX512, Arm BF16)."""
+
+
+def photos(size: int = 64, count: int = 2) -> torch.Tensor:
+    """``count`` of scikit-image's photos (astronaut, coffee, chelsea, rocket) as ``(count, 3, size, size)`` floats in
+    [0, 1], center-cropped square and resized with antialiasing: real images for tests of precision and losses."""
+    from skimage import data
+
+    images = []
+    for load in (data.astronaut, data.coffee, data.chelsea, data.rocket)[:count]:
+        array = load()
+        side = min(array.shape[:2])
+        top, left = (array.shape[0] - side) // 2, (array.shape[1] - side) // 2
+        square = torch.from_numpy(np.ascontiguousarray(array[top : top + side, left : left + side]))
+        pixels = square.permute(2, 0, 1)[None].float() / 255
+        images.append(torch.nn.functional.interpolate(pixels, size=(size, size), mode="bilinear", antialias=True))
+    return torch.cat(images).clamp(0, 1)
+
+
 def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
     """``count`` random RGB PNGs ``0.png``, ``1.png``, ... of ``size`` (height, width) from one seeded generator."""
     folder.mkdir(parents=True, exist_ok=True)

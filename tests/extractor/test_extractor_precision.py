@@ -1,0 +1,124 @@
+"""``precision=``: float32 stays what it was, bf16 stores the backbone once and runs in it, devices that cannot are
+refused, and ``repr`` says what runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.models as tvm
+from torch import nn
+
+import featurehooks as fh
+from featurehooks import _precision
+from featurehooks.errors import InvalidValueError
+
+from helpers import needs_cpu_bf16, photos, tiny_extractor
+
+LAYERS = ["relu2_2", "relu3_3"]
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return photos(64, 2)
+
+
+def vgg(**options: object) -> fh.FeatureExtractor:
+    torch.manual_seed(0)
+    return fh.FeatureExtractor("vgg16", LAYERS, weights=None, **options)  # type: ignore[arg-type]
+
+
+def test_float32_is_the_default_and_changes_nothing(images: torch.Tensor) -> None:
+    default, explicit = tiny_extractor(), tiny_extractor(precision="float32")
+    assert default.precision == "float32" and default.compute_dtype == torch.float32
+    assert "precision" not in repr(default)
+    assert all(p.dtype == torch.float32 for p in default.backbone.parameters())
+    for a, b in zip(default(images).values(), explicit(images).values()):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    # the hand-written arithmetic, bitwise: (x - mean) / std through the same seeded layers
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, stride=2)
+    expected = torch.relu(conv((images - 0.5) / 0.25))
+    assert torch.equal(default(images)["relu1"], expected)
+
+
+def test_float32_keeps_an_enclosing_autocast(images: torch.Tensor) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tiny_extractor()(images)["conv2"].dtype == torch.bfloat16
+
+
+@needs_cpu_bf16
+def test_bf16_stores_the_backbone_once_and_returns_bf16_features(images: torch.Tensor) -> None:
+    ext, reference = vgg(precision="bf16"), vgg()
+    assert ext.compute_dtype == torch.bfloat16 and ext.dtype == torch.float32  # normalization stays float32
+    assert ext.mean.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in ext.backbone.parameters())
+    found, expected = ext(images), reference(images)
+    for name in LAYERS:
+        assert found[name].dtype == torch.bfloat16 and found[name].shape == expected[name].shape
+        scale = expected[name].abs().max()
+        assert (found[name].float() - expected[name]).abs().max() / scale < 0.05  # bf16: ~3 significant digits
+    assert ext.output_shapes((1, 3, 40, 48)) == reference.output_shapes((1, 3, 40, 48))
+    assert ext.activation_bytes(64, 64) * 2 == reference.activation_bytes(64, 64)
+
+
+@needs_cpu_bf16
+def test_bf16_outranks_an_enclosing_autocast_and_survives_casts(images: torch.Tensor) -> None:
+    ext = tiny_extractor(precision="bf16")
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert ext(images)["conv2"].dtype == torch.bfloat16
+    ext.float()  # a parent's .float() / .to(dtype) must not undo the precision
+    assert all(p.dtype == torch.bfloat16 for p in ext.backbone.parameters())
+    assert ext(images)["conv2"].dtype == torch.bfloat16
+
+
+@needs_cpu_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bf16_input_gradients_come_back_in_the_inputs_dtype(images: torch.Tensor, dtype: torch.dtype) -> None:
+    ext, reference = tiny_extractor(mode="grad", precision="bf16"), tiny_extractor(mode="grad")
+    leaf, leaf32 = images.to(dtype, copy=True).requires_grad_(), images.clone().requires_grad_()
+    ext(leaf)["conv2"].float().square().mean().backward()
+    reference(leaf32)["conv2"].square().mean().backward()
+    assert leaf.grad is not None and leaf32.grad is not None and leaf.grad.dtype == dtype
+    cosine = torch.nn.functional.cosine_similarity(leaf.grad.flatten().float(), leaf32.grad.flatten(), dim=0)
+    assert cosine > 0.99
+
+
+@needs_cpu_bf16
+def test_repr_says_what_runs() -> None:
+    text = repr(tiny_extractor(precision="bf16"))
+    assert "precision='bf16'" in text
+    assert "precision='bf16'" in repr(fh.PerceptualLoss(tiny_extractor(mode="grad", precision="bf16"), ["relu1"]))
+
+
+@pytest.mark.parametrize("bad", ["bfloat16", "half", torch.bfloat16, None])
+def test_an_unknown_precision_is_refused(bad: object) -> None:
+    with pytest.raises(InvalidValueError, match="precision must be 'float32', 'bf16' or 'fp16'"):
+        tiny_extractor(precision=bad)
+
+
+def test_fp16_on_a_cpu_without_float16_kernels_is_refused_at_the_forward(images: torch.Tensor) -> None:
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        pytest.skip("this CPU has native float16 kernels: fp16 runs")
+    ext = tiny_extractor(precision="fp16")  # built anywhere: it may be moved to a GPU before its first forward
+    assert "precision='fp16'" in repr(ext)
+    with pytest.raises(InvalidValueError, match=r"precision='fp16' cannot run on cpu: .*emulated.*bf16"):
+        ext(images)
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    _precision._unsupported.cache_clear()
+    try:
+        with pytest.raises(InvalidValueError, match=r"precision='bf16' cannot run on cuda:0: .*capability 8\.0"):
+            _precision.check_device("bf16", torch.device("cuda", 0))
+        _precision.check_device("fp16", torch.device("cuda", 0))  # fp16 runs on every CUDA device
+    finally:
+        _precision._unsupported.cache_clear()
+
+
+@needs_cpu_bf16
+def test_a_users_module_is_copied_not_cast() -> None:
+    torch.manual_seed(0)
+    model = tvm.vgg11().features[:4]
+    fh.FeatureExtractor(model, ["3"], precision="bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
