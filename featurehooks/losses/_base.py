@@ -35,6 +35,10 @@ LayerWeights = Union[Mapping[str, float], Sequence[float], None]
 Resize = Union[int, tuple[int, int], None]
 
 
+def _float32_or_wider(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def resolve_layer_weights(layer_weights: LayerWeights, layers: Sequence[str]) -> list[float]:
     """One float per layer from a dict by name, a sequence aligned with ``layers``, or None (all 1)."""
     if layer_weights is None:
@@ -229,7 +233,8 @@ class FeatureLoss(nn.Module):
         """The per-layer quantity that is compared (the features themselves here).
 
         ``features`` come channels first, ``(B, C, *positions)``, whatever the layer's layout: Swin's
-        ``(B, H, W, C)`` maps and ``(B, L, C)`` tokens are viewed with their channels on axis 1.
+        ``(B, H, W, C)`` maps and ``(B, L, C)`` tokens are viewed with their channels on axis 1. Those of
+        an extractor with ``precision="bf16"``/``"fp16"`` come in float32.
         """
         return features
 
@@ -242,7 +247,14 @@ class FeatureLoss(nn.Module):
         if missing:
             raise InvalidValueError(f"{side} features lack layers {missing}; got {list(features)}")
         layouts = self.extractor.output_layouts
-        return [self.statistic(channels_first(features[name], layouts[name].kind)) for name in self.layers]
+        # a bf16/fp16 extractor's features are reduced in float32 (a float32 one's are left as they are, bitwise)
+        wide = self.extractor.precision != "float32"
+        return [
+            self.statistic(
+                channels_first(_float32_or_wider(features[name]) if wide else features[name], layouts[name].kind)
+            )
+            for name in self.layers
+        ]
 
     # -- fixed target ------------------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ class StyleLoss(FeatureLoss):
         resize: resize images to ``(H, W)`` (or a square) before the backbone.
         target: a fixed style image, same as calling ``set_target(target)``.
         **extractor_options: keyword arguments of the ``FeatureExtractor`` built for the loss
-            (``weights``, ``input_range``, ``mean``/``std``, ``normalize``, ``memory_format``...).
+            (``weights``, ``input_range``, ``mean``/``std``, ``normalize``, ``memory_format``,
+            ``precision``...).
 
     Shape:
         input: ``(B, 3, H, W)``; target: ``(B, 3, H', W')`` or ``(1, 3, H', W')``; output: scalar,

@@ -14,7 +14,6 @@ a file of your own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections import OrderedDict
@@ -26,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._precision import autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ..extractor import FeatureExtractor, MemoryFormat
+from ..extractor import FeatureExtractor, MemoryFormat, Precision
 from ..functional import Reduction, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
 from ._full_reference import calibration, concatenation_pays, pair_features
@@ -93,7 +93,7 @@ class L2Pool2d(nn.Module):
         self.register_buffer("window", (window / window.sum()).expand(channels, 1, 3, 3).contiguous())
 
     def forward(self, input: Tensor) -> Tensor:
-        with _autocast_off(input.device.type):
+        with autocast_off(input.device.type):
             squares = input.float().square()
             window = self.window.float()
             pooled = F.conv2d(squares, window, stride=2, padding=1, groups=squares.shape[1])
@@ -101,13 +101,6 @@ class L2Pool2d(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.window.shape[0]}"
-
-
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
-    """Autocast disabled on ``device_type``; nothing to disable on devices autocast does not know (meta)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class L2PooledVGG16(nn.Sequential):
@@ -257,6 +250,8 @@ class DISTS(nn.Module):
         alpha_beta: the learned weights: ``None`` finds those bundled with an installed
             ``DISTS_pytorch``; or a ``.pt`` file (or state dict) with ``alpha`` and ``beta``.
         memory_format: the trunk's memory format, as for ``FeatureExtractor``.
+        precision: what the trunk computes in, as for ``FeatureExtractor``: ``"float32"`` (default),
+            ``"bf16"`` or ``"fp16"``; the distances are computed from its features in float32.
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``, ``H, W >= 17``; target may have batch 1
@@ -297,6 +292,7 @@ class DISTS(nn.Module):
         weights: WeightsSpec = "DEFAULT",
         alpha_beta: AlphaBetaSpec = None,
         memory_format: MemoryFormat = "auto",
+        precision: Precision = "float32",
     ) -> None:
         super().__init__()
         check_reduction(reduction)
@@ -319,6 +315,7 @@ class DISTS(nn.Module):
             mean=_MEAN,
             std=_STD,
             memory_format=memory_format,
+            precision=precision,
         )
         total = alpha.sum() + beta.sum()  # DISTS_pytorch's normalization, in the same float32 arithmetic
         like = self.extractor.mean
@@ -363,7 +360,7 @@ class DISTS(nn.Module):
         pairs = [(self._unit(input), self._unit(target))] + [(first[name], second[name]) for name in DISTS_LAYERS]
         alphas, betas = self.alpha.float().split(_CHANNELS), self.beta.float().split(_CHANNELS)
         structures, textures = [], []
-        with _autocast_off(input.device.type):
+        with autocast_off(input.device.type):
             for (x, y), alpha, beta in zip(pairs, alphas, betas):
                 structure, texture = _structure_texture(x.float(), y.float())
                 structures.append((structure * alpha).sum(dim=1))

@@ -58,7 +58,7 @@ class PooledFeatures(nn.Module):
 
     Shape:
         input: ``(N, C, H, W)`` uint8 in [0, 255], or floating in ``input_range``; output: ``(N, D)``
-        in the extractor's dtype.
+        in the extractor's dtype (float32 for ``precision="bf16"``/``"fp16"``: pooled in float32).
 
     Raises:
         LayerNotFoundError: ``layer`` is not an output of the extractor.
@@ -135,6 +135,8 @@ class PooledFeatures(nn.Module):
     def forward(self, images: Tensor) -> Tensor:
         """``(N, D)`` pooled features of ``images`` (uint8 in [0, 255], or floating in ``input_range``)."""
         feature = self.extractor(self._as_input(images))[self.layer]
+        if self.extractor.precision != "float32":  # a bf16/fp16 backbone's features are pooled in float32
+            feature = feature.to(torch.promote_types(feature.dtype, torch.float32))
         pooled = pool_features(feature, self.extractor.output_layouts[self.layer], self.pool, self.layer)
         if pooled.dim() != 2:
             raise InvalidValueError(

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ..extractor import FeatureExtractor, MemoryFormat
+from ..extractor import FeatureExtractor, MemoryFormat, Precision
 from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
 from ._full_reference import calibration, concatenation_pays, pair_features
@@ -240,6 +240,8 @@ class LPIPS(nn.Module):
         heads: the calibrated heads: ``None`` finds those bundled with an installed ``lpips`` (or
             ``torchmetrics``) package; or a ``.pth`` file (or state dict) in lpips' layout.
         memory_format: the backbone's memory format, as for ``FeatureExtractor``.
+        precision: what the backbone computes in, as for ``FeatureExtractor``: ``"float32"`` (default),
+            ``"bf16"`` or ``"fp16"``; the distances are computed from its features in float32.
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast).
@@ -274,6 +276,7 @@ class LPIPS(nn.Module):
         weights: WeightsSpec = "DEFAULT",
         heads: HeadsSpec = None,
         memory_format: MemoryFormat = "auto",
+        precision: Precision = "float32",
     ) -> None:
         super().__init__()
         self.net = _resolve_net(net)
@@ -301,6 +304,7 @@ class LPIPS(nn.Module):
             mean=mean,
             std=std,
             memory_format=memory_format,
+            precision=precision,
         )
         self.layers: list[str] = list(spec.layers)
         for name, weight in zip(self.layers, weights_per_layer):

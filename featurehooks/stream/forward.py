@@ -50,7 +50,8 @@ def features_as_arrays(
     ``tiling``; the rows are bitwise those of one forward). Arrays are C-ordered whatever the memory format the
     backbone ran in.
 
-    The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works.
+    The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works; the
+    features of a ``precision="bf16"``/``"fp16"`` extractor are pooled in float32, then cast to ``dtype``.
     """
     size = images.shape[0] if budget is None else micro_batch_size(extractor, images, budget)
     parts = [_part_as_arrays(extractor, part, pool, dtype) for part in images.split(max(size, 1))]
@@ -66,12 +67,16 @@ def _part_as_arrays(
         outputs = extractor(images)
     arrays = {}
     layouts = extractor.output_layouts if pool is not None else {}  # known after a forward, traced or not
+    widen = extractor.precision != "float32"
     for name, value in outputs.items():
         if not isinstance(value, Tensor):
             raise InvalidTypeError(
                 f"layer {name!r} returned a {type(value).__name__}, not a tensor; it cannot be dumped"
             )
-        pooled = pool_features(value.detach(), layouts.get(name, Layout("other")), pool, name)
+        value = value.detach()
+        if pool is not None and widen:  # a bf16/fp16 backbone's maps are pooled in float32
+            value = value.to(torch.promote_types(value.dtype, torch.float32))
+        pooled = pool_features(value, layouts.get(name, Layout("other")), pool, name)
         arrays[name] = np.ascontiguousarray(pooled.to(getattr(torch, dtype)).cpu().numpy())
     return arrays
 

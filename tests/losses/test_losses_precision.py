@@ -1,0 +1,79 @@
+"""Losses on a ``precision="bf16"`` backbone: float32 values within 2% of float32's on photos, float32 gradients to
+float32 images, the same direction; the option reaches the extractor through ``**extractor_options``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import featurehooks.losses as fl
+from featurehooks.losses import FeatureLoss
+
+from helpers import needs_cpu_bf16, photos
+
+pytestmark = needs_cpu_bf16
+
+LAYERS = ["relu1_2", "relu2_2", "relu3_3"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """Photos and a degraded copy (noise), as a restoration model's output and target."""
+    target = photos(64, 2)
+    noise = 0.1 * torch.randn(target.shape, generator=torch.Generator().manual_seed(0))
+    return (target + noise).clamp(0, 1), target
+
+
+def value_and_grad(loss: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.clone().requires_grad_(True)
+    value = loss(leaf, y)
+    (grad,) = torch.autograd.grad(value, leaf)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    return value, grad
+
+
+def build(kind: str, **options: object) -> FeatureLoss:
+    torch.manual_seed(0)
+    if kind == "style":
+        return fl.StyleLoss("vgg16", LAYERS, weights=None, **options)
+    return fl.PerceptualLoss("vgg16", LAYERS, weights=None, normalize_features=kind == "normalized", **options)
+
+
+@pytest.mark.parametrize("kind", ["perceptual", "normalized", "style"])
+def test_bf16_losses_are_within_2_percent_of_float32(pair, kind: str) -> None:
+    x, y = pair
+    if kind == "style":  # style transfer: the style of other photos (a noisy copy has nearly the same Grams)
+        y = y.flip(0)
+    low, full = build(kind, precision="bf16"), build(kind)
+    assert low.extractor.precision == "bf16" and low.extractor.compute_dtype == torch.bfloat16
+    value, grad = value_and_grad(low, x, y)
+    expected, expected_grad = value_and_grad(full, x, y)
+    assert value.dtype == torch.float32 and grad.dtype == torch.float32
+    assert abs(value.item() / expected.item() - 1) < 0.02, (value.item(), expected.item())
+    assert torch.nn.functional.cosine_similarity(grad.flatten(), expected_grad.flatten(), dim=0) > 0.98
+
+
+def test_statistics_of_bf16_features_are_float32(pair) -> None:
+    x, y = pair
+    seen: list[torch.dtype] = []
+
+    class ChannelMeans(FeatureLoss):
+        def __init__(self) -> None:
+            torch.manual_seed(0)
+            super().__init__(
+                "vgg16",
+                ["relu2_2"],
+                layer_weights=None,
+                distance="l1",
+                reduction="mean",
+                resize=None,
+                extractor_options={"weights": None, "precision": "bf16"},
+            )
+
+        def statistic(self, features: torch.Tensor) -> torch.Tensor:
+            seen.append(features.dtype)
+            return features.mean(dim=(2, 3))
+
+    loss = ChannelMeans()
+    loss.set_target(y)
+    assert loss(x).dtype == torch.float32 and set(seen) == {torch.float32}

@@ -1,0 +1,77 @@
+"""Metrics on a ``precision="bf16"`` backbone: LPIPS and DISTS finite and close to float32 in values and input
+gradients, statistics and torchmetrics features reduced in float32, the option forwarded by every builder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from featurehooks import DISTS, LPIPS, feature_statistics
+from featurehooks.errors import InvalidValueError
+from featurehooks.metrics import PooledFeatures, fid_extractor, fid_statistics
+
+from helpers import needs_cpu_bf16, photos, tiny_extractor
+
+pytestmark = needs_cpu_bf16
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """Photos and a degraded copy (noise)."""
+    target = photos(64, 2)
+    noise = 0.1 * torch.randn(target.shape, generator=torch.Generator().manual_seed(0))
+    return (target + noise).clamp(0, 1), target
+
+
+@pytest.fixture(scope="module")
+def trunks(seeded_weights: Callable[..., Path]) -> None:
+    for name in ("alexnet", "vgg16"):
+        seeded_weights(name)
+
+
+def value_and_grad(metric: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.clone().requires_grad_(True)
+    value = metric(leaf, y)
+    (grad,) = torch.autograd.grad(value.sum(), leaf)
+    assert value.dtype == torch.float32 and grad.dtype == torch.float32
+    assert torch.isfinite(value).all() and torch.isfinite(grad).all()
+    return value, grad
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda **o: LPIPS("alex", reduction="none", **o), id="lpips-alex"),
+        pytest.param(lambda **o: LPIPS("vgg", reduction="none", **o), id="lpips-vgg"),
+        pytest.param(lambda **o: DISTS(reduction="none", **o), id="dists"),
+    ],
+)
+def test_bf16_metrics_are_finite_and_close(trunks: None, pair, build: Callable[..., torch.nn.Module]) -> None:
+    x, y = pair
+    low, full = build(precision="bf16"), build()
+    assert low.extractor.precision == "bf16" and "precision='bf16'" in repr(low)
+    value, grad = value_and_grad(low, x, y)
+    expected, expected_grad = value_and_grad(full, x, y)
+    torch.testing.assert_close(value, expected, rtol=0.02, atol=0)
+    assert torch.nn.functional.cosine_similarity(grad.flatten(), expected_grad.flatten(), dim=0) > 0.98
+
+
+def test_statistics_of_a_bf16_extractor_are_pooled_in_float32() -> None:
+    images = photos(32, 4)
+    low = feature_statistics(tiny_extractor(precision="bf16"), images, layer="conv2", pool="avg", keep=4)
+    full = feature_statistics(tiny_extractor(), images, layer="conv2", pool="avg", keep=4)
+    assert low.mean.dtype == torch.float64 and low.count == 4
+    torch.testing.assert_close(low.mean, full.mean, rtol=0.02, atol=0.02 * float(full.mean.abs().max()))
+    feature = PooledFeatures(tiny_extractor(precision="bf16"), "conv2")
+    assert feature(images).dtype == torch.float32
+
+
+def test_fid_builders_forward_the_precision() -> None:
+    torch.manual_seed(0)
+    ext = fid_extractor(weights=None, device="cpu", precision="bf16")
+    assert ext.precision == "bf16" and ext.memory_format == "contiguous"
+    with pytest.raises(InvalidValueError, match="precision"):
+        fid_statistics(torch.rand(2, 3, 32, 32), extractor=ext, precision="bf16")
