@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 __all__ = [
     "UserError",
     "add_model_options",
+    "add_precision_option",
     "at_least",
     "build_extractor",
     "check_output_file",
+    "check_precision",
     "device_from",
     "non_negative",
     "positive",
@@ -56,6 +58,7 @@ _FORMS = (
     (re.compile(r"\bpool=None\b"), "--pool none"),
     (re.compile(r"\bpool='(\w+)'"), r"--pool \1"),
     (re.compile(r"\bresume=True\b"), "--resume"),
+    (re.compile(r"\bprecision='(\w+)'"), r"--precision \1"),
     (re.compile(r"\boverwrite=True\b"), "--overwrite"),
     (re.compile(r"\bkeep=(\w+)"), r"--keep \1"),
     (re.compile(r"featurehooks\.list_layers\([^)]*\)"), "`featurehooks layers`"),
@@ -157,6 +160,7 @@ def build_extractor(args: argparse.Namespace, output_format: OutputFormat = "nat
     from ..extractor import FeatureExtractor
 
     device = device_from(args.device)  # a bad --device fails before the model is built
+    check_precision(args, device)
     weights = weights_from(weights_arg(args))
     if weights is None:
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
@@ -167,8 +171,28 @@ def build_extractor(args: argparse.Namespace, output_format: OutputFormat = "nat
         mode="detach",
         output_format=output_format,
         memory_format=args.memory_format,
+        precision=args.precision,
     )
     return extractor.to(device)
+
+
+def check_precision(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse a ``--precision`` that ``device`` cannot run before any model is built or image read (the library
+    would refuse it at the first forward)."""
+    from .._precision import check_device
+
+    check_device(args.precision, device)
+
+
+def add_precision_option(parser: argparse.ArgumentParser) -> None:
+    """``--precision float32|bf16|fp16``: what the backbone computes in."""
+    parser.add_argument(
+        "--precision",
+        choices=("float32", "bf16", "fp16"),
+        default="float32",
+        help="what the backbone computes in (default: float32); bf16 or fp16 run faster where the device has them "
+        "(bf16 on AVX512 CPUs and recent GPUs, fp16 on GPUs), with values that differ from float32's",
+    )
 
 
 def check_output_file(path: str) -> None:
@@ -205,7 +229,7 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--backbone, --layers, --weights, --seed, --resize, --crop, --device and --memory-format."""
+    """--backbone, --layers, --weights, --seed, --resize, --crop, --device, --memory-format and --precision."""
     parser.add_argument(
         "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
     )
@@ -241,6 +265,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="the backbone's memory format (default: auto, channels_last for convolutional backbones on cpu/cuda "
         "and images large enough for it to pay, NCHW otherwise)",
     )
+    add_precision_option(parser)
 
 
 def print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> None:

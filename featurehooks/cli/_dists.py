@@ -12,7 +12,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ._common import device_from, weights_from
+from ._common import check_precision, device_from, weights_from
 from ._pairs import add_pair_options, folder_pairs, report_scores, score_folder_pairs
 
 if TYPE_CHECKING:
@@ -67,12 +67,19 @@ def _dists(args: argparse.Namespace) -> int:
     from ..metrics.dists import DISTS
 
     device = device_from(args.device)  # a bad --device fails before any folder is read
+    check_precision(args, device)
     pairs = folder_pairs(args)
     weights = weights_from(args.weights)
     if weights is None:
         torch.manual_seed(args.seed)
     try:
-        metric = DISTS(calibrated=not args.uncalibrated, reduction="none", weights=weights, alpha_beta=args.alpha_beta)
+        metric = DISTS(
+            calibrated=not args.uncalibrated,
+            reduction="none",
+            weights=weights,
+            alpha_beta=args.alpha_beta,
+            precision=args.precision,
+        )
     except (WeightsUnavailableError, InvalidValueError) as exc:  # their hints name Python arguments: name flags
         message = str(exc)
         for phrase, flag in _FLAGS:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ._common import (
     UserError,
+    add_precision_option,
     check_output_file,
+    check_precision,
     device_from,
     is_main_rank,
     non_negative,
@@ -104,6 +106,7 @@ def add_fid_command(commands: Any) -> None:
         help="decoding processes (default: up to 4)",
     )
     fid.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_precision_option(fid)
     fid.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     fid.set_defaults(run=_fid)
 
@@ -116,6 +119,7 @@ def _fid(args: argparse.Namespace) -> int:
     from ..stream.sharding import process_group
 
     device = device_from(args.device)  # a bad --device fails before anything is read
+    check_precision(args, device)
     weights = weights_from(args.weights)
     if args.save_stats:
         return _save_stats(args, device, weights)
@@ -129,7 +133,7 @@ def _fid(args: argparse.Namespace) -> int:
             torch.manual_seed(args.seed)
             if is_main_rank():  # once, not once per torchrun rank
                 print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
-        return fid_extractor(weights, dims=args.dims, device=device)
+        return fid_extractor(weights, dims=args.dims, device=device, precision=args.precision)
 
     with process_group(device):  # under torchrun: one group for both sets
         sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
@@ -157,7 +161,9 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     files = list_images([args.set_a])
     if weights is None:
         torch.manual_seed(args.seed)
-    stats = _computed(args, files, lambda: fid_extractor(weights, dims=args.dims, device=device))
+    stats = _computed(
+        args, files, lambda: fid_extractor(weights, dims=args.dims, device=device, precision=args.precision)
+    )
     if not is_main_rank():  # every rank holds the merged statistics; one writes them
         return 0
     path = stats.save(args.set_b)

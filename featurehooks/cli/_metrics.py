@@ -17,6 +17,7 @@ from ._common import (
     at_least,
     build_extractor,
     check_output_file,
+    check_precision,
     device_from,
     is_main_rank,
     non_negative,
@@ -157,6 +158,7 @@ def _lpips(args: argparse.Namespace) -> int:
     from ..metrics import LPIPS
 
     device = device_from(args.device)
+    check_precision(args, device)
     pairs = folder_pairs(args)
     weights = weights_from(args.weights)
     if weights is None:
@@ -168,6 +170,7 @@ def _lpips(args: argparse.Namespace) -> int:
         reduction="none",
         weights=weights,
         heads=args.heads,
+        precision=args.precision,
     ).to(device)
     kind = "uncalibrated" if args.uncalibrated else "calibrated"
     report_scores(args, f"LPIPS ({args.net}, v{args.version}, {kind})", pairs, score_folder_pairs(args, metric, pairs))

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..metrics.pairs import BATCH_PIXELS
-from ._common import UserError, check_output_file, non_negative, positive, print_warnings, size
+from ._common import (
+    UserError,
+    add_precision_option,
+    check_output_file,
+    non_negative,
+    positive,
+    print_warnings,
+    size,
+)
 
 if TYPE_CHECKING:
     from ..metrics.pairs import ImagePair, PairMetric
@@ -20,7 +28,7 @@ __all__ = ["add_pair_options", "folder_pairs", "report_scores", "score_folder_pa
 
 def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
     """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
-    --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, -q."""
+    --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, --precision, -q."""
     parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
     parser.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
     parser.add_argument(
@@ -46,6 +54,7 @@ def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
         "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_precision_option(parser)
     parser.add_argument("-q", "--quiet", action="store_true", help=f"no progress bar while {metric} runs")
 
 

@@ -6,7 +6,8 @@ back the very dict a manifest was read from, keys in the order dumps have always
 writes the bytes an uninterrupted one would, and journal lines keep naming the manifest they were written for.
 
 Schema ``featurehooks.dump/1``. Fields newer than it are optional: ``weights_sha256`` (``UNRECORDED`` when absent),
-``inputs.identity_sha256``, ``inputs.labels`` and ``labels``, so dumps begun before them still read and resume.
+``inputs.identity_sha256``, ``inputs.labels`` and ``labels``, so dumps begun before them still read and resume;
+``precision`` (what the backbone computed in) is written only when it is not ``"float32"``, which it is when absent.
 """
 
 from __future__ import annotations
@@ -51,7 +52,19 @@ _STATUSES = ("running", "complete")
 _INPUTS_FIELDS = ("kind", "count", "sha256", "labels", "identity_sha256")
 _ACCOUNT = ("num_rows", "num_valid", "skipped")  # how a complete dump accounts for its rows
 # what a resume must match (``layers`` too: ``shapes`` compare equal in any order)
-_COMPARED = ("backbone", "weights", "weights_sha256", "layers", "shapes", "dtype", "pool", "preprocessing", "inputs")
+_COMPARED = (
+    "backbone",
+    "weights",
+    "weights_sha256",
+    "layers",
+    "shapes",
+    "dtype",
+    "precision",
+    "pool",
+    "preprocessing",
+    "inputs",
+)
+_PRECISIONS = ("float32", "bf16", "fp16")
 _FIELDS = (
     "format",
     "status",
@@ -61,6 +74,7 @@ _FIELDS = (
     "layers",
     "shapes",
     "dtype",
+    "precision",
     "pool",
     "preprocessing",
     "inputs",
@@ -136,7 +150,8 @@ class Settings:
 
     ``shapes``: per layer, in request order, ``(rows, *feature shape)``. ``weights_sha256``: the backbone's
     state dict hashed, ``None`` without an ``nn.Module``, ``UNRECORDED`` in dumps begun before it was recorded.
-    ``preprocessing``: the JSON values the image transform describes itself with.
+    ``preprocessing``: the JSON values the image transform describes itself with. ``precision``: what the
+    backbone computed in (``FeatureExtractor.precision``); ``dtype`` is what the arrays are stored in.
     """
 
     backbone: str
@@ -147,6 +162,7 @@ class Settings:
     pool: Pool | None
     preprocessing: Mapping[str, Any]
     inputs: InputsRecord
+    precision: str = "float32"
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -173,6 +189,8 @@ class Settings:
         fields["layers"] = list(self.layers)
         fields["shapes"] = {layer: list(shape) for layer, shape in self.shapes.items()}
         fields["dtype"] = self.dtype
+        if self.precision != "float32":  # only then: manifests of float32 dumps stay what they always were
+            fields["precision"] = self.precision
         fields["pool"] = self.pool
         fields["preprocessing"] = copy.deepcopy(dict(self.preprocessing))
         fields["inputs"] = self.inputs.to_dict()
@@ -326,6 +344,9 @@ def _parse(data: dict[str, Any]) -> Manifest:
     dtype = _field(data, "dtype")
     if dtype not in DTYPES:
         raise _Unfit(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    precision = data.get("precision", "float32")
+    if "precision" in data and precision not in _PRECISIONS[1:]:
+        raise _Unfit(f"precision {precision!r} is not one of {', '.join(_PRECISIONS[1:])} (float32 is not written)")
     accounted = status == "complete" or any(key in data for key in _ACCOUNT)  # kept when marked running again
     skipped = _skipped(data, count) if accounted else None
     inputs = _inputs(raw_inputs, count)
@@ -344,6 +365,7 @@ def _parse(data: dict[str, Any]) -> Manifest:
         pool=_pool(data),
         preprocessing=copy.deepcopy(preprocessing),
         inputs=inputs,
+        precision=precision,
     )
     labels = data.get("labels")
     if inputs.labelled and labels != LABELS:

@@ -92,6 +92,7 @@ def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: Pool | 
             labelled=inputs.labelled,
             identity_sha256=None if identity is None else hashlib.sha256(identity.tobytes()).hexdigest(),
         ),
+        precision=extractor.precision,
     )
 
 

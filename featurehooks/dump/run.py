@@ -101,13 +101,14 @@ def dump_features(
     filesystem.
 
     ``out_dir`` receives ``<layer>.npy`` per layer, ``index.csv`` (``row,valid,path``), and
-    ``manifest.json`` (backbone, weights and their SHA-256, layers, shapes, dtype, pool, preprocessing,
+    ``manifest.json`` (backbone, weights and their SHA-256, layers, shapes, dtype, precision, pool, preprocessing,
     library versions, status, skipped inputs with reasons). An input that cannot be decoded keeps its row,
     zero-filled, with ``valid=0`` in ``index.csv`` and an entry under ``"skipped"``; grayscale,
     palette, RGBA (on white), CMYK and 16-bit images are converted.
 
     Args:
-        extractor: a ``FeatureExtractor`` (its ``preprocessing``, ``input_range`` and device are used).
+        extractor: a ``FeatureExtractor`` (its ``preprocessing``, ``input_range``, device and ``precision`` are
+            used: ``precision="bf16"`` computes in bfloat16, the arrays are stored in ``dtype`` all the same).
         source: a folder (searched recursively), a glob, an image path, a list of these, or a
             ``torch.utils.data.Dataset`` of image tensors ``(C, H, W)`` (or tuples starting with one)
             already prepared: floats in the extractor's ``input_range``, or ``uint8`` 0..255 pixels.
