@@ -117,7 +117,9 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             and runs with any enclosing autocast off; normalization and the cast of the images stay
             in float32. Features come back in that dtype; losses and metrics reduce them in float32;
             gradients reach the images in the images' dtype. Faster where the device has the
-            kernels (PRECISION_NOTE), with values that round differently; a device
+            kernels (bf16 on an AVX512-BF16 CPU: VGG16 relu3_3 at 4x224 1.9x in inference, 2.5x
+            in a loss step), with values that round differently (losses and metrics within
+            0.25% of float32 on photos: ``docs/performance.md``); a device
             without them is refused at the first forward (fp16 on a CPU without AVX512-FP16/AMX-FP16,
             where it is emulated and slower; bf16 on a GPU older than compute capability 8.0).
 

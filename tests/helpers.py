@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from featurehooks import FeatureExtractor
+from featurehooks import FeatureExtractor, _precision
 
 SEED = 0
 REPO = Path(__file__).resolve().parents[1]
@@ -83,9 +83,10 @@ def bf16_value_and_grad(
 
 
 needs_cpu_bf16 = pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bfloat16 kernels (precision='bf16')"
+    bool(_precision._unsupported("bf16", "cpu", None)), reason="this CPU has no native bfloat16 (precision='bf16')"
 )
-"""Marks a test of ``precision="bf16"`` on the CPU: it runs where oneDNN has bfloat16 kernels (AVX512, Arm BF16)."""
+"""Marks a test of ``precision="bf16"`` on the CPU: it runs where featurehooks lets bf16 run (AVX512-BF16, AMX-BF16,
+Arm BF16)."""
 
 
 def photos(size: int = 64, count: int = 2) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torchvision.models as tvm
 from torch import nn
 
 import featurehooks as fh
@@ -117,8 +116,11 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_cpu_bf16
-def test_a_users_module_is_copied_not_cast() -> None:
+def test_a_users_module_is_copied_not_cast(images: torch.Tensor) -> None:
     torch.manual_seed(0)
-    model = tvm.vgg11().features[:4]
-    fh.FeatureExtractor(model, ["3"], precision="bf16")
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    ext = fh.FeatureExtractor(model, ["2"], precision="bf16")
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())
+    copied = ext.backbone.state_dict()
+    assert copied["1.running_var"].dtype == torch.bfloat16 and copied["1.num_batches_tracked"].dtype == torch.int64
+    torch.testing.assert_close(ext(images)["2"].float(), model(images), rtol=0.02, atol=0.02)

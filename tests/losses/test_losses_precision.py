@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import featurehooks.losses as fl
+from featurehooks import FeatureExtractor
 from featurehooks.losses import FeatureLoss
 
 from helpers import needs_cpu_bf16, photos
@@ -32,20 +34,29 @@ def value_and_grad(loss: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return value, grad
 
 
-def build(kind: str, **options: object) -> FeatureLoss:
-    torch.manual_seed(0)
+@pytest.fixture(scope="module")
+def extractors() -> dict[str, FeatureExtractor]:
+    """One VGG16 extractor per precision, shared by the losses (building VGG16 costs more than these forwards)."""
+    built = {}
+    for precision in ("float32", "bf16"):
+        torch.manual_seed(0)
+        built[precision] = FeatureExtractor("vgg16", LAYERS, mode="grad", weights=None, precision=precision)
+    return built
+
+
+def build(kind: str, extractor: FeatureExtractor) -> FeatureLoss:
     if kind == "style":
-        return fl.StyleLoss("vgg16", LAYERS, weights=None, **options)
-    return fl.PerceptualLoss("vgg16", LAYERS, weights=None, normalize_features=kind == "normalized", **options)
+        return fl.StyleLoss(extractor, LAYERS)
+    return fl.PerceptualLoss(extractor, LAYERS, normalize_features=kind == "normalized")
 
 
 @pytest.mark.parametrize("kind", ["perceptual", "normalized", "style"])
-def test_bf16_losses_are_within_2_percent_of_float32(pair, kind: str) -> None:
+def test_bf16_losses_are_within_2_percent_of_float32(pair, extractors, kind: str) -> None:
     x, y = pair
     if kind == "style":  # style transfer: the style of other photos (a noisy copy has nearly the same Grams)
         y = y.flip(0)
-    low, full = build(kind, precision="bf16"), build(kind)
-    assert low.extractor.precision == "bf16" and low.extractor.compute_dtype == torch.bfloat16
+    low, full = build(kind, extractors["bf16"]), build(kind, extractors["float32"])
+    assert low.extractor.compute_dtype == torch.bfloat16
     value, grad = value_and_grad(low, x, y)
     expected, expected_grad = value_and_grad(full, x, y)
     assert value.dtype == torch.float32 and grad.dtype == torch.float32
@@ -53,21 +64,22 @@ def test_bf16_losses_are_within_2_percent_of_float32(pair, kind: str) -> None:
     assert torch.nn.functional.cosine_similarity(grad.flatten(), expected_grad.flatten(), dim=0) > 0.98
 
 
-def test_statistics_of_bf16_features_are_float32(pair) -> None:
+def test_the_option_is_forwarded_and_statistics_of_bf16_features_are_float32(pair) -> None:
     x, y = pair
     seen: list[torch.dtype] = []
 
     class ChannelMeans(FeatureLoss):
         def __init__(self) -> None:
             torch.manual_seed(0)
+            net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
             super().__init__(
-                "vgg16",
-                ["relu2_2"],
+                net,
+                ["2"],
                 layer_weights=None,
                 distance="l1",
                 reduction="mean",
                 resize=None,
-                extractor_options={"weights": None, "precision": "bf16"},
+                extractor_options={"precision": "bf16"},  # what PerceptualLoss(..., precision=) forwards
             )
 
         def statistic(self, features: torch.Tensor) -> torch.Tensor:
@@ -75,5 +87,6 @@ def test_statistics_of_bf16_features_are_float32(pair) -> None:
             return features.mean(dim=(2, 3))
 
     loss = ChannelMeans()
+    assert loss.extractor.precision == "bf16" and "precision='bf16'" in repr(loss)
     loss.set_target(y)
     assert loss(x).dtype == torch.float32 and set(seen) == {torch.float32}
