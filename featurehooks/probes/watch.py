@@ -1,8 +1,10 @@
 """``watch``: activation and gradient statistics of a model you train, cheap enough to leave on.
 
 Every call of every watched module adds its output's statistics (and, in backward, those of the
-gradient flowing out of it) to running sums kept on the device, with no host sync: the numbers are
-read once, by ``Watch.summary()``.
+gradient flowing out of it) to running sums kept on the device, with no host sync on an accelerator: the
+numbers are read once, by ``Watch.summary()``. On the CPU, where reading a value waits for nothing, a
+float32, bfloat16 or float16 call whose values are all finite reads its sums to take a fast path (four
+float32 passes instead of float64 ones, about 3x faster; the exact path below decides everything else).
 
 Definitions (per layer, call and kind; ``n`` counts the finite values):
 
@@ -10,8 +12,10 @@ Definitions (per layer, call and kind; ``n`` counts the finite values):
 - ``mean``, ``std``, ``min``, ``max``, ``absmax``: over the finite values only, so one NaN does
   not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n - K)**2, 0))``
   from the sum ``S1`` and the sum of squares ``S2`` of the values shifted by ``K``, the first value of
-  the layer's first call (each call summed in float64 with pairwise summation, accumulated across calls
-  in float64); the shift keeps a large mean from cancelling the variance (``1000 ± 0.01`` is exact);
+  the layer's first call (each call summed in float64 with pairwise summation, or on the CPU's fast path
+  as float32 sums of rows of 1024 values added in float64, about 1e-8 of the sum of the magnitudes off;
+  accumulated across calls in float64); the shift (on the fast path, a second pass around the call's own
+  mean) keeps a large mean from cancelling the variance (``1000 ± 0.01`` keeps its std);
 - ``zeros``: the fraction of values that are exactly 0.
 
 Tensors of every floating dtype are summed in float64, so every finite input gives finite, correct
@@ -148,6 +152,10 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Ten
     dtype = accumulate
     if not need.flags:
         return torch.zeros(6, dtype=accumulate, device=x.device)
+    if x.device.type == "cpu" and x.dtype in _FAST_DTYPES:
+        fast = _finite_call_stats(x, need, scratch, float(shift))
+        if fast is not None:
+            return fast
     source = _flat(x)
     n = source.numel()
     chunk = _CHUNK if x.device.type == "cpu" else n
@@ -183,6 +191,61 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Ten
     low = values[:, 4].nan_to_num(nan=math.inf).amin()
     high = values[:, 5].nan_to_num(nan=-math.inf).amax()
     return torch.cat([values[:, :_ADDITIVE].sum(0), torch.stack([-low, high])])
+
+
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) -> Tensor | None:
+    """``_call_stats`` of a CPU tensor whose values are all finite, in four passes over it in float32; ``None``
+    (the exact path decides) when a value is not finite or a float32 sum overflows.
+
+    Sums of rows of ``_ROW`` values in float32 (vectorized), added in float64: about 1e-8 of the sum of the
+    magnitudes off the float64 sums. Where the mean is large against the spread, the squares are summed again
+    around the mean, so ``1000 ± 0.01`` keeps its std. On the CPU reading a value on the host costs nothing (there
+    is no device to wait for): the reads of each call pick this path, several times faster than the exact one.
+    """
+    flat = _flat(x)
+    if flat.dtype != torch.float32:  # bfloat16, float16: one conversion, then float32 passes
+        flat = flat.float()
+    n = flat.numel()
+    low, high = torch.aminmax(flat)
+    total, squares = _row_sums(flat)
+    read = torch.stack([low, high, total, squares]).tolist()  # the one host read: free on the CPU
+    low_, high_, total_, squares_ = read
+    if not all(map(math.isfinite, read)):
+        return None
+    mean = total_ / n
+    central = squares_ - total_ * mean  # the sum of squares about the mean, if nothing cancelled
+    (buffer,) = scratch.take(n, torch.float32, flat.device, 1)
+    if mean * mean > _CANCELLATION * max(central / n, 0.0):  # a mean far above the spread: sum around it
+        pivot = torch.tensor(mean, dtype=torch.float32)  # what the float32 subtraction takes away
+        offset, squares_ = torch.stack(_row_sums(torch.sub(flat, pivot, out=buffer))).tolist()
+        central = squares_ - offset * offset / n
+        mean = pivot.item() + offset / n
+        total_ = mean * n
+    nonzero = 0.0
+    if need.zeros:  # |sign| is 1 or 0: float32 rows of them add up exactly (count_nonzero is 10x slower here)
+        nonzero = _row_sums(torch.sign(flat, out=buffer).abs_())[0].item()
+    about_shift = max(central, 0.0) + n * (mean - shift) ** 2
+    return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
+
+
+# the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
+# float32 row sums are good to about 1e-8 of the sum of squares, so the variance then keeps about 1e-6
+_CANCELLATION = 100.0
+
+
+def _row_sums(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum and the sum of squares of a float32 1-D tensor as float64 0-d tensors: float32 sums of rows of
+    ``_ROW`` values, added in float64."""
+    n = flat.numel()
+    body = n - n % _ROW
+    rows = flat[:body].view(-1, _ROW)
+    tail = flat[body:].double()
+    total = rows.sum(dim=1).double().sum() + tail.sum()
+    squares = torch.linalg.vector_norm(rows, dim=1).double().square().sum() + tail.square().sum()
+    return total, squares
 
 
 def _first_value(x: Tensor) -> Tensor:

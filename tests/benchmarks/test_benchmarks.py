@@ -208,6 +208,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
     claims = {t["claim"] for t in payload["targets"]}
     assert claims == {f"{probes.WATCH} / {probes.BASE}", f"{probes.NONFINITE} / {probes.BASE}"}
+    assert all(t["limit"] == 1.05 for t in payload["targets"])
 
 
 def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:

@@ -298,7 +298,10 @@ def test_watch_bad_requests() -> None:
 
 
 def test_watch_summary_is_the_only_sync(images: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = Twice()
+    """The path every accelerator takes (here float64 on the CPU) reads no value on the host until ``summary()``;
+    only the CPU's float32 fast path reads its call's sums, where there is no device to wait for."""
+    model = Twice().double()
+    images = images.double()
     with watch(model) as w:
         model(images).sum().backward()  # first calls allocate the running sums
         syncs = CountSyncs(monkeypatch)
