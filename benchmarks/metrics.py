@@ -11,8 +11,9 @@ own calibrated weights, on the same [0, 1] images, in two groups:
 Next to ``featurehooks LPIPS`` (its own choice of forward, named in the *forward* column) run the
 module forced to each way of computing the pair, so the choice is measured: in the metric group one
 concatenated batch and two forwards; in the loss group one concatenated forward (a graph through both
-halves) against its graph-free target forward. Peak memory is taken for one call of each contender
-apart from the timing (memory the call allocates).
+halves) against its graph-free target forward; where the CPU or GPU runs bfloat16 natively, both metrics also
+with ``precision="bf16"`` (opt-in: another number, its difference shown). Peak memory is taken for one call of
+each contender apart from the timing (memory the call allocates).
 
 FID: ``featurehooks fid A B`` against ``python -m pytorch_fid A B`` on the same two folders of PNGs and
 the same seeded weights file, each call a fresh process as a user runs it (start-up, decoding, the
@@ -47,6 +48,8 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
+from featurehooks._precision import check_device
+from featurehooks.errors import InvalidValueError
 from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
@@ -57,6 +60,8 @@ FH_ONE = "featurehooks LPIPS, one concatenated forward"
 FH_TWO = "featurehooks LPIPS, two forwards"
 REF = "lpips.LPIPS"
 FH_DISTS = "featurehooks DISTS"
+FH_BF16 = "featurehooks LPIPS, precision='bf16'"
+FH_DISTS_BF16 = "featurehooks DISTS, precision='bf16'"
 REF_DISTS = "DISTS_pytorch.DISTS"
 FH_FID = "featurehooks fid"
 REF_FID = "python -m pytorch_fid"
@@ -125,11 +130,13 @@ def lpips_contenders(net: str, cfg: H.Settings) -> Contenders:
         FH: LPIPS(net, reduction="none"),
         FH_ONE: OneForward(net, reduction="none"),
         FH_TWO: TwoForwards(net, reduction="none"),
+        **({FH_BF16: LPIPS(net, reduction="none", precision="bf16")} if bf16_runs(cfg.device) else {}),
         REF: reference,
     }
     distances: dict[str, Distance] = {name: module for name, module in modules.items() if name != REF}
     distances[REF] = lambda a, b: reference(a, b, normalize=True).flatten()  # [0, 1] -> lpips' [-1, 1]
-    return Contenders("lpips", net, _ready(modules, cfg), distances, FH, REF, [FH, FH_ONE, REF])
+    loss_names = [name for name in modules if name != FH_TWO]
+    return Contenders("lpips", net, _ready(modules, cfg), distances, FH, REF, loss_names)
 
 
 def dists_contenders(net: str, cfg: H.Settings) -> Contenders:
@@ -137,15 +144,29 @@ def dists_contenders(net: str, cfg: H.Settings) -> Contenders:
     from DISTS_pytorch import DISTS as ReferenceDISTS
 
     H.seeded_hub_weights("vgg16")
-    modules: dict[str, nn.Module] = {FH_DISTS: DISTS(reduction="none"), REF_DISTS: ReferenceDISTS()}
-    reference, ours = modules[REF_DISTS], modules[FH_DISTS]
+    modules: dict[str, nn.Module] = {
+        FH_DISTS: DISTS(reduction="none"),
+        **({FH_DISTS_BF16: DISTS(reduction="none", precision="bf16")} if bf16_runs(cfg.device) else {}),
+        REF_DISTS: ReferenceDISTS(),
+    }
+    reference = modules[REF_DISTS]
 
     def reference_distance(a: Tensor, b: Tensor) -> Tensor:
         # require_grad: features with a graph in a loss step (its default computes them under no_grad)
         return reference(a, b, require_grad=a.requires_grad).reshape(-1)
 
-    distances: dict[str, Distance] = {FH_DISTS: ours, REF_DISTS: reference_distance}
+    distances: dict[str, Distance] = {name: module for name, module in modules.items() if name != REF_DISTS}
+    distances[REF_DISTS] = reference_distance
     return Contenders("dists", net, _ready(modules, cfg), distances, FH_DISTS, REF_DISTS, list(modules))
+
+
+def bf16_runs(device: torch.device) -> bool:
+    """Whether ``precision="bf16"`` runs on the device (an opt-in contender where it does)."""
+    try:
+        check_device("bf16", device)
+    except InvalidValueError:
+        return False
+    return True
 
 
 def _ready(modules: dict[str, nn.Module], cfg: H.Settings) -> dict[str, nn.Module]:
@@ -398,6 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak MiB: memory allocated during one call above what was allocated before it "
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events).")
         + " peak RSS MiB (FID): the largest process's peak resident memory, median over the calls.",
+        "*precision='bf16'* rows (where the device runs bfloat16 natively): opt-in, the frozen trunk stored in "
+        "bfloat16, distances reduced in float32; their max abs diff is what bf16 costs in accuracy.",
         f"*{FH_ONE}* and *{FH_TWO}* are the module forced to one way; *forward* says which way featurehooks "
         "LPIPS chose (metric: one concatenated batch on a GPU, two forwards on the CPU, for less memory; loss: "
         "always a graph-free target forward).",
