@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeGuard
 
 from .._layout import Pool, as_pool
+from .._precision import PRECISIONS
 from ..errors import FeatureHooksError, InvalidValueError
 
 __all__ = [
@@ -64,20 +65,10 @@ _COMPARED = (
     "preprocessing",
     "inputs",
 )
-_PRECISIONS = ("float32", "bf16", "fp16")
 _FIELDS = (
     "format",
     "status",
-    "backbone",
-    "weights",
-    "weights_sha256",
-    "layers",
-    "shapes",
-    "dtype",
-    "precision",
-    "pool",
-    "preprocessing",
-    "inputs",
+    *_COMPARED,
     "chunk_size",
     "files",
     "labels",
@@ -345,8 +336,8 @@ def _parse(data: dict[str, Any]) -> Manifest:
     if dtype not in DTYPES:
         raise _Unfit(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     precision = data.get("precision", "float32")
-    if "precision" in data and precision not in _PRECISIONS[1:]:
-        raise _Unfit(f"precision {precision!r} is not one of {', '.join(_PRECISIONS[1:])} (float32 is not written)")
+    if "precision" in data and precision not in PRECISIONS[1:]:
+        raise _Unfit(f"precision {precision!r} is not one of {', '.join(PRECISIONS[1:])} (float32 is not written)")
     accounted = status == "complete" or any(key in data for key in _ACCOUNT)  # kept when marked running again
     skipped = _skipped(data, count) if accounted else None
     inputs = _inputs(raw_inputs, count)
