@@ -109,26 +109,12 @@ def vgg16_cached(seeded_weights: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def fid_weights(torch_home: Path) -> Path:
     """Seeded FID Inception weights where pytorch-fid and featurehooks both read them
-    (``pt_inception-2015-12-05-6726825d.pth``): He-normal convolutions after ``manual_seed(SEED)``, so features stay
-    of order one through the 94 convolutions, as a trained network's pool3 features are (torchvision's init
-    multiplies them by about 1e8, where pytorch-fid's ``sqrtm`` fails on a small set)."""
-    import torch
+    (``pt_inception-2015-12-05-6726825d.pth``), written by the benchmarks' recipe (``seeded_fid_weights``): one
+    file serves tests and benchmarks, with features of order one as a trained network's (pytorch-fid's ``sqrtm``
+    fails on torchvision's init, which multiplies them by about 1e8)."""
+    from helpers import load_script
 
-    from featurehooks.backbones.fid_inception import FIDInceptionV3, fid_weights_path
-
-    from helpers import SEED
-
-    path = Path(fid_weights_path())
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            model = FIDInceptionV3(init_weights=False)
-            for module in model.modules():
-                if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
-                    torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-        torch.save(model.state_dict(), path)
-    return path
+    return load_script("benchmarks/_harness.py").seeded_fid_weights()
 
 
 @pytest.fixture(scope="session")
