@@ -210,7 +210,7 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
         flat = flat.float()
     n = flat.numel()
     low, high = torch.aminmax(flat)
-    total, squares = _row_sums(flat)
+    total, squares = _sum(flat), _sum_of_squares(flat, torch.float64)
     read = torch.stack([low, high, total, squares]).tolist()  # the one host read: free on the CPU
     low_, high_, total_, squares_ = read
     if not all(map(math.isfinite, read)):
@@ -220,13 +220,14 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
     (buffer,) = scratch.take(n, torch.float32, flat.device, 1)
     if mean * mean > _CANCELLATION * max(central / n, 0.0):  # a mean far above the spread: sum around it
         pivot = torch.tensor(mean, dtype=torch.float32)  # what the float32 subtraction takes away
-        offset, squares_ = torch.stack(_row_sums(torch.sub(flat, pivot, out=buffer))).tolist()
+        near = torch.sub(flat, pivot, out=buffer)
+        offset, squares_ = torch.stack([_sum(near), _sum_of_squares(near, torch.float64)]).tolist()
         central = squares_ - offset * offset / n
         mean = pivot.item() + offset / n
         total_ = mean * n
     nonzero = 0.0
     if need.zeros:  # |sign| is 1 or 0: float32 rows of them add up exactly (count_nonzero is 10x slower here)
-        nonzero = _row_sums(torch.sign(flat, out=buffer).abs_())[0].item()
+        nonzero = _sum(torch.sign(flat, out=buffer).abs_()).item()
     about_shift = max(central, 0.0) + n * (mean - shift) ** 2
     return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
 
@@ -234,18 +235,6 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
 # the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
 # float32 row sums are good to about 1e-8 of the sum of squares, so the variance then keeps about 1e-6
 _CANCELLATION = 100.0
-
-
-def _row_sums(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """The sum and the sum of squares of a float32 1-D tensor as float64 0-d tensors: float32 sums of rows of
-    ``_ROW`` values, added in float64."""
-    n = flat.numel()
-    body = n - n % _ROW
-    rows = flat[:body].view(-1, _ROW)
-    tail = flat[body:].double()
-    total = rows.sum(dim=1).double().sum() + tail.sum()
-    squares = torch.linalg.vector_norm(rows, dim=1).double().square().sum() + tail.square().sum()
-    return total, squares
 
 
 def _first_value(x: Tensor) -> Tensor:
@@ -262,17 +251,26 @@ _CHUNK = 1 << 19
 _ROW = 1024
 
 
-def _sum_of_squares(flat: Tensor) -> Tensor:
-    """Sum of squares of a 1-D tensor: norms of rows of about 1024 values, then a pairwise sum (accurate)."""
+def _sum_of_squares(flat: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Sum of squares of a 1-D tensor: norms of rows of about 1024 values in its dtype, then a pairwise sum of their
+    squares in ``dtype`` (default: its own; accurate)."""
+    dtype = dtype or flat.dtype
     n = flat.numel()
     body = n - n % _ROW
+    tail = flat[body:].to(dtype)
     if body == 0:
-        return torch.dot(flat, flat)
-    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).square_().sum()
+        return torch.dot(tail, tail)
+    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).to(dtype).square_().sum()
     if body < n:
-        tail = flat[body:]
         squares = squares + torch.dot(tail, tail)
     return squares
+
+
+def _sum(flat: Tensor) -> Tensor:
+    """Sum of a float32 1-D tensor as a float64 0-d tensor: float32 sums of rows of ``_ROW`` values, added in
+    float64."""
+    body = flat.numel() - flat.numel() % _ROW
+    return flat[:body].view(-1, _ROW).sum(dim=1).double().sum() + flat[body:].double().sum()
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -286,7 +284,8 @@ def _flat(x: Tensor) -> Tensor:
 
 
 class _Scratch:
-    """Flat buffers per thread and dtype on the CPU (a chunk each at most); dropped by ``clear``."""
+    """Flat buffers per thread and dtype on the CPU (a chunk each on the exact path, a whole tensor on the CPU's
+    float32 fast path); dropped by ``clear``."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, torch.dtype], list[Tensor]] = {}
