@@ -1,7 +1,7 @@
 # Quick start: `make demo` then `make test`. Both create .venv on first use.
 # `make test` runs the tests of the code; `make docs` builds the documentation and runs every block and docstring
 # example in it (tests/docs); `make test-fast` leaves out the tests marked slow (model sweeps, subprocesses, big
-# images): the edit loop. CI runs lint, docs and test.
+# images, reference oracles with a trunk of their own, CLI option sweeps): the edit loop. CI runs lint, docs and test.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

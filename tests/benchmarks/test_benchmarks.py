@@ -66,11 +66,15 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     assert {g["params"]["mode"] for g in groups} == {"no-grad", "grad"}
     assert len(groups) == 2 * len(cases)
     formats = [e.FLOOR, e.FLOOR_CL, e.FE, e.FE_CONTIGUOUS, e.FE_CHANNELS_LAST]
+    # FeatureExtractor (auto) and contiguous in bf16 where this CPU has native bfloat16 (fp16: AVX512-FP16 CPUs)
+    reduced = e.reduced_precisions(torch.device("cpu"))
+    in_precision = list(e.precision_variants(reduced))
+    assert len(in_precision) == 2 * len(reduced)
     for group in groups:
         rows = {row["name"]: row for row in group["rows"]}
         is_vit, is_vgg = group["case"] == vit, group["case"] == vgg
         tail = [e.NO_EE, e.FULL, e.FX] if is_vgg else [e.FE_NCHW, e.FX, e.TIMM] if is_vit else [e.FX, e.TIMM]
-        assert list(rows) == [*formats, *tail] and group["baseline"] == e.FLOOR
+        assert list(rows) == [*formats, *in_precision, *tail] and group["baseline"] == e.FLOOR
         # the memory format each backbone ran in: "auto" runs NCHW in a graph, and at 32 px without one too (each
         # of VGG16's weights is used ~110 times per image there: too few for channels-last to pay)
         assert rows[e.FE]["format"] == "contiguous"
@@ -86,7 +90,9 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
             channels_last = row["format"] == "channels_last" and row["name"] != e.FLOOR_CL
             expected = ("channels_last floor" if channels_last else "floor") + (" as maps" if maps else "")
             assert row["compared_with"] == expected, row
-            if row["name"] == e.FLOOR_CL and group["params"]["mode"] == "grad":
+            if row["name"] in in_precision:  # bf16 rounding of weights and activations (and of the gradient)
+                assert row["max_rel_diff"] <= (0.5 if group["params"]["mode"] == "grad" else 0.05), row
+            elif row["name"] == e.FLOOR_CL and group["params"]["mode"] == "grad":
                 # another summation order: a ReLU / max-pool near-tie may move a gradient entry
                 assert row["max_rel_diff"] <= 0.5, row
             else:  # float32 rounding at most
@@ -104,6 +110,13 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     }
     assert set(speedups) == {(f"{other} / {e.FE} (speed-up)", "no-grad") for other in (e.FLOOR, e.FX)}
     assert all(t["limit"] == 1.1 and t["kind"] == ">=" for t in speedups.values())
+    for precision in reduced:  # auto at most 3% slower than contiguous in every group; bf16 >= 1.5x float32
+        auto = e.with_precision(e.FE, precision)
+        found = [t for t in targets if t["claim"] == f"{auto} / {e.with_precision(e.FE_CONTIGUOUS, precision)}"]
+        assert len(found) == len(groups) and all(t["limit"] == 1.03 for t in found)
+    bf16 = [t for t in targets if t["claim"] == f"{e.FE} / {e.with_precision(e.FE, 'bf16')} (bf16 speed-up)"]
+    assert len(bf16) == ("bf16" in reduced)  # VGG16 relu3_3 without a graph at batch 2 only
+    assert all(t["group"].startswith(f"{vgg}: mode=no-grad") and t["limit"] == 1.5 for t in bf16)
     assert f"{e.FE_CONTIGUOUS} / {e.FLOOR} (hook overhead)" in claims and f"{e.FE} / {e.TIMM}" in claims
     nchw_targets = [t for t in targets if t["claim"] == f"{e.FE_NCHW} / {e.TIMM}"]
     assert len(nchw_targets) == 2 and all(t["group"].startswith(vit) and t["limit"] == 1.03 for t in nchw_targets)

@@ -188,7 +188,7 @@ def run_cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "featurehooks", *args], capture_output=True, text=True, **kwargs)
 
 
-# not slow: make test-fast's one run of the entry point (`python -m featurehooks`) in a process of its own
+@pytest.mark.slow  # the entry point (`python -m featurehooks`) in a process of its own
 def test_real_process_error_exit_has_no_traceback(tmp_path: Path) -> None:
     done = run_cli("extract", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--backbone", "vgg16",
                    "--layers", "relu3_3", "--weights", "none")  # fmt: skip
@@ -213,6 +213,7 @@ def test_closed_pipe_exits_quietly() -> None:
     assert done.stderr == ""
 
 
+@pytest.mark.slow
 def test_show_writes_a_png_grid(images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "grid.png"
     code = main(["show", str(images / "0.png"), "--backbone", "vgg16", "--weights", "none", "--layers", "relu1_2",
@@ -238,6 +239,7 @@ def test_show_with_pretrained_weights_draws_no_caption(
         assert grid.size == (3 * 16 + 2 * 2, 14 + 16)  # image + 2 maps, one layer: no band
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("setup", "layers", "message"),
     [

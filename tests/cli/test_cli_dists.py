@@ -57,6 +57,7 @@ def test_dists_command_scores_each_pair_as_the_python_api(
     assert summary in captured.out
 
 
+@pytest.mark.slow
 def test_dists_command_takes_the_pair_options(
     pairs_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

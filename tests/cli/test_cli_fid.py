@@ -59,6 +59,7 @@ def reference(sets: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     return path, _pytorch_fid(sets, 64)
 
 
+@pytest.mark.slow
 def test_prints_pytorch_fids_number(
     sets: tuple[Path, Path], reference: tuple[Path, float], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,6 +137,7 @@ def test_missing_weights_say_where_to_put_them(
     assert "--weights none" in err and "https://github.com/mseitzer/pytorch-fid/releases" in err
 
 
+@pytest.mark.slow
 def test_help_and_random_weights(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["fid", "--help"])

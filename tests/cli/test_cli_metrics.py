@@ -59,6 +59,7 @@ def test_fd_prints_the_libraries_distance_and_kid(sets: tuple[Path, Path], capsy
     assert printed_kid == pytest.approx(kid, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fd_prdc_prints_the_libraries_precision_recall(
     sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -74,6 +75,7 @@ def test_fd_prdc_prints_the_libraries_precision_recall(
     assert "use a smaller --prdc-k" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_stats_file_stands_in_for_its_images(
     sets: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -41,6 +41,7 @@ def test_extract_in_bf16_equals_the_library(images: Path, tmp_path: Path) -> Non
     assert np.load(tmp_path / "cli" / "layer1.npy").dtype == np.float32  # stored as --dtype says (float32)
 
 
+@pytest.mark.slow
 @needs_cpu_bf16
 def test_stats_and_lpips_in_bf16_are_close_to_float32(
     images: Path, png_folder: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -77,6 +77,7 @@ def npz_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {**files, "dir_a": a, "dir_b": b}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "says", "asked"),
     [
@@ -165,6 +166,7 @@ def test_batches_are_bounded_by_pixels_down_to_one_pair(tmp_path: Path) -> None:
     assert shapes == [(5, 3, 32, 32)]  # small images: batch_size still bounds, as before
 
 
+@pytest.mark.slow
 def test_scores_do_not_depend_on_the_batching(tmp_path: Path) -> None:
     pairs = _pairs(tmp_path, [(40, 48)] * 4 + [(48, 40)] * 3 + [(40, 48)] * 2)
     torch.manual_seed(0)
@@ -179,6 +181,7 @@ def test_scores_do_not_depend_on_the_batching(tmp_path: Path) -> None:
     assert score_pairs(metric, pairs, num_workers=2, **blocks) == scores  # batches end where sizes say, not workers
 
 
+@pytest.mark.slow
 def test_lpips_command_states_and_takes_the_pixel_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["lpips", "--help"])

@@ -271,6 +271,7 @@ def test_forced_formats_are_kept_whatever_the_mode_or_shape() -> None:
             assert extractor.memory_format_for((1, 3, 16, 16)) == extractor.memory_format_for(LARGE) == fmt
 
 
+@pytest.mark.slow
 def test_a_device_type_not_measured_runs_nchw(monkeypatch: pytest.MonkeyPatch) -> None:
     extractor = seeded_extractor("vgg16", ["relu2_2"])
     images = torch.rand(2, 3, 64, 64)
@@ -319,6 +320,7 @@ def test_losses_and_lpips_take_the_format_and_agree_across_formats() -> None:
         torch.testing.assert_close(values["auto"], values["contiguous"], rtol=0, atol=0)  # a graph: NCHW
 
 
+@pytest.mark.slow
 def test_a_shared_extractor_brings_its_own_format() -> None:
     shared = seeded_extractor("vgg16", ["relu3_3"], mode="grad", memory_format="contiguous")
     assert PerceptualLoss(shared).extractor.memory_format == "contiguous"
@@ -442,6 +444,7 @@ def test_dumps_tile_to_the_cache_only_when_no_worker_shares_the_cores(
     assert set(calls) == {expected} and result.load("layer1").shape == (3, 64)
 
 
+@pytest.mark.slow
 def test_a_memory_format_given_to_to_cannot_override_the_choice() -> None:
     vit = seeded_extractor("vit_b_16", ["encoder.layers.encoder_layer_0"])
     vit.to(memory_format=torch.channels_last)

@@ -27,6 +27,7 @@ def fx_reference(name: str, nodes: dict[str, str]) -> nn.Module:
     return create_feature_extractor(model, nodes)
 
 
+@pytest.mark.slow
 def test_vgg16_every_alias_matches_fx(vgg16_cached: Path, images: torch.Tensor) -> None:
     aliases = [row.alias for row in fh.list_layers("vgg16") if row.alias]
     assert len(aliases) == 13 * 2 + 5

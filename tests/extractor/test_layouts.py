@@ -188,6 +188,7 @@ def test_nchw_dump_writes_patch_maps_and_refuses_what_it_cannot_pool(photos: Pat
     torch.testing.assert_close(prefix, tokens[:, :3], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_extract_takes_output_format_and_cls(photos: Path, tmp_path: Path) -> None:
     common = [
         "--backbone",
@@ -232,6 +233,7 @@ def test_cli_show_draws_vit_tokens_as_maps(photos: Path, tmp_path: Path, capsys:
     assert Image.open(out).size[0] > 0 and "blocks.1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_timm_models_with_unsaid_class_tokens_need_prefix_tokens() -> None:
     """CoaT has class tokens but no num_prefix_tokens: pooling or maps ask for prefix_tokens= instead of guessing 0."""
     ext = fh.FeatureExtractor("timm/coat_lite_tiny", ["norm4"], weights=None)

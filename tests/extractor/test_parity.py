@@ -153,6 +153,7 @@ def test_a_model_that_fails_in_channels_last_falls_back_to_nchw_once_with_the_sa
     assert torch.equal(extractor(images)["head"], expected)
 
 
+@pytest.mark.slow
 def test_normalize_false_feeds_the_images_as_they_are() -> None:
     raw = seeded("vgg19", ["relu1_1"], normalize=False, input_range=(-1, 1), mode="grad")  # NCHW: bitwise
     images = torch.rand(1, 3, 32, 32) * 2 - 1

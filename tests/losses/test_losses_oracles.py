@@ -30,6 +30,7 @@ def vgg16_default(vgg16_cached: Path) -> FeatureExtractor:
     return FeatureExtractor("vgg16", layers, weights="DEFAULT", mode="grad")
 
 
+@pytest.mark.slow
 def test_perceptual_times_channels_equals_piq_content_loss(vgg16_default, pair) -> None:
     x, y = pair
     ours = fl.PerceptualLoss(vgg16_default, layers=["relu3_3"], reduction="none")(x, y)
@@ -38,6 +39,7 @@ def test_perceptual_times_channels_equals_piq_content_loss(vgg16_default, pair) 
     torch.testing.assert_close(ours * 256, reference, rtol=RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_perceptual_l1_on_two_layers_equals_piq(vgg16_default, pair) -> None:
     x, y = pair
     layers = ("relu2_2", "relu3_3")

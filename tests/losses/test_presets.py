@@ -22,6 +22,7 @@ def cached(seeded_weights: Callable[..., Path]) -> None:
     seeded_weights("vgg16")
 
 
+@pytest.mark.slow
 def test_johnson2016_defaults_are_pytorch_examples() -> None:
     group = presets.johnson2016(torch.rand(1, 3, 40, 40), input_range=(0, 255))
     content, style = group.losses["content"], group.losses["style"]
@@ -82,6 +83,7 @@ def test_basicsr_input_modes(config: dict, mapped: Callable[[torch.Tensor], torc
     torch.testing.assert_close(loss.losses["perceptual"].extractor.normalize(x), mapped(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_basicsr_terms_and_criteria() -> None:
     weights = {"conv5_4": 1.0, "conv1_2": 0.1}  # BasicSR keeps the dict's order
     group = presets.basicsr(weights, perceptual_weight=0.5, style_weight=50, criterion="l2")

@@ -51,6 +51,7 @@ def grads(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Ten
 # ------------------------------------------------------------------------------------------------- oracle
 
 
+@pytest.mark.slow
 def test_uses_the_same_trunk_and_alpha_beta_as_the_reference(reference: nn.Module, metric: DISTS) -> None:
     theirs = {
         key.split(".", 1)[1].replace(".filter", ".window"): value
@@ -66,6 +67,7 @@ def test_uses_the_same_trunk_and_alpha_beta_as_the_reference(reference: nn.Modul
     assert torch.equal(metric.beta, (reference.beta / total).flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES)
 def test_equals_dists_pytorch_per_sample_and_in_gradients(
     reference: nn.Module, metric: DISTS, size: tuple[int, int]
@@ -85,6 +87,7 @@ def test_equals_dists_pytorch_per_sample_and_in_gradients(
     assert (partial - ref_grads[0]).abs().max() > 0.1 * ref_grads[0].abs().max()
 
 
+@pytest.mark.slow
 def test_input_range_changes_nothing_but_the_units(reference: nn.Module, vgg16_cached: Path) -> None:
     x, y = pair((40, 36))
     expected = reference(x, y).detach()
@@ -96,6 +99,7 @@ def test_input_range_changes_nothing_but_the_units(reference: nn.Module, vgg16_c
     torch.testing.assert_close(2 * ours, expected_grad, rtol=1e-4, atol=1e-5 * float(expected_grad.abs().max()))
 
 
+@pytest.mark.slow
 def test_reductions_and_the_references_batch_average(reference: nn.Module, metric: DISTS) -> None:
     x, y = pair((40, 36), batch=3)
     per_sample = metric(x, y)
@@ -232,6 +236,7 @@ def test_finds_the_bundled_file_without_importing_dists_pytorch() -> None:
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_alpha_beta_from_a_file_or_a_dict(reference: nn.Module, tmp_path: Path, vgg16_cached: Path) -> None:
     x, y = pair((40, 36))
     state = torch.load(find_alpha_beta(), map_location="cpu", weights_only=True)

@@ -59,6 +59,7 @@ def _close(ours: torch.Tensor | np.ndarray, theirs: torch.Tensor | np.ndarray, t
 
 
 # -- the backbone ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_pytorch_fid_block_is_a_named_layer(oracle: InceptionV3) -> None:
     """pytorch-fid's four blocks are maxpool1, maxpool2, Mixed_6e and avgpool, resize and scaling included."""
     images = torch.rand(2, 3, 37, 53, generator=torch.Generator().manual_seed(SEED))
@@ -134,6 +135,7 @@ def folder_statistics(mixed_folder: Path, oracle: InceptionV3) -> tuple[fh.metri
     return ours, theirs
 
 
+@pytest.mark.slow
 def test_statistics_equal_pytorch_fids(folder_statistics: tuple) -> None:
     ours, (mu, sigma) = folder_statistics
     assert ours.count == 5 and ours.dim == 2048

@@ -193,6 +193,7 @@ print(f"FID {fid.compute():.3f}  KID {kid.compute()[0]:.5f}")    # 4 images a se
 """
 
 
+@pytest.mark.slow
 def test_readme_recipe(resnet18_cached: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     out = io.StringIO()

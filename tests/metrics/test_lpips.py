@@ -308,6 +308,7 @@ def test_pair_files_by_relative_path(tmp_path: Path) -> None:
         pair_files(a, tmp_path / "missing")
 
 
+@pytest.mark.slow
 def test_score_pairs_streams_and_matches_the_metric(trunks: None, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     sizes = {"1.png": (40, 48), "2.png": (40, 48), "3.png": (48, 40)}  # two sizes within one batch
