@@ -76,10 +76,9 @@ import torch
 from torch import Tensor, nn
 
 import featurehooks as fh
-from featurehooks._precision import check_device
-from featurehooks.errors import InvalidValueError
 
 import _harness as H
+from losses import REDUCED, reduced_precisions, with_precision  # benchmarks/losses.py: precision contenders
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"
@@ -100,7 +99,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # FeatureExtractor contenders that also run in each reduced precision the device runs (precision_variants)
 PRECISION_FORMATS: dict[str, dict[str, Any]] = {FE: {}, FE_CONTIGUOUS: {"memory_format": "contiguous"}}
-REDUCED = ("bf16", "fp16")
 BF16_SPEEDUP = 1.5  # issue 23: precision="bf16" vs float32, FeatureExtractor (auto), VGG16 relu3_3, CPU, no graph
 HEADLINE = "vgg16-relu3_3"  # the case with the early-exit contenders and the speed targets
 SPEEDUP = 1.1  # FeatureExtractor (auto) vs the NCHW loop and FX, VGG16 relu3_3, CPU, batch >= 2, no graph
@@ -157,22 +155,6 @@ class Models:
     def all_modules(self) -> list[nn.Module]:
         extra = [self.graph] if self.graph is not None else []
         return [*self.all_extractors(), self.plain, self.plain_cl, *extra]
-
-
-def reduced_precisions(device: torch.device) -> list[str]:
-    """The precisions below float32 that featurehooks runs on ``device`` (``check_device`` refuses the others,
-    which it would run slower than float32): each gets its contenders beside the float32 ones."""
-    found = []
-    for precision in REDUCED:
-        with contextlib.suppress(InvalidValueError):
-            check_device(precision, device)
-            found.append(precision)
-    return found
-
-
-def with_precision(name: str, precision: str) -> str:
-    """The row of contender ``name`` run in ``precision``: ``FeatureExtractor (auto), precision='bf16'``."""
-    return f"{name}, precision={precision!r}"
 
 
 def precision_variants(precisions: Sequence[str]) -> dict[str, dict[str, Any]]:

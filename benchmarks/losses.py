@@ -20,7 +20,9 @@ both halves); PerceptualLoss(relu3_3) auto and contiguous; piq ``ContentLoss(rel
 baseline, featurehooks' ``featurehooks.LPIPS(net="vgg", calibrated=False)`` auto and contiguous vs
 ``lpips.LPIPS(net="vgg", lpips=False)``. Style groups: StyleLoss (auto, contiguous, and auto with a
 fixed target from ``set_target``) vs piq ``StyleLoss`` on relu1_2, relu2_2, relu3_3, relu4_3 with raw
-Grams (piq's convention). Third-party losses run NCHW, as users run them.
+Grams (piq's convention). Third-party losses run NCHW, as users run them. In every group, featurehooks'
+loss (auto and contiguous) also runs with ``precision='bf16'`` (and ``'fp16'``), its frozen VGG16 stored in that
+dtype, wherever featurehooks runs it on the device (``check_device``), beside the float32 rows.
 
 Shapes: CPU ``2x224,8x112`` (batch >= 2: the format targets are about batches); CUDA ``8x224,32x224``,
 each also under bf16 autocast (images stay NCHW; every contender keeps its own memory format).
@@ -29,11 +31,13 @@ Targets: PerceptualLoss (auto) >= 1.3x faster than piq on the CPU at batch >= 2 
 slower than piq), and not slower than lpips; its peak memory at most piq's and lpips'; in every group
 featurehooks (auto) at most 3% slower than contiguous and than the NCHW floor;
 the concatenated forward not faster than two (why PerceptualLoss keeps two); StyleLoss not slower
-than piq.
+than piq; in each reduced precision auto at most 3% slower than contiguous; issue 23: on the CPU at batch >= 2,
+PerceptualLoss ``precision='bf16'`` (auto) >= 1.5x faster than float32 (auto).
 
     python benchmarks/losses.py                  # CPU, ~10 min on 1 thread (2x224 and 8x112)
     python benchmarks/losses.py --device cuda    # adds bf16 autocast groups
     python benchmarks/losses.py --quick          # seconds: checks the script, not speed
+    python benchmarks/losses.py --groups content --shapes 4x224 --threads 1 --clock cpu   # issue 23's bf16 target
 """
 
 from __future__ import annotations
@@ -42,13 +46,15 @@ import contextlib
 import copy
 import gc
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from featurehooks import LPIPS as FeatureHooksLPIPS
+from featurehooks._precision import check_device
+from featurehooks.errors import InvalidValueError
 from featurehooks.losses import PerceptualLoss, StyleLoss
 
 import _harness as H
@@ -80,8 +86,26 @@ FORMAT_PAIRS = (
     (FH_STYLE, FH_STYLE_CONTIGUOUS, STYLE_FLOOR),
 )
 SPEEDUP = 1.3  # PerceptualLoss (auto) vs piq, CPU, batch >= 2
+BF16_SPEEDUP = 1.5  # issue 23: PerceptualLoss precision="bf16" vs float32 (auto), CPU, batch >= 2
 AUTO_SLACK = 1.03
 SHAPES = H.Shapes(quick="2x32", cpu="2x224,8x112", cuda="8x224,32x224")
+REDUCED = ("bf16", "fp16")  # precisions below float32 (the benchmarks' contenders where the device runs them)
+
+
+def reduced_precisions(device: torch.device) -> list[str]:
+    """The precisions below float32 that featurehooks runs on ``device`` (``check_device`` refuses the others,
+    which it would run slower than float32): each gets its contenders beside the float32 ones."""
+    found = []
+    for precision in REDUCED:
+        with contextlib.suppress(InvalidValueError):
+            check_device(precision, device)
+            found.append(precision)
+    return found
+
+
+def with_precision(name: str, precision: str) -> str:
+    """The row of contender ``name`` run in ``precision``: ``FeatureExtractor (auto), precision='bf16'``."""
+    return f"{name}, precision={precision!r}"
 
 
 def _quiet() -> contextlib.AbstractContextManager:
@@ -146,15 +170,36 @@ class Floor(nn.Module):
         return total
 
 
-def build(cfg: H.Settings) -> dict[str, nn.Module]:
-    """Every loss module, on the device, all reading the one seeded VGG16 checkpoint."""
+def featurehooks_losses(precision: str) -> dict[str, nn.Module]:
+    """featurehooks' losses of the three groups, auto and contiguous, computing in ``precision`` (rows named with it
+    unless float32)."""
+    made: dict[str, nn.Module] = {
+        PL: PerceptualLoss("vgg16", ["relu3_3"], precision=precision),
+        PL_CONTIGUOUS: PerceptualLoss("vgg16", ["relu3_3"], memory_format="contiguous", precision=precision),
+        FH_LPIPS: FeatureHooksLPIPS(net="vgg", calibrated=False, precision=precision),
+        FH_LPIPS_CONTIGUOUS: FeatureHooksLPIPS(
+            net="vgg", calibrated=False, memory_format="contiguous", precision=precision
+        ),
+        FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none", precision=precision),
+        FH_STYLE_CONTIGUOUS: StyleLoss(
+            "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous", precision=precision
+        ),
+    }
+    return made if precision == "float32" else {with_precision(name, precision): m for name, m in made.items()}
+
+
+def build(cfg: H.Settings, precisions: Sequence[str]) -> dict[str, nn.Module]:
+    """Every loss module (featurehooks' also in each of ``precisions``), on the device, all reading the one seeded
+    VGG16 checkpoint."""
     import lpips
     import piq
 
     H.seeded_hub_weights("vgg16")
     plain = H.load_seeded("vgg16")
-    pl = PerceptualLoss("vgg16", ["relu3_3"])
-    mean, std = pl.extractor.mean, pl.extractor.std
+    ours = featurehooks_losses("float32")
+    for precision in precisions:
+        ours.update(featurehooks_losses(precision))
+    mean, std = ours[PL].extractor.mean, ours[PL].extractor.std
     features_cl = copy.deepcopy(plain.features).to(memory_format=torch.channels_last)
     with _quiet():
         lp = lpips.LPIPS(net="vgg", verbose=False)
@@ -164,18 +209,11 @@ def build(cfg: H.Settings) -> dict[str, nn.Module]:
         FLOOR_CL: Floor(features_cl, ("relu3_3",), mean, std, channels_last=True),
         FLOOR_CAT: Floor(plain.features, ("relu3_3",), mean, std, concatenate=True),
         LPIPS_FLOOR: Floor(plain.features, tuple(VGG16_INDEX), mean, std, lpips=True),
-        PL: pl,
-        PL_CONTIGUOUS: PerceptualLoss("vgg16", ["relu3_3"], memory_format="contiguous"),
         PIQ: piq.ContentLoss(feature_extractor="vgg16", layers=("relu3_3",)),
         LPIPS: lp,
-        FH_LPIPS: FeatureHooksLPIPS(net="vgg", calibrated=False),
-        FH_LPIPS_CONTIGUOUS: FeatureHooksLPIPS(net="vgg", calibrated=False, memory_format="contiguous"),
         LPIPS_BASE: lp_base,
         STYLE_FLOOR: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
-        FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
-        FH_STYLE_CONTIGUOUS: StyleLoss(
-            "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous"
-        ),
+        **ours,
         FH_STYLE_FIXED: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
         PIQ_STYLE: piq.StyleLoss(feature_extractor="vgg16", layers=STYLE_LAYERS, weights=[1.0] * len(STYLE_LAYERS)),
     }
@@ -277,6 +315,19 @@ GROUPS = {
     LPIPS_CASE: [LPIPS_FLOOR, FH_LPIPS, FH_LPIPS_CONTIGUOUS, LPIPS_BASE],
     STYLE: [STYLE_FLOOR, FH_STYLE, FH_STYLE_CONTIGUOUS, FH_STYLE_FIXED, PIQ_STYLE],
 }
+
+
+def contenders(title: str, precisions: Sequence[str]) -> list[str]:
+    """The rows of group ``title``: ``GROUPS[title]``, featurehooks' auto and contiguous loss in each of
+    ``precisions`` right after its float32 contiguous row."""
+    names = list(GROUPS[title])
+    for auto, contiguous, _ in FORMAT_PAIRS:
+        if contiguous in names:
+            at = names.index(contiguous) + 1
+            names[at:at] = [with_precision(name, p) for p in precisions for name in (auto, contiguous)]
+    return names
+
+
 NOTES = {
     FLOOR: "relu3_3 only (floor of the content groups)",
     FLOOR_CL: "the floor over a channels-last copy",
@@ -319,10 +370,25 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             if g.has(auto) and g.has(contiguous):
                 found.append(H.Target(f"{auto} / {contiguous}", where, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
                 found.append(H.Target(f"{auto} / {floor}", where, H.ratio(g, auto, floor), AUTO_SLACK, "<="))
+                found += precision_targets(g, auto, contiguous, speedup)
         if g.case == STYLE:
             found.append(
                 H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where, H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">=")
             )
+    return found
+
+
+def precision_targets(g: H.Group, auto: str, contiguous: str, speedup: bool) -> list[H.Target]:
+    """In each reduced precision of the group: ``auto`` at most 3% slower than ``contiguous``; with ``speedup``
+    (CPU, batch >= 2), PerceptualLoss in bf16 >= 1.5x faster than in float32 (issue 23)."""
+    found = []
+    for precision in REDUCED:
+        ours, theirs = with_precision(auto, precision), with_precision(contiguous, precision)
+        if not g.has(ours):
+            continue
+        found.append(H.Target(f"{ours} / {theirs}", g.label, H.ratio(g, ours, theirs), AUTO_SLACK, "<="))
+        if precision == "bf16" and speedup and auto == PL:
+            found.append(H.Target(f"{PL} / {ours} (bf16 speed-up)", g.label, H.ratio(g, PL, ours), BF16_SPEEDUP, ">="))
     return found
 
 
@@ -335,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = SHAPES.parse(args.shapes, cfg)
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
+    reduced = reduced_precisions(cfg.device)
     notes = [
         "ratio = median / median of the group's first row (the hand-written NCHW floor); *loss* is each library's "
         "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
@@ -344,13 +411,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "then runs the backward over both halves.",
         "peak MiB: memory allocated during one step above what was allocated before it "
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events)."),
+        "*, precision='bf16'* / *'fp16'* rows: featurehooks' loss with precision=..., its frozen VGG16 stored once in "
+        "that dtype, the loss reduced in float32 (its *loss* shows what the precision changes), run wherever "
+        f"featurehooks runs it on the device (here: {', '.join(reduced) or 'none'}). The group's *precision* is the "
+        "autocast around every contender (fp32: none).",
     ]
     if cfg.cuda:
         notes.append(
             "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
             "memory format (nothing is converted for the whole group)."
         )
-    config = {"shapes": shapes, "groups": wanted, "precisions": H.precisions(cfg), **cfg.timing_config()}
+    config = {
+        "shapes": shapes,
+        "groups": wanted,
+        "precisions": H.precisions(cfg),
+        "reduced_precisions": reduced,
+        **cfg.timing_config(),
+    }
     results = H.Results(
         "losses",
         "Loss step (loss + gradient to the input): time / hand-written NCHW floor",
@@ -362,12 +439,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")
-        modules = build(cfg)
+        modules = build(cfg, reduced)
         try:
             for precision in H.precisions(cfg):
                 for batch, size in shapes:
                     for title in wanted:
-                        results.add(run_group(title, GROUPS[title], modules, batch, size, precision, cfg, NOTES))
+                        names = contenders(title, reduced)
+                        results.add(run_group(title, names, modules, batch, size, precision, cfg, NOTES))
         finally:
             release(modules)
     return results.finish()

@@ -67,7 +67,7 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
     assert len(groups) == 2 * len(cases)
     formats = [e.FLOOR, e.FLOOR_CL, e.FE, e.FE_CONTIGUOUS, e.FE_CHANNELS_LAST]
     # FeatureExtractor (auto) and contiguous in bf16 where this CPU has native bfloat16 (fp16: AVX512-FP16 CPUs)
-    reduced = e.reduced_precisions(torch.device("cpu"))
+    reduced = e.reduced_precisions(torch.device("cpu"))  # featurehooks' precisions below float32 on this CPU
     in_precision = list(e.precision_variants(reduced))
     assert len(in_precision) == 2 * len(reduced)
     for group in groups:
@@ -163,13 +163,24 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
 def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
     losses, payload = _run_quick("losses", tmp_path, torch_home)
     L = losses
-    assert {g["case"]: [row["name"] for row in g["rows"]] for g in payload["groups"]} == L.GROUPS
+    # featurehooks' losses (auto, contiguous) also in bf16 where this CPU has native bfloat16, after their float32 rows
+    reduced = L.reduced_precisions(torch.device("cpu"))
+    in_precision = {L.with_precision(name, p) for p in reduced for pair in L.FORMAT_PAIRS for name in pair[:2]}
+    assert len(in_precision) == 6 * len(reduced)
+    rows_by_case = {g["case"]: [row["name"] for row in g["rows"]] for g in payload["groups"]}
+    assert rows_by_case == {case: L.contenders(case, reduced) for case in L.GROUPS}
+    float32, bf16_rows = L.GROUPS[L.CONTENT], [L.with_precision(name, "bf16") for name in (L.PL, L.PL_CONTIGUOUS)]
+    assert L.contenders(L.CONTENT, ["bf16"]) == [*float32[:5], *bf16_rows, *float32[5:]]  # after PL contiguous
     assert all(g["params"]["batch"] == 2 for g in payload["groups"])  # --quick: 2x32, batch >= 2 for the targets
     by_case = {g["case"]: {row["name"]: row for row in g["rows"]} for g in payload["groups"]}
     content = by_case[L.CONTENT]
     # the contenders compute the same loss on the same weights (each in its library's scale)
     for name in (L.FLOOR_CL, L.FLOOR_CAT, L.PL, L.PL_CONTIGUOUS):
         assert content[name]["loss"] == pytest.approx(content[L.FLOOR]["loss"], rel=1e-4), name
+    floors = {L.CONTENT: L.FLOOR, L.LPIPS_CASE: L.LPIPS_FLOOR, L.STYLE: L.STYLE_FLOOR}
+    for case, rows in by_case.items():  # bf16 changes the loss at bf16 rounding (the library's tests: 2%)
+        for name in in_precision & set(rows):
+            assert rows[name]["loss"] == pytest.approx(rows[floors[case]]["loss"], rel=2e-2), name
     assert content[L.PIQ]["loss"] == pytest.approx(256 * content[L.PL]["loss"], rel=1e-4)
     lpips_case = by_case[L.LPIPS_CASE]
     for name in (L.FH_LPIPS, L.FH_LPIPS_CONTIGUOUS):
@@ -178,7 +189,9 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
     for name in (L.FH_STYLE, L.FH_STYLE_CONTIGUOUS, L.FH_STYLE_FIXED, L.PIQ_STYLE):
         assert style[name]["loss"] == pytest.approx(style[L.STYLE_FLOOR]["loss"], rel=1e-4), name
     # a loss step builds a graph, so "auto" runs NCHW as the floors and the other libraries do
-    formats = {name: row["format"] for rows in by_case.values() for name, row in rows.items()}
+    formats = {
+        name: row["format"] for rows in by_case.values() for name, row in rows.items() if name not in in_precision
+    }
     channels_last = {L.FLOOR_CL}
     assert formats == {name: "channels_last" if name in channels_last else "contiguous" for name in formats}
     for rows in by_case.values():
@@ -189,6 +202,10 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
     assert claims[f"{L.FLOOR_CAT} / {L.FLOOR} (two forwards stay)"]["kind"] == ">="
     for auto, contiguous, floor in L.FORMAT_PAIRS:
         assert claims[f"{auto} / {contiguous}"]["limit"] == claims[f"{auto} / {floor}"]["limit"] == 1.03
+        for p in reduced:
+            assert claims[f"{L.with_precision(auto, p)} / {L.with_precision(contiguous, p)}"]["limit"] == 1.03
+    bf16 = claims.get(f"{L.PL} / {L.with_precision(L.PL, 'bf16')} (bf16 speed-up)")
+    assert (bf16 is not None) == ("bf16" in reduced) and (bf16 is None or bf16["limit"] == 1.5)
 
 
 def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
