@@ -151,10 +151,23 @@ class _Forward:
         self.calls: list[_Call] = []  # in the order calls finished
 
 
-def _float_leaves(*values: Any) -> list[Tensor]:
+_PLAIN = (Tensor, int, float, bool, str, type(None))  # leaves of a pytree
+
+
+def _leaves(value: Any) -> Sequence[Any]:
+    """A value's pytree leaves; a tensor, or a plain tuple or list of leaves, without walking the pytree (a call's
+    usual arguments and outputs: this runs for every module call)."""
+    if isinstance(value, Tensor):
+        return (value,)
+    if type(value) in (tuple, list) and all(isinstance(item, _PLAIN) for item in value):
+        return value  # type: ignore[no-any-return]
+    return tree_leaves(value)
+
+
+def _float_leaves(value: Any) -> list[Tensor]:
     return [
         t
-        for t in tree_leaves(values)
+        for t in _leaves(value)
         if isinstance(t, Tensor) and t.is_floating_point() and (t.is_nested or t.layout == torch.strided) and t.numel()
     ]
 
@@ -167,10 +180,9 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Tens
 
 
 def _aminmax(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    """Minimum and maximum of a tensor's elements (a nested tensor's packed values), without a graph."""
-    with torch.no_grad():
-        values = tensor.detach()
-        return tuple(torch.aminmax(values.values() if values.is_nested else values))  # type: ignore[return-value]
+    """Minimum and maximum of a tensor's elements (a nested tensor's packed values), without a graph (detached)."""
+    values = tensor.detach()
+    return tuple(torch.aminmax(values.values() if values.is_nested else values))  # type: ignore[return-value]
 
 
 def _labels(kind: str, count: int) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 import featurehooks as fh
 from featurehooks.errors import InvalidValueError, LayerNotFoundError, NonFiniteError
@@ -396,6 +397,35 @@ def test_nonfinite_forward_nan_weight_in_a_resnet_block() -> None:
         model(torch.rand(2, 3, 32, 32))
     assert (info.value.path, info.value.phase) == ("layer2.1.conv2", "forward")
     assert module_hooks(model) == 0
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda t: (t, None, 1),  # a plain tuple (the fast path)
+        lambda t: [torch.ones(1), t],  # a plain list
+        lambda t: {"x": t},  # a dict (the pytree path)
+        lambda t: (t.new_ones(1), [t]),  # nested
+        lambda t: torch.return_types.max((t, t.new_zeros(t.shape, dtype=torch.long))),  # a named tuple
+    ],
+)
+def test_nonfinite_output_found_in_any_container(wrap: Any) -> None:
+    class Wrapped(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            return wrap(x * math.nan)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Wrapped()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return next(t for t in tree_leaves(self.inner(x)) if t.shape == x.shape and t.is_floating_point())
+
+    model = Model()
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.ones(2, 3))
+    assert (info.value.path, info.value.phase) == ("inner", "forward")
 
 
 def test_nonfinite_forward_nan_in_the_input_is_the_input() -> None:
