@@ -12,11 +12,14 @@ changes nothing), side by side in one run:
   with ``.item()``, and a tensor hook on its output doing the same for the gradient;
 - ``torch.autograd.detect_anomaly()`` around the step.
 
-Each image size (112 to 320 px by default) is its own group: the probes' per-call work does not shrink with
-the maps the way the step does. Targets: watch <= 1.05x and detect_nonfinite <= 1.05x of the step without
-probes, at every size.
+Each image size (112 to 320 px by default) and precision is its own group: the probes' per-call work does not
+shrink with the maps the way the step does. ``bf16`` runs the step's forward and loss under
+``torch.autocast(dtype=torch.bfloat16)`` (how a model is trained in bf16; where the device computes bf16 natively),
+so the probes see bfloat16 outputs and gradients. Targets: watch <= 1.05x and detect_nonfinite <= 1.05x of the
+step without probes, at every size and precision.
 
-    python benchmarks/probes.py --threads 1 --clock cpu     # about 15 minutes on a shared CPU machine
+    python benchmarks/probes.py --threads 1 --clock cpu     # about 30 minutes on a shared CPU machine
+    python benchmarks/probes.py --precisions bf16 --shapes 8x224
     python benchmarks/probes.py --device cuda
     python benchmarks/probes.py --quick                     # seconds: checks the script, not speed
 """
@@ -31,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from featurehooks._precision import check_device
+from featurehooks.errors import InvalidValueError
 from featurehooks.probes.nonfinite import detect_nonfinite
 from featurehooks.probes.watch import watch
 
@@ -81,9 +86,12 @@ class HandWritten:
 class Step:
     """One SGD training step on its own copy of the model, inside ``context`` (a probe or nothing)."""
 
-    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, wrap: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, x: Tensor, y: Tensor, precision: str, wrap: Callable[[], Any] | None = None
+    ) -> None:
         self.model = model
         self.x, self.y = x, y
+        self.precision = precision
         self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         self.wrap = wrap
         self.losses: list[float] = []
@@ -99,7 +107,8 @@ class Step:
         return loss
 
     def _loss_and_backward(self) -> Tensor:
-        loss = nn.functional.cross_entropy(self.model(self.x), self.y)
+        with H.autocast(self.precision, self.x.device):
+            loss = nn.functional.cross_entropy(self.model(self.x), self.y)
         loss.backward()
         self.losses.append(float(loss))  # after backward, like a training loop's logging
         return loss
@@ -109,7 +118,18 @@ def _anomaly() -> Any:
     return torch.autograd.detect_anomaly(check_nan=True)
 
 
-def run(cfg: H.Settings, batch: int, size: int) -> tuple[H.Group, dict[str, Any]]:
+def precisions(given: str | None, cfg: H.Settings) -> list[str]:
+    """The precisions asked for; by default fp32, and bf16 where the device computes it natively (not --quick)."""
+    if given is not None:
+        return given.split(",")
+    try:
+        check_device("bf16", cfg.device)
+    except InvalidValueError:
+        return ["fp32"]
+    return ["fp32"] if cfg.quick else ["fp32", "bf16"]
+
+
+def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group, dict[str, Any]]:
     base = resnet50().to(cfg.device).train()
     x = H.images(batch, size, cfg, "fp32")
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
@@ -119,11 +139,11 @@ def run(cfg: H.Settings, batch: int, size: int) -> tuple[H.Group, dict[str, Any]
     sentinel = detect_nonfinite(models[NONFINITE])
     hand = HandWritten(models[HAND], blocks)
     steps = {
-        BASE: Step(base, x, y),
-        WATCH: Step(models[WATCH], x, y),
-        NONFINITE: Step(models[NONFINITE], x, y),
-        HAND: Step(models[HAND], x, y),
-        ANOMALY: Step(models[ANOMALY], x, y, _anomaly),
+        BASE: Step(base, x, y, precision),
+        WATCH: Step(models[WATCH], x, y, precision),
+        NONFINITE: Step(models[NONFINITE], x, y, precision),
+        HAND: Step(models[HAND], x, y, precision),
+        ANOMALY: Step(models[ANOMALY], x, y, precision, _anomaly),
     }
     try:
         with warnings.catch_warnings():
@@ -148,8 +168,9 @@ def run(cfg: H.Settings, batch: int, size: int) -> tuple[H.Group, dict[str, Any]
         "watch_rows": len(rows),
         "hand_written_layers": len(blocks),
     }
-    params = {"mode": "train step", "batch": batch, "size": size}
-    return H.make_group(f"ResNet50 training step, batch {batch}, {size}x{size}", params, timing, BASE, extras), facts
+    params = {"mode": "train step", "batch": batch, "size": size, "precision": precision}
+    title = f"ResNet50 training step, batch {batch}, {size}x{size}" + (", bf16 autocast" if precision == "bf16" else "")
+    return H.make_group(title, params, timing, BASE, extras), facts
 
 
 def targets(groups: list[H.Group]) -> list[H.Target]:
@@ -163,15 +184,18 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = H.parser(__doc__.splitlines()[0])
     SHAPES.add_option(p)
+    p.add_argument("--precisions", default=None, help="fp32,bf16 (default: both where bf16 is native; fp32 if --quick)")
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=60.0)
     shapes = SHAPES.parse(args.shapes, cfg)
+    wanted = precisions(args.precisions, cfg)
     groups, facts = [], {}
-    for batch, size in shapes:
-        H.log(f"ResNet50 training step, batch {batch}, {size}x{size}")
-        group, facts = run(cfg, batch, size)
-        groups.append(group)
-        H.log(", ".join(f"{row.name}={row.median_ms:.0f}ms ({row.ratio:.3f}x)" for row in group.rows))
+    for precision in wanted:
+        for batch, size in shapes:
+            H.log(f"ResNet50 training step, batch {batch}, {size}x{size}, {precision}")
+            group, facts = run(cfg, batch, size, precision)
+            groups.append(group)
+            H.log(", ".join(f"{row.name}={row.median_ms:.0f}ms ({row.ratio:.3f}x)" for row in group.rows))
     notes = [
         f"watch: {facts['watched_layers']} layers ({BLOCKS}), {facts['watch_rows']} rows (outputs and gradients), "
         "every statistic (count, mean, std, min, max, absmax, zeros, nonfinite) on the device, read once after "
@@ -185,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]
-    config = {"shapes": shapes, "lr": LR, **cfg.timing_config(), **facts}
+    config = {"shapes": shapes, "precisions": wanted, "lr": LR, **cfg.timing_config(), **facts}
     payload = H.save(
         "probes",
         "Probes during a ResNet50 training step: time / step without probes",
