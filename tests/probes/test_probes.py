@@ -164,6 +164,18 @@ def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor) -> No
         assert_row(rows[(name, "output")], direct(merged(*seen[name])))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [1, 3, 508, 509, 4 * 127 * 9 + 7, (1 << 20) + 5])
+def test_watch_counts_zeros_exactly_at_any_size(size: int, dtype: torch.dtype) -> None:
+    x = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(dtype)
+    x[::3] = 0.0
+    model = nn.Sequential(nn.Identity())
+    with watch(model, layers="0", grads=False) as w:
+        model(x)
+    (row,) = w.summary()
+    assert round(row.zeros * size) == int((x == 0).sum())
+
+
 def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
     model = Twice()
     with (
