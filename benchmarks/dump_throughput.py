@@ -13,7 +13,11 @@ when the next one would end past ``--budget`` seconds:
   collected and saved with one ``np.save`` at the end;
 - *featurehooks dump, contiguous*: ``dump_features`` with ``FeatureExtractor(memory_format="contiguous")``,
   the NCHW layout of earlier releases (for information);
-- *featurehooks dump (default)*: ``dump_features`` with a default ``FeatureExtractor``.
+- *featurehooks dump (default)*: ``dump_features`` with a default ``FeatureExtractor``;
+- *featurehooks dump (default), precision='bf16'* (and ``'fp16'``): the same with
+  ``FeatureExtractor(precision=...)``, the frozen backbone stored in that dtype, the arrays still float32, wherever
+  featurehooks runs that precision on this CPU (``check_device``: bf16 needs AVX512-BF16 or AMX), so one run gives
+  the dump's images/s in float32 and bf16 side by side (issue 23: bf16 >= 1.5x float32).
 
 A dump's time is the whole call: listing, planning, worker start-up, decoding, forwards, writing the
 rows, the per-batch commit (with its fsync) and the manifest. Every contender's saved features are
@@ -29,6 +33,7 @@ torchvision's cache looks, in ``--torch-home`` (a temporary folder unless given)
 
     python benchmarks/dump_throughput.py            # 400 images, up to 5 rounds in 180 s: ~4 minutes
     python benchmarks/dump_throughput.py --quick    # 18 images, 1 round: checks the script, not speed
+    python benchmarks/dump_throughput.py --tag _bf16 # the same: float32 and bf16 rows, issue 23's bf16 target
 
 Needs ``scikit-image`` (the photos). Writes ``benchmarks/results/dump_throughput.json`` (machine,
 versions, every sample) and ``.md``.
@@ -54,6 +59,7 @@ from featurehooks.dump import dump_features
 from featurehooks.images import read_image, transform_for
 
 import _harness as H
+from losses import reduced_precisions, with_precision  # benchmarks/losses.py: the precision contenders' helpers
 
 NAME = "dump_throughput"
 TITLE = "Feature dump vs a hand-written loop: ResNet-18 layer4 avg-pooled, JPEG folder to .npy"
@@ -61,7 +67,9 @@ HAND = "hand-written NCHW loop"
 CONTIGUOUS = "featurehooks dump, contiguous"
 DEFAULT = "featurehooks dump (default)"
 TARGET_SPEEDUP = 1.25
+BF16_SPEEDUP = 1.5  # issue 23: a dump's images/s with precision="bf16" over float32's
 MAX_RELATIVE_DIFF = 1e-4  # channels-last and other batch splits change float32 rounding only
+MAX_RELATIVE_DIFF_REDUCED = 5e-2  # bf16 / fp16 weights and activations: their rounding, not float32's
 SIZES = ((500, 375), (375, 500), (640, 480), (480, 640), (500, 333), (333, 500), (640, 427), (427, 640))  # (W, H)
 JPEG_QUALITY = 90
 
@@ -141,6 +149,19 @@ def hand_loop(root: Path, out: Path, transform: Any, model: torch.nn.Module, bat
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "layer4.npy", torch.cat(rows).numpy())
     return out / "layer4.npy"
+
+
+def extractors(precisions: Sequence[str]) -> dict[str, FeatureExtractor]:
+    """The dump contenders' extractors: contiguous, default, and the default in each of ``precisions``."""
+    made = {
+        CONTIGUOUS: FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT", memory_format="contiguous"),
+        DEFAULT: FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT"),
+    }
+    for precision in precisions:
+        made[with_precision(DEFAULT, precision)] = FeatureExtractor(
+            "resnet18", ["layer4"], weights="DEFAULT", precision=precision
+        )
+    return made
 
 
 def dump(ext: FeatureExtractor, root: Path, out: Path, batch_size: int, workers: int) -> Any:
@@ -277,6 +298,7 @@ def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = arguments(argv)
     cfg = settings(args, argv)
+    reduced = reduced_precisions(cfg.device)
     load_at_start = H.loadavg()
     import torchvision.models as tvm
 
@@ -291,23 +313,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         make_photos(warm_root, min(args.images, args.batch_size + args.images % args.batch_size))
         H.seeded_hub_weights("resnet18")
         model = H.load_seeded("resnet18")
-        contiguous = FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT", memory_format="contiguous")
-        default = FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT")
+        dumpers = extractors(reduced)
         H.log("comparing the input tensors of both routes")
-        pixels = input_diff(root, transform, default)
-        outs = {HAND: work / "hand", CONTIGUOUS: work / "contiguous", DEFAULT: work / "default"}
+        pixels = input_diff(root, transform, dumpers[DEFAULT])
+        outs = {name: work / f"out{i}" for i, name in enumerate([HAND, *dumpers])}
         batch, workers = args.batch_size, args.workers
         contenders: dict[str, Callable[[Path], Any]] = {
-            HAND: lambda folder: hand_loop(folder, outs[HAND], transform, model, batch, workers),
-            CONTIGUOUS: lambda folder: dump(contiguous, folder, outs[CONTIGUOUS], batch, workers),
-            DEFAULT: lambda folder: dump(default, folder, outs[DEFAULT], batch, workers),
+            HAND: lambda folder: hand_loop(folder, outs[HAND], transform, model, batch, workers)
         }
+        for name, ext in dumpers.items():
+            contenders[name] = lambda folder, ext=ext, out=outs[name]: dump(ext, folder, out, batch, workers)
         H.log(f"timing: up to {args.rounds} interleaved round(s) of {args.images} images, {args.budget:g} s at most")
         timing = time_rounds(contenders, root, warm_root, args.rounds, args.budget)
         order = folder_order(root)
         reference = np.load(outs[HAND] / "layer4.npy")
         checks: dict[str, dict[str, Any]] = {HAND: {"max_abs_diff": 0.0, "rel_diff": 0.0}}
-        for name in (CONTIGUOUS, DEFAULT):
+        for name in dumpers:
             rows, invalid = dump_rows(outs[name], order)
             if invalid:
                 raise SystemExit(f"{name}: some images were not decoded (see {outs[name] / 'manifest.json'})")
@@ -316,10 +337,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 **compare(reference, features[rows]),
                 "rows_in_folder_order": bool(np.array_equal(rows, np.arange(len(rows)))),
             }
-        formats = {HAND: "contiguous (NCHW)", CONTIGUOUS: contiguous.memory_format_in_use,
-                   DEFAULT: default.memory_format_in_use}  # fmt: skip
-        contiguous.close()
-        default.close()
+        formats = {HAND: "contiguous (NCHW)", **{name: ext.memory_format_in_use for name, ext in dumpers.items()}}
+        for ext in dumpers.values():
+            ext.close()
 
     count = len(order)
     base = timing.median(HAND)
@@ -340,17 +360,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "input tensors: max abs diff, hand loop vs dump (pixels identical)", group.case, pixels, 0.0, "<=", unit=""
         ),
     ]
-    for name in (CONTIGUOUS, DEFAULT):
-        targets.append(
-            H.Target(
-                f"{name}: max abs diff / max abs feature, vs hand loop",
-                group.case,
-                checks[name]["rel_diff"],
-                MAX_RELATIVE_DIFF,
-                "<=",
-                unit="",
-            )
-        )
+    for name in dumpers:
+        limit = MAX_RELATIVE_DIFF if name in (CONTIGUOUS, DEFAULT) else MAX_RELATIVE_DIFF_REDUCED
+        claim = f"{name}: max abs diff / max abs feature, vs hand loop"
+        targets.append(H.Target(claim, group.case, checks[name]["rel_diff"], limit, "<=", unit=""))
+    if "bf16" in reduced:
+        bf16 = with_precision(DEFAULT, "bf16")
+        speedup = extras[bf16]["speedup"] / extras[DEFAULT]["speedup"]
+        targets.append(H.Target(f"{bf16} / {DEFAULT} images/s", group.case, speedup, BF16_SPEEDUP, ">="))
     notes = [
         f"images/s = {count} images / seconds of one whole call (median and best of {timing.rounds} interleaved "
         "rounds, after one untimed warm-up call each on the first images); *× hand loop* = images/s over the "
@@ -363,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{count}x512 features; *diff / max abs* divides it by the largest |feature| of the hand loop "
         f"({checks[DEFAULT]['feature_scale']:.3g} with these seeded random weights).",
         f"Memory format in use: {', '.join(f'{k}: {v}' for k, v in formats.items())}.",
+        "*precision=...* rows: the default dump with FeatureExtractor(precision=...), the frozen backbone stored in "
+        "that dtype, the arrays float32; run where featurehooks runs it on this CPU (here: "
+        f"{', '.join(reduced) or 'none'}); their diff / max abs is the precision's rounding (limit "
+        f"{MAX_RELATIVE_DIFF_REDUCED:g}).",
     ]
     if cfg.quick:
         notes.insert(
@@ -374,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "backbone": "resnet18 (seeded random weights, torchvision layout)", "layers": ["layer4"],
               "pool": "avg", "resize": 256, "crop": 224, "jpeg_quality": JPEG_QUALITY,
               "input_max_abs_diff": pixels, "target_speedup": TARGET_SPEEDUP,
-              "max_relative_diff": MAX_RELATIVE_DIFF, "rounds_asked": args.rounds, "budget_s": args.budget,
+              "max_relative_diff": MAX_RELATIVE_DIFF, "reduced_precisions": reduced, "rounds_asked": args.rounds,
+              "budget_s": args.budget,
               "load_average_at_start": load_at_start}  # fmt: skip
     columns = [
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),

@@ -3,8 +3,10 @@
 # next to the CPU ones with the suffix _cuda. extraction and losses time every memory format side by side
 # in every group (hand-written NCHW and channels_last loops, featurehooks "auto" and "contiguous", and
 # for extraction "channels_last"), so the first GPU run says whether memory_format="auto" chooses well on
-# CUDA too. The time limits add up to 8 minutes on one H200 (each script has its own, so one slow script
-# cannot eat the others' time; extraction and losses save after every group, so a cut-short run keeps
+# CUDA too; and featurehooks' precision="bf16" and "fp16" (the frozen backbone stored in that dtype; bf16 on
+# compute capability 8.0+), each in "auto" and "contiguous", beside the float32 rows of the same group. The
+# time limits add up to 7:40 on one H200, under 8 minutes with start-up (each script has its own, so one slow
+# script cannot eat the others' time; extraction and losses save after every group, so a cut-short run keeps
 # what it measured).
 #
 #   bash benchmarks/run_gpu.sh                 # uses .venv/bin/python if present, else python3
@@ -24,10 +26,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 
 # extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16 autocast} = 40
-# groups of 6-8 contenders (the headline VGG16 relu3_3 case first, with twice the budget)
-timeout 230 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1 > /dev/null || echo "extraction: exit $?"
+# groups of 10-12 contenders, 4 of them FeatureExtractor (auto, contiguous) x precision {bf16, fp16} (the
+# headline VGG16 relu3_3 case first, with twice the budget)
+timeout 215 "$PYTHON" benchmarks/extraction.py "${COMMON[@]}" --budget 1 > /dev/null || echo "extraction: exit $?"
 echo "extraction done after $(( $(date +%s) - start )) s"
-# loss step: 3 groups x {8x224, 32x224} x {fp32, bf16 autocast}, time and peak memory (content group first)
+# loss step: 3 groups x {8x224, 32x224} x {fp32, bf16 autocast}, time and peak memory (content group first);
+# featurehooks' losses also in precision bf16 and fp16 (auto, contiguous) in every group
 timeout 100 "$PYTHON" benchmarks/losses.py "${COMMON[@]}" --budget 1.5 > /dev/null || echo "losses: exit $?"
 echo "losses done after $(( $(date +%s) - start )) s"
 # torch.compile (inductor), bf16 + channels_last, 32x224 (saves only at the end: keep its limit)
@@ -35,7 +39,7 @@ timeout 120 "$PYTHON" benchmarks/compile.py "${COMMON[@]}" --budget 3 > /dev/nul
 echo "compile done after $(( $(date +%s) - start )) s"
 
 # per-call hook overhead on a tiny model (launch-bound on a GPU)
-timeout 30 "$PYTHON" benchmarks/hook_overhead.py "${COMMON[@]}" > /dev/null || echo "hook_overhead: exit $?"
+timeout 25 "$PYTHON" benchmarks/hook_overhead.py "${COMMON[@]}" > /dev/null || echo "hook_overhead: exit $?"
 echo "hook_overhead done after $(( $(date +%s) - start )) s"
 
 for name in extraction losses compile hook_overhead; do

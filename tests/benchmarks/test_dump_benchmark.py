@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import load_script
 
@@ -33,15 +34,20 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
     assert group["baseline"] == bench.HAND and group["rounds"] == 1
     assert group["params"] == {"images": 18, "batch": 8, "workers": 1, "threads": 1}
     rows = {row["name"]: row for row in group["rows"]}
-    assert list(rows) == [bench.HAND, bench.CONTIGUOUS, bench.DEFAULT]
+    # the default dump also in bf16 where this CPU has native bfloat16 (fp16: AVX512-FP16 CPUs), beside float32
+    reduced = bench.reduced_precisions(torch.device("cpu"))
+    in_precision = [bench.with_precision(bench.DEFAULT, precision) for precision in reduced]
+    assert list(rows) == [bench.HAND, bench.CONTIGUOUS, bench.DEFAULT, *in_precision]
+    assert config["reduced_precisions"] == reduced
     for row in rows.values():
         assert row["median_ms"] > 0 and row["images_per_s"] > 0 and math.isfinite(row["speedup"])
         assert row["best_images_per_s"] >= row["images_per_s"]
         assert row["images_per_s"] == pytest.approx(18 / (row["median_ms"] / 1e3))
-        assert row["rel_diff"] <= bench.MAX_RELATIVE_DIFF
+        limit = bench.MAX_RELATIVE_DIFF_REDUCED if row["name"] in in_precision else bench.MAX_RELATIVE_DIFF
+        assert row["rel_diff"] <= limit
     assert rows[bench.HAND]["speedup"] == pytest.approx(1.0) and rows[bench.HAND]["ratio"] == pytest.approx(1.0)
     assert rows[bench.CONTIGUOUS]["memory_format"] == "contiguous"
-    for name in (bench.CONTIGUOUS, bench.DEFAULT):  # compared with the hand loop, row by row
+    for name in (bench.CONTIGUOUS, bench.DEFAULT, *in_precision):  # compared with the hand loop, row by row
         assert rows[name]["feature_scale"] > 0 and math.isfinite(rows[name]["max_abs_diff"])
         assert isinstance(rows[name]["rows_in_folder_order"], bool)
 
@@ -50,7 +56,12 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
     assert speed["limit"] == 1.25 and speed["kind"] == ">="
     assert speed["measured"] == pytest.approx(rows[bench.DEFAULT]["speedup"])
     checks = [t for claim, t in targets.items() if "diff" in claim]
-    assert len(checks) == 3 and all(t["met"] for t in checks)
+    assert len(checks) == 3 + len(reduced) and all(t["met"] for t in checks)
+    bf16 = targets.get(f"{bench.with_precision(bench.DEFAULT, 'bf16')} / {bench.DEFAULT} images/s")
+    assert (bf16 is not None) == ("bf16" in reduced)
+    if bf16 is not None:  # images/s in bf16 over float32's, both dumps of the default extractor
+        expected = rows[in_precision[0]]["images_per_s"] / rows[bench.DEFAULT]["images_per_s"]
+        assert bf16["limit"] == 1.5 and bf16["measured"] == pytest.approx(expected)
 
     markdown = (tmp_path / "dump_throughput.md").read_text()
     assert "Command: `python benchmarks/dump_throughput.py --quick" in markdown and "Machine: " in markdown
