@@ -5,6 +5,7 @@ optimizer only sees the denoiser and checkpoints stay small. Prints the perceptu
 
     python examples/train_with_perceptual_loss.py              # 300 steps, under a minute on 2 CPU cores
     python examples/train_with_perceptual_loss.py --amp        # the same under bf16 autocast
+    python examples/train_with_perceptual_loss.py --precision bf16   # the frozen VGG16 stored in bfloat16
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     parser.add_argument("--size", type=int, default=32, help="crop size in pixels")
     parser.add_argument("--noise", type=float, default=0.15, help="std of the Gaussian noise to remove")
     parser.add_argument("--amp", action="store_true", help="train under bf16 autocast")
+    parser.add_argument(
+        "--precision", choices=["float32", "bf16", "fp16"], default="float32", help="what the frozen VGG16 computes in"
+    )
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
 
@@ -74,7 +78,9 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     images = load_images(HERE / "images")
     model = Denoiser()
     # frozen VGG16: no parameters, nothing in state_dict
-    perceptual = pretrained_or_seeded(partial(fh.PerceptualLoss, "vgg16", layers=["relu2_2"]), "VGG16")
+    perceptual = pretrained_or_seeded(
+        partial(fh.PerceptualLoss, "vgg16", layers=["relu2_2"], precision=args.precision), "VGG16"
+    )
     l1 = nn.L1Loss()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(0)
@@ -98,9 +104,10 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
             print(f"step {step:4d}  perceptual loss {sum(recent) / len(recent):.4g}")
     first = sum(history[:10]) / len(history[:10])
     last = sum(history[-10:]) / len(history[-10:])
+    elapsed = time.perf_counter() - start
     print(
         f"perceptual loss fell from {first:.4g} to {last:.4g} ({last / first:.0%} of the start) "
-        f"in {time.perf_counter() - start:.0f} s; checkpoint keys: {len(model.state_dict())} "
+        f"in {elapsed:.0f} s ({1000 * elapsed / args.steps:.0f} ms/step); checkpoint keys: {len(model.state_dict())} "
         f"(the loss adds {len(perceptual.state_dict())})"
     )
     return first, last
