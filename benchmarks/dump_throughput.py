@@ -31,9 +31,9 @@ and portrait, 333..640 px), saved as JPEG quality 90 in ``root/<photo>/<file>.jp
 ``ImageFolder`` reads) in a temporary folder. Weights: seeded random ResNet-18 weights written where
 torchvision's cache looks, in ``--torch-home`` (a temporary folder unless given).
 
-    python benchmarks/dump_throughput.py            # 400 images, up to 5 rounds in 180 s: ~4 minutes
+    python benchmarks/dump_throughput.py            # 400 images, up to 5 rounds in 240 s: ~5 minutes
     python benchmarks/dump_throughput.py --quick    # 18 images, 1 round: checks the script, not speed
-    python benchmarks/dump_throughput.py --tag _bf16 # the same: float32 and bf16 rows, issue 23's bf16 target
+    python benchmarks/dump_throughput.py --workers 2 --budget 560 --tag _bf16   # issue 23's run, on a shared CPU
 
 Needs ``scikit-image`` (the photos). Writes ``benchmarks/results/dump_throughput.json`` (machine,
 versions, every sample) and ``.md``.
@@ -260,7 +260,7 @@ def arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--budget",
         type=float,
-        default=180.0,
+        default=240.0,  # 5 rounds of 4 dumps of ~12 s each on 2 quiet cores
         help="seconds of timed rounds: no round starts that would not end within it (one always runs)",
     )
     p.add_argument("--batch-size", type=int, default=None, help="images per batch (default: 32; 8 if --quick)")
