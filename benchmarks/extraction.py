@@ -78,7 +78,7 @@ from torch import Tensor, nn
 import featurehooks as fh
 
 import _harness as H
-from losses import REDUCED, reduced_precisions, with_precision  # benchmarks/losses.py: precision contenders
+from losses import precision_targets, reduced_precisions, with_precision  # benchmarks/losses.py: precisions
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"
@@ -99,7 +99,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # FeatureExtractor contenders that also run in each reduced precision the device runs (precision_variants)
 PRECISION_FORMATS: dict[str, dict[str, Any]] = {FE: {}, FE_CONTIGUOUS: {"memory_format": "contiguous"}}
-BF16_SPEEDUP = 1.5  # issue 23: precision="bf16" vs float32, FeatureExtractor (auto), VGG16 relu3_3, CPU, no graph
 HEADLINE = "vgg16-relu3_3"  # the case with the early-exit contenders and the speed targets
 SPEEDUP = 1.1  # FeatureExtractor (auto) vs the NCHW loop and FX, VGG16 relu3_3, CPU, batch >= 2, no graph
 AUTO_SLACK = 1.03  # "auto" never more than 3% slower than NCHW
@@ -468,7 +467,8 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
         where = g.label
         found.append(H.Target(f"{FE} / {FE_CONTIGUOUS}", where, H.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
         found.append(H.Target(f"{FE} / {FLOOR}", where, H.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
-        found += precision_targets(g, device_type)
+        speedup = device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad"
+        found += precision_targets(g, FE, FE_CONTIGUOUS, speedup and g.case == CASES[HEADLINE][0])
         if g.case == CASES[HEADLINE][0]:
             found.append(
                 H.Target(
@@ -495,21 +495,6 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             found.append(H.Target(f"{FE} / {TIMM}", where, H.ratio(g, FE, TIMM), 1.05, "<="))
         if g.has(TIMM) and g.has(FE_NCHW):  # the same (B, C, H, W) maps from a token model
             found.append(H.Target(f"{FE_NCHW} / {TIMM}", where, H.ratio(g, FE_NCHW, TIMM), 1.03, "<="))
-    return found
-
-
-def precision_targets(g: H.Group, device_type: str) -> list[H.Target]:
-    """In each reduced precision of the group: auto at most 3% slower than contiguous; VGG16 relu3_3 on the CPU at
-    batch >= 2 without a graph, bf16 auto >= 1.5x faster than float32 auto (issue 23)."""
-    found = []
-    for precision in REDUCED:
-        auto, contiguous = with_precision(FE, precision), with_precision(FE_CONTIGUOUS, precision)
-        if not g.has(auto):
-            continue
-        found.append(H.Target(f"{auto} / {contiguous}", g.label, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
-        speedup = device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad"
-        if precision == "bf16" and speedup and g.case == CASES[HEADLINE][0]:
-            found.append(H.Target(f"{FE} / {auto} (bf16 speed-up)", g.label, H.ratio(g, FE, auto), BF16_SPEEDUP, ">="))
     return found
 
 

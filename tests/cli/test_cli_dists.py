@@ -61,8 +61,8 @@ def test_dists_command_scores_each_pair_as_the_python_api(
 def test_dists_command_takes_the_pair_options(
     pairs_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    a, b = pairs_dirs
     out = tmp_path / "cropped.csv"
+    a, b = pairs_dirs
     argv = ["dists", str(a), str(b), "--weights", "none", "--uncalibrated", "--crop", "32", "--out", str(out)]
     assert main([*argv, "--batch-pixels", "1024", *RUN]) == 0  # one pair per batch
     assert "DISTS (uncalibrated): " in capsys.readouterr().out
