@@ -48,12 +48,11 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from featurehooks._precision import check_device
-from featurehooks.errors import InvalidValueError
 from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
 import _harness as H
+from losses import reduced_precisions  # benchmarks/losses.py: the precisions the device runs
 
 FH = "featurehooks LPIPS"
 FH_ONE = "featurehooks LPIPS, one concatenated forward"
@@ -160,19 +159,15 @@ def dists_contenders(net: str, cfg: H.Settings) -> Contenders:
     return Contenders("dists", net, _ready(modules, cfg), distances, FH_DISTS, REF_DISTS, list(modules))
 
 
-def bf16_runs(device: torch.device) -> bool:
-    """Whether ``precision="bf16"`` runs on the device (an opt-in contender where it does)."""
-    try:
-        check_device("bf16", device)
-    except InvalidValueError:
-        return False
-    return True
-
-
 def _ready(modules: dict[str, nn.Module], cfg: H.Settings) -> dict[str, nn.Module]:
     for module in modules.values():
         module.eval().to(cfg.device)
     return modules
+
+
+def bf16_runs(device: torch.device) -> bool:
+    """Whether ``precision="bf16"`` runs on the device (an opt-in contender where it does)."""
+    return "bf16" in reduced_precisions(device)
 
 
 def calls(
