@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
@@ -35,27 +36,32 @@ def check_file(path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | os.PathLike[str], *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """Read a state dict from ``.safetensors`` or a torch file, never unpickling arbitrary objects.
 
     A checkpoint that wraps its weights under ``"state_dict"`` or ``"model"`` is unwrapped. Anything
     else than a non-empty mapping of names to tensors is a WeightsUnavailableError naming the file.
+    ``mmap=True`` maps a zip-format torch file instead of reading it: its tensors are read from disk when
+    first used, so the layers past a truncated forward are never read. Only for files nobody rewrites in
+    place (the hub cache, written by rename): a file truncated under a mapping crashes its reader.
     """
     path = check_file(path)
     try:
-        state = _load(path)
+        state = _load(path, mmap=mmap)
     except Exception as exc:  # torch, pickle, zipfile and safetensors each raise their own errors
         raise WeightsUnavailableError(_unreadable(path, exc)) from exc
     return check_state_dict(_unwrap(state), path)
 
 
-def _load(path: Path) -> object:
-    """The object stored in ``path``: safetensors for ``.safetensors``, else ``torch.load(weights_only=True)``."""
+def _load(path: Path, *, mmap: bool) -> object:
+    """The object stored in ``path``: safetensors for ``.safetensors``, else ``torch.load(weights_only=True)``
+    (memory-mapped with ``mmap`` where the file has torch's zip format; older files are read)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path), device="cpu")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    mapped = mmap and zipfile.is_zipfile(path)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
 
 
 def _unreadable(path: Path, exc: Exception) -> str:
@@ -146,4 +152,4 @@ def load_hub_checkpoint(url: str, what: str, alternatives: str) -> dict[str, tor
                 f"(the cache under TORCH_HOME={os.environ.get('TORCH_HOME', '~/.cache/torch')}), "
                 f"or {alternatives}"
             ) from exc
-    return read_state_dict(path)
+    return read_state_dict(path, mmap=True)  # the cache is written by rename, never rewritten in place

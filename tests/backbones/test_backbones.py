@@ -57,6 +57,32 @@ def test_default_weights_load_from_the_cache(resnet18_cached: Path) -> None:
     assert not any(t.is_meta for t in backbone.model.state_dict().values())
 
 
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_cached_weights_are_mapped_where_torch_can_and_read_where_not(
+    resnet18_cached: Path, zip_format: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A zip-format hub file is memory-mapped (tensors read when used), an older torch.save file is read; both
+    give the file's values."""
+    expected = torch.load(resnet18_cached, weights_only=True)
+    if not zip_format:  # the same weights as torch.save wrote them before torch 1.6
+        legacy = tmp_path / "hub" / "checkpoints" / resnet18_cached.name
+        legacy.parent.mkdir(parents=True)
+        torch.save(expected, legacy, _use_new_zipfile_serialization=False)
+        monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    mapped: list[bool] = []
+    load = torch.load
+
+    def spy(*args: object, **kwargs: object) -> object:
+        mapped.append(bool(kwargs.get("mmap")))
+        return load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "load", spy)
+    backbone = load_backbone("resnet18")
+    assert mapped == [zip_format]
+    for key, value in backbone.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_loading_never_leaves_meta_tensors(resnet18_cached: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     build = torchvision_models.build
 
