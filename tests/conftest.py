@@ -33,14 +33,6 @@ if TYPE_CHECKING:
     import torch
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the files with tests marked slow first, each file's tests together and in order (module fixtures are
-    built once): under pytest-xdist the long tests start while there is work left to share, and short ones fill
-    the end instead of one worker finishing a long test alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def torch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Point every cache at an empty temporary folder for the whole session; no test touches ~/.cache."""
