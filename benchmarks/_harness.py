@@ -915,6 +915,43 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+REDUCED = ("bf16", "fp16")  # featurehooks' precisions below float32: contenders where the device runs them
+BF16_SPEEDUP = 1.5  # issue 23: precision="bf16" against float32 (extraction, the PerceptualLoss step, a dump)
+
+
+def reduced_precisions(device: torch.device) -> list[str]:
+    """The precisions below float32 that featurehooks runs on ``device`` (``check_device`` refuses the others,
+    which it would run slower than float32): each gets its contenders beside the float32 ones."""
+    from featurehooks._precision import check_device
+    from featurehooks.errors import InvalidValueError
+
+    found = []
+    for precision in REDUCED:
+        with contextlib.suppress(InvalidValueError):
+            check_device(precision, device)
+            found.append(precision)
+    return found
+
+
+def with_precision(name: str, precision: str) -> str:
+    """The row of contender ``name`` run in ``precision``: ``FeatureExtractor (auto), precision='bf16'``."""
+    return f"{name}, precision={precision!r}"
+
+
+def precision_targets(g: Group, auto: str, contiguous: str, slack: float, speedup: bool) -> list[Target]:
+    """In each reduced precision of the group: ``auto`` at most ``slack`` times ``contiguous``'s time; with
+    ``speedup``, ``auto`` in bf16 at least ``BF16_SPEEDUP`` times faster than in float32."""
+    found = []
+    for precision in REDUCED:
+        ours, theirs = with_precision(auto, precision), with_precision(contiguous, precision)
+        if not g.has(ours):
+            continue
+        found.append(Target(f"{ours} / {theirs}", g.label, ratio(g, ours, theirs), slack, "<="))
+        if precision == "bf16" and speedup:
+            found.append(Target(f"{auto} / {ours} (bf16 speed-up)", g.label, ratio(g, auto, ours), BF16_SPEEDUP, ">="))
+    return found
+
+
 def images(batch: int, size: int, cfg: Settings, precision: str, *, seed: int = SEED) -> torch.Tensor:
     """Seeded images in [0, 1] on the device; channels_last under ``bf16``."""
     x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(seed)).to(cfg.device)

@@ -59,7 +59,6 @@ from featurehooks.dump import dump_features
 from featurehooks.images import read_image, transform_for
 
 import _harness as H
-from losses import reduced_precisions, with_precision  # benchmarks/losses.py: the precision contenders' helpers
 
 NAME = "dump_throughput"
 TITLE = "Feature dump vs a hand-written loop: ResNet-18 layer4 avg-pooled, JPEG folder to .npy"
@@ -67,7 +66,6 @@ HAND = "hand-written NCHW loop"
 CONTIGUOUS = "featurehooks dump, contiguous"
 DEFAULT = "featurehooks dump (default)"
 TARGET_SPEEDUP = 1.25
-BF16_SPEEDUP = 1.5  # issue 23: a dump's images/s with precision="bf16" over float32's
 MAX_RELATIVE_DIFF = 1e-4  # channels-last and other batch splits change float32 rounding only
 MAX_RELATIVE_DIFF_REDUCED = 5e-2  # bf16 / fp16 weights and activations: their rounding, not float32's
 SIZES = ((500, 375), (375, 500), (640, 480), (480, 640), (500, 333), (333, 500), (640, 427), (427, 640))  # (W, H)
@@ -158,7 +156,7 @@ def extractors(precisions: Sequence[str]) -> dict[str, FeatureExtractor]:
         DEFAULT: FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT"),
     }
     for precision in precisions:
-        made[with_precision(DEFAULT, precision)] = FeatureExtractor(
+        made[H.with_precision(DEFAULT, precision)] = FeatureExtractor(
             "resnet18", ["layer4"], weights="DEFAULT", precision=precision
         )
     return made
@@ -298,7 +296,7 @@ def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = arguments(argv)
     cfg = settings(args, argv)
-    reduced = reduced_precisions(cfg.device)
+    reduced = H.reduced_precisions(cfg.device)
     load_at_start = H.loadavg()
     import torchvision.models as tvm
 
@@ -365,9 +363,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         claim = f"{name}: max abs diff / max abs feature, vs hand loop"
         targets.append(H.Target(claim, group.case, checks[name]["rel_diff"], limit, "<=", unit=""))
     if "bf16" in reduced:
-        bf16 = with_precision(DEFAULT, "bf16")
+        bf16 = H.with_precision(DEFAULT, "bf16")
         speedup = extras[bf16]["speedup"] / extras[DEFAULT]["speedup"]
-        targets.append(H.Target(f"{bf16} / {DEFAULT} images/s", group.case, speedup, BF16_SPEEDUP, ">="))
+        targets.append(H.Target(f"{bf16} / {DEFAULT} images/s", group.case, speedup, H.BF16_SPEEDUP, ">="))
     notes = [
         f"images/s = {count} images / seconds of one whole call (median and best of {timing.rounds} interleaved "
         "rounds, after one untimed warm-up call each on the first images); *× hand loop* = images/s over the "

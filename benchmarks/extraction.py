@@ -78,7 +78,6 @@ from torch import Tensor, nn
 import featurehooks as fh
 
 import _harness as H
-from losses import precision_targets, reduced_precisions, with_precision  # benchmarks/losses.py: precisions
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"
@@ -159,7 +158,7 @@ class Models:
 def precision_variants(precisions: Sequence[str]) -> dict[str, dict[str, Any]]:
     """FeatureExtractor (auto) and contiguous in each of ``precisions``: what auto chooses there is measured too."""
     return {
-        with_precision(name, precision): {**options, "precision": precision}
+        H.with_precision(name, precision): {**options, "precision": precision}
         for precision in precisions
         for name, options in PRECISION_FORMATS.items()
     }
@@ -468,7 +467,7 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
         found.append(H.Target(f"{FE} / {FE_CONTIGUOUS}", where, H.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
         found.append(H.Target(f"{FE} / {FLOOR}", where, H.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
         speedup = device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad"
-        found += precision_targets(g, FE, FE_CONTIGUOUS, speedup and g.case == CASES[HEADLINE][0])
+        found += H.precision_targets(g, FE, FE_CONTIGUOUS, AUTO_SLACK, speedup and g.case == CASES[HEADLINE][0])
         if g.case == CASES[HEADLINE][0]:
             found.append(
                 H.Target(
@@ -523,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = SHAPES.parse(args.shapes, cfg)
     modes = args.modes.split(",")
     precisions = H.precisions(cfg)
-    reduced = reduced_precisions(cfg.device)
+    reduced = H.reduced_precisions(cfg.device)
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:

@@ -53,8 +53,6 @@ import torch
 from torch import Tensor, nn
 
 from featurehooks import LPIPS as FeatureHooksLPIPS
-from featurehooks._precision import check_device
-from featurehooks.errors import InvalidValueError
 from featurehooks.losses import PerceptualLoss, StyleLoss
 
 import _harness as H
@@ -86,26 +84,8 @@ FORMAT_PAIRS = (
     (FH_STYLE, FH_STYLE_CONTIGUOUS, STYLE_FLOOR),
 )
 SPEEDUP = 1.3  # PerceptualLoss (auto) vs piq, CPU, batch >= 2
-BF16_SPEEDUP = 1.5  # issue 23: PerceptualLoss precision="bf16" vs float32 (auto), CPU, batch >= 2
 AUTO_SLACK = 1.03
 SHAPES = H.Shapes(quick="2x32", cpu="2x224,8x112", cuda="8x224,32x224")
-REDUCED = ("bf16", "fp16")  # precisions below float32 (the benchmarks' contenders where the device runs them)
-
-
-def reduced_precisions(device: torch.device) -> list[str]:
-    """The precisions below float32 that featurehooks runs on ``device`` (``check_device`` refuses the others,
-    which it would run slower than float32): each gets its contenders beside the float32 ones."""
-    found = []
-    for precision in REDUCED:
-        with contextlib.suppress(InvalidValueError):
-            check_device(precision, device)
-            found.append(precision)
-    return found
-
-
-def with_precision(name: str, precision: str) -> str:
-    """The row of contender ``name`` run in ``precision``: ``FeatureExtractor (auto), precision='bf16'``."""
-    return f"{name}, precision={precision!r}"
 
 
 def _quiet() -> contextlib.AbstractContextManager:
@@ -185,7 +165,7 @@ def featurehooks_losses(precision: str) -> dict[str, nn.Module]:
             "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous", precision=precision
         ),
     }
-    return made if precision == "float32" else {with_precision(name, precision): m for name, m in made.items()}
+    return made if precision == "float32" else {H.with_precision(name, precision): m for name, m in made.items()}
 
 
 def build(cfg: H.Settings, precisions: Sequence[str]) -> dict[str, nn.Module]:
@@ -324,7 +304,7 @@ def contenders(title: str, precisions: Sequence[str]) -> list[str]:
     for auto, contiguous, _ in FORMAT_PAIRS:
         if contiguous in names:
             at = names.index(contiguous) + 1
-            names[at:at] = [with_precision(name, p) for p in precisions for name in (auto, contiguous)]
+            names[at:at] = [H.with_precision(name, p) for p in precisions for name in (auto, contiguous)]
     return names
 
 
@@ -370,26 +350,10 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             if g.has(auto) and g.has(contiguous):
                 found.append(H.Target(f"{auto} / {contiguous}", where, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
                 found.append(H.Target(f"{auto} / {floor}", where, H.ratio(g, auto, floor), AUTO_SLACK, "<="))
-                found += precision_targets(g, auto, contiguous, speedup and auto == PL)
+                found += H.precision_targets(g, auto, contiguous, AUTO_SLACK, speedup and auto == PL)
         if g.case == STYLE:
             found.append(
                 H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where, H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">=")
-            )
-    return found
-
-
-def precision_targets(g: H.Group, auto: str, contiguous: str, speedup: bool) -> list[H.Target]:
-    """In each reduced precision of the group: ``auto`` at most 3% slower than ``contiguous``; with ``speedup``,
-    ``auto`` in bf16 >= 1.5x faster than in float32 (issue 23). Shared with extraction.py."""
-    found = []
-    for precision in REDUCED:
-        ours, theirs = with_precision(auto, precision), with_precision(contiguous, precision)
-        if not g.has(ours):
-            continue
-        found.append(H.Target(f"{ours} / {theirs}", g.label, H.ratio(g, ours, theirs), AUTO_SLACK, "<="))
-        if precision == "bf16" and speedup:
-            found.append(
-                H.Target(f"{auto} / {ours} (bf16 speed-up)", g.label, H.ratio(g, auto, ours), BF16_SPEEDUP, ">=")
             )
     return found
 
@@ -403,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = SHAPES.parse(args.shapes, cfg)
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
-    reduced = reduced_precisions(cfg.device)
+    reduced = H.reduced_precisions(cfg.device)
     notes = [
         "ratio = median / median of the group's first row (the hand-written NCHW floor); *loss* is each library's "
         "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",

@@ -52,7 +52,6 @@ from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
 import _harness as H
-from losses import reduced_precisions  # benchmarks/losses.py: the precisions the device runs
 
 FH = "featurehooks LPIPS"
 FH_ONE = "featurehooks LPIPS, one concatenated forward"
@@ -167,7 +166,7 @@ def _ready(modules: dict[str, nn.Module], cfg: H.Settings) -> dict[str, nn.Modul
 
 def bf16_runs(device: torch.device) -> bool:
     """Whether ``precision="bf16"`` runs on the device (an opt-in contender where it does)."""
-    return "bf16" in reduced_precisions(device)
+    return "bf16" in H.reduced_precisions(device)
 
 
 def calls(

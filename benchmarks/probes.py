@@ -38,7 +38,6 @@ from featurehooks.probes.nonfinite import detect_nonfinite
 from featurehooks.probes.watch import watch
 
 import _harness as H
-from losses import reduced_precisions  # benchmarks/losses.py: the precisions the device runs
 
 BASE = "no probes"
 WATCH = "watch, 16 blocks + grads"
@@ -121,7 +120,7 @@ def precisions(given: str | None, cfg: H.Settings) -> list[str]:
     """The precisions asked for; by default fp32, and bf16 where the device computes it natively (not --quick)."""
     if given is not None:
         return given.split(",")
-    return ["fp32", "bf16"] if "bf16" in reduced_precisions(cfg.device) and not cfg.quick else ["fp32"]
+    return ["fp32", "bf16"] if "bf16" in H.reduced_precisions(cfg.device) and not cfg.quick else ["fp32"]
 
 
 def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group, dict[str, Any]]:
