@@ -8,17 +8,9 @@ from typing import Union, cast
 import torch
 from torch import Tensor, nn
 
+from .. import functional
 from .._layout import channels_first
 from ..errors import InvalidTypeError, InvalidValueError
-from ..functional import (
-    Distance,
-    Reduction,
-    check_batch,
-    check_reduction,
-    feature_distance,
-    reduce_loss,
-    resolve_distance,
-)
 from ._base import LayerWeights, resolve_layer_weights
 
 __all__ = ["FeatureMatchingLoss"]
@@ -59,7 +51,7 @@ def _named(features: Features, side: str) -> list[tuple[str, Tensor]]:
     for name, value in items:
         if not isinstance(value, Tensor):
             raise InvalidTypeError(f"{side} feature {name!r} is a {type(value).__name__}, not a Tensor")
-        check_batch(value, f"{side} feature {name!r}")
+        functional.check_batch(value, f"{side} feature {name!r}")
     return items
 
 
@@ -115,8 +107,8 @@ class FeatureMatchingLoss(nn.Module):
         self,
         layer_weights: LayerWeights = None,
         *,
-        distance: Distance = "l1",
-        reduction: Reduction = "mean",
+        distance: functional.Distance = "l1",
+        reduction: functional.Reduction = "mean",
         layout: str | Mapping[str, str] = "NCHW",
     ) -> None:
         super().__init__()
@@ -126,9 +118,9 @@ class FeatureMatchingLoss(nn.Module):
         self.layout = layout
         self.layer_weights = layer_weights
         self.distance = distance
-        self._distance = resolve_distance(distance)
-        check_reduction(reduction)
-        self.reduction: Reduction = reduction
+        self._distance = functional.resolve_distance(distance)
+        functional.check_reduction(reduction)
+        self.reduction: functional.Reduction = reduction
 
     def forward(self, fake: MultiScaleFeatures, real: MultiScaleFeatures) -> Tensor:
         """The loss between ``fake`` features (with graph) and ``real`` features (detached)."""
@@ -160,10 +152,10 @@ class FeatureMatchingLoss(nn.Module):
                 kind = self.layout.get(name, "NCHW") if isinstance(self.layout, Mapping) else self.layout
                 a = channels_first(fake_value.to(torch.promote_types(fake_value.dtype, torch.float32)), kind)
                 b = channels_first(real_value.to(a.dtype), kind)
-                terms.append(weight * feature_distance(a, b, self._distance))
+                terms.append(weight * functional.feature_distance(a, b, self._distance))
             per_scale.append(sum(terms[1:], terms[0]))
         total = sum(per_scale[1:], per_scale[0]) / len(per_scale)
-        return reduce_loss(total, self.reduction)
+        return functional.reduce_loss(total, self.reduction)
 
     def extra_repr(self) -> str:
         weights = f"layer_weights={self.layer_weights!r}, " if self.layer_weights is not None else ""

@@ -21,23 +21,23 @@ from .group import LossGroup
 from .perceptual import PerceptualLoss
 from .style import StyleLoss
 
-__all__ = [
-    "DINO_VITS16",
-    "DINO_VITS16_LAYERS",
-    "GATYS2016_CONTENT_LAYERS",
-    "GATYS2016_STYLE_LAYERS",
-    "JOHNSON2016_CONTENT_LAYERS",
-    "JOHNSON2016_STYLE_LAYERS",
-    "NEURAL_STYLE_TUTORIAL_CONTENT_LAYERS",
-    "NEURAL_STYLE_TUTORIAL_STYLE_LAYERS",
-    "PIX2PIXHD_LAYERS",
-    "PIX2PIXHD_WEIGHTS",
+__all__ = [  # each preset, then the constants it is built from
     "basicsr",
     "dino_vits16",
+    "DINO_VITS16",
+    "DINO_VITS16_LAYERS",
     "gatys2016",
+    "GATYS2016_CONTENT_LAYERS",
+    "GATYS2016_STYLE_LAYERS",
     "johnson2016",
+    "JOHNSON2016_CONTENT_LAYERS",
+    "JOHNSON2016_STYLE_LAYERS",
     "neural_style_tutorial",
+    "NEURAL_STYLE_TUTORIAL_CONTENT_LAYERS",
+    "NEURAL_STYLE_TUTORIAL_STYLE_LAYERS",
     "pix2pixhd",
+    "PIX2PIXHD_LAYERS",
+    "PIX2PIXHD_WEIGHTS",
 ]
 
 JOHNSON2016_CONTENT_LAYERS = ("relu2_2",)

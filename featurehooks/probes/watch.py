@@ -235,23 +235,22 @@ _CANCELLATION = 100.0
 
 
 def _count_nonzero(flat: Tensor, scratch: _Scratch) -> int:
-    """How many values of a CPU 1-D tensor are not 0, exactly, in one conversion pass and a cheap sum.
+    """How many values of a CPU 1-D tensor are not 0, exactly, in one conversion pass and two cheap sums.
 
-    The values become bytes (1 where not 0) in a scratch buffer, read as int32 words of four byte counters; rows
-    of ``_LANE_ROW`` words add up in int32 without a counter overflowing into the next, and the four counters of
-    each row sum are added (1.5 ms per 6.4M values on one thread; ``torch.count_nonzero`` 30 ms, a bool ``sum``
-    29 ms, a uint8 ``sum`` 6 ms).
+    The values become bytes (1 where not 0) in a scratch buffer, read as int32 words of four byte counters;
+    ``_LANE_ROW`` rows of words add up column by column in int32 without a counter overflowing into the next,
+    and the byte counters of the column sums are added (1 ms per 6.4M values on one thread; ``torch.count_nonzero``
+    30 ms, a bool ``sum`` 29 ms, a uint8 ``sum`` 6 ms).
     """
     n = flat.numel()
     (buffer,) = scratch.take(n, torch.bool, flat.device, 1)
     flags = buffer.copy_(flat)  # type: ignore[union-attr]  # a CPU buffer
     body = n - n % (4 * _LANE_ROW)
-    sums = flags[:body].view(torch.int32).view(-1, _LANE_ROW).sum(dim=1, dtype=torch.int32)
-    lanes = (sums & 0xFF) + ((sums >> 8) & 0xFF) + ((sums >> 16) & 0xFF) + ((sums >> 24) & 0xFF)
-    return int(lanes.sum()) + int(flags[body:].sum())
+    sums = flags[:body].view(torch.int32).view(_LANE_ROW, -1).sum(dim=0, dtype=torch.int32)
+    return int(sums.view(torch.uint8).sum(dtype=torch.int64)) + int(flags[body:].sum())
 
 
-# int32 words per row of byte counters: each counter reaches at most 127, below the sign bit of its word
+# rows of int32 words summed per column: each byte counter reaches at most 127, no carry nor sign overflow
 _LANE_ROW = 127
 
 

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import featurehooks as fh
 from featurehooks.errors import InvalidValueError, LayerNotFoundError, NonFiniteError
+from featurehooks.probes import nonfinite
 from featurehooks.probes.nonfinite import INPUT, OUTPUT, detect_nonfinite
 from featurehooks.probes.watch import STATS, Watch, WatchRow, watch
 
@@ -390,7 +391,16 @@ def test_watch_threads_do_not_mix() -> None:
 # detect_nonfinite
 
 
-def test_nonfinite_forward_origin_is_the_module_that_made_it() -> None:
+@pytest.fixture(params=["at once", "deferred"])
+def flags_read(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of reading the flags: classified when checked (the CPU) and left on the device (a GPU), here on
+    the CPU by taking it off the devices read at once."""
+    if request.param == "deferred":
+        monkeypatch.setattr(nonfinite, "READ_AT_ONCE", frozenset())
+    return str(request.param)
+
+
+def test_nonfinite_forward_origin_is_the_module_that_made_it(flags_read: str) -> None:
     model = mlp(nn.ReLU(), Scale(math.nan), nn.Tanh())
     with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
         model(torch.randn(2, 6))
@@ -398,7 +408,7 @@ def test_nonfinite_forward_origin_is_the_module_that_made_it() -> None:
     assert "'3' (Scale)" in str(info.value)
 
 
-def test_nonfinite_forward_nan_weight_in_a_resnet_block() -> None:
+def test_nonfinite_forward_nan_weight_in_a_resnet_block(flags_read: str) -> None:
     import torchvision.models as tvm
 
     torch.manual_seed(0)
@@ -440,7 +450,7 @@ def test_nonfinite_output_found_in_any_container(wrap: Any) -> None:
     assert (info.value.path, info.value.phase) == ("inner", "forward")
 
 
-def test_nonfinite_forward_nan_in_the_input_is_the_input() -> None:
+def test_nonfinite_forward_nan_in_the_input_is_the_input(flags_read: str) -> None:
     model = mlp()
     x = torch.randn(2, 6)
     x[1, 2] = math.nan
@@ -465,7 +475,7 @@ def test_nonfinite_forward_from_the_models_own_code() -> None:
     assert (info.value.path, info.value.tensor) == ("", "output")
 
 
-def test_nonfinite_backward_origin_is_the_module_that_made_it() -> None:
+def test_nonfinite_backward_origin_is_the_module_that_made_it(flags_read: str) -> None:
     model = mlp(InfBackward(), nn.Tanh())
     with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
         model(torch.randn(3, 6)).sum().backward()
@@ -474,7 +484,7 @@ def test_nonfinite_backward_origin_is_the_module_that_made_it() -> None:
     assert "'2' (InfBackward)" in str(info.value)
 
 
-def test_nonfinite_backward_from_the_loss_is_the_output() -> None:
+def test_nonfinite_backward_from_the_loss_is_the_output(flags_read: str) -> None:
     model = mlp()
     with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
         (model(torch.randn(3, 6)).sum() * math.nan).backward()
@@ -482,6 +492,7 @@ def test_nonfinite_backward_from_the_loss_is_the_output() -> None:
 
 
 def test_nonfinite_quiet_when_all_is_finite_and_one_sync_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nonfinite, "READ_AT_ONCE", frozenset())  # a GPU's way: flags stay on the device
     model = mlp(nn.ReLU(), nn.Identity())
     x = torch.randn(3, 6, requires_grad=True)
     with detect_nonfinite(model):
@@ -492,6 +503,21 @@ def test_nonfinite_quiet_when_all_is_finite_and_one_sync_each(monkeypatch: pytes
         out.sum().backward()
         assert syncs.count == 2, "one host read when the backward ends"
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_finite_values_whose_sum_overflows_are_finite(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max / 2  # four of them sum past the dtype's range: the CPU check's sum is inf
+    model = nn.Sequential(Scale(1.0), Scale(1.0))
+    x = torch.full((2, 6), big, dtype=dtype, requires_grad=True)
+    with detect_nonfinite(model):
+        out = model(x)
+        out.backward(torch.full_like(out, big))  # gradients as large, finite
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert nonfinite._cpu_kind(torch.full((4,), big, dtype=dtype)) == nonfinite.FINITE
+    assert nonfinite._cpu_kind(torch.tensor([big, -math.inf], dtype=dtype)) == nonfinite.MINUS_INF
+    assert nonfinite._cpu_kind(torch.tensor([-math.inf, math.inf], dtype=dtype)) == nonfinite.NONFINITE
+    assert nonfinite._cpu_kind(torch.tensor([big, big, math.nan], dtype=dtype)) == nonfinite.NONFINITE
 
 
 def test_nonfinite_in_threads_names_its_own_forward() -> None:
