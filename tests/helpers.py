@@ -1,6 +1,6 @@
 """What the test files share: the repository's root, scripts loaded by path, a tiny seeded extractor, a folder of
 seeded random PNGs, sweeps sampled for ``make test-fast``, a deadline for code that could hang, a scaling module
-for the probes, the CLI under torchrun with two CPU ranks.
+for the probes, the CLI as two CPU ranks (under torchrun, or started as torchrun starts them).
 
 The fixtures over them (and the seeded weights cache) live in ``conftest.py``; these are plain functions
 because module-level helpers of the test files (``dump(...)``) call them too.
@@ -175,3 +175,29 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess:
         stdout, stderr = proc.communicate()
         pytest.fail(f"torchrun timed out: {stderr[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m featurehooks ARGS`` as two CPU ranks with the environment torchrun gives its workers (rank,
+    world size, rendezvous address), started without torchrun's launcher process (its start-up alone is 2.6 s of
+    CPU a test); the ranks' outputs one after the other, rank 0's first. ``torchrun`` runs the real launcher."""
+    port = str(free_port())
+    command = [sys.executable, "-m", "featurehooks", *args]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        }  # fmt: skip
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))  # fmt: skip
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=120))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"two ranks timed out: {procs[0].communicate()[1][-3000:]}")
+    code = next((proc.returncode for proc in procs if proc.returncode), 0)
+    return subprocess.CompletedProcess(command, code, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))

@@ -18,7 +18,7 @@ from featurehooks.cli import main
 from featurehooks.stream.sharding import Distributed, chunk_rows, split_contiguous
 
 from dump_helpers import mark_unfinished
-from helpers import free_port, torchrun
+from helpers import free_port, torchrun, two_ranks
 
 
 @pytest.mark.parametrize(("items", "parts"), [(7, 2), (8, 2), (3, 4), (0, 2), (10, 3)])
@@ -89,7 +89,7 @@ def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resne
         store._arrays[layer][2:8] = 9.0
         store._arrays[layer][10:] = -1.0
     store.close_arrays()
-    run = torchrun(["extract", str(tmp_path / "imgs"), "--out", str(out), *ARGS, "--resume"])
+    run = two_ranks(["extract", str(tmp_path / "imgs"), "--out", str(out), *ARGS, "--resume"])
     assert run.returncode == 0, run.stderr[-3000:]
     same_files(tmp_path / "one", out)
 

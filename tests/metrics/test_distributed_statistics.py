@@ -1,5 +1,6 @@
-"""Statistics under torchrun: each of 2 CPU ranks streams its share of the images, the shares are merged, and the
-one file written (``stats``) and the one line printed (``fd``) equal a single process's to float64 rounding."""
+"""Statistics on two ranks started as torchrun starts them (``helpers.two_ranks``): each of 2 CPU ranks streams
+its share of the images, the shares are merged, and the one file written (``stats``) and the one line printed
+(``fd``) equal a single process's to float64 rounding."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from PIL import Image
 from featurehooks.cli import main
 from featurehooks.metrics import FeatureStatistics
 
-from helpers import torchrun
+from helpers import two_ranks
 
-pytestmark = pytest.mark.slow  # torchrun starts three Python processes
+pytestmark = pytest.mark.slow  # two Python processes a test
 
 MODEL = ["--backbone", "resnet18", "--layers", "layer2", "--batch-size", "2", "--workers", "0"]
 SIZES = ["--resize", "36", "--crop", "32", "--device", "cpu", "-q"]
@@ -32,7 +33,7 @@ def _images(folder: Path, count: int, seed: int) -> Path:
 
 def test_stats_of_two_ranks_equal_one_process(tmp_path: Path, resnet18_cached: Path) -> None:
     images = _images(tmp_path / "imgs", 11, 0)
-    run = torchrun(["stats", str(images), "--out", str(tmp_path / "two.npz"), *MODEL, *SIZES, "--keep", "0"])
+    run = two_ranks(["stats", str(images), "--out", str(tmp_path / "two.npz"), *MODEL, *SIZES, "--keep", "0"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("wrote") == 1  # rank 0 writes and prints; rank 1 only computes its share
     assert run.stderr.count("could not be read") == 1 and "img_09b.png" in run.stderr  # one warning, both shares
@@ -47,7 +48,7 @@ def test_fd_of_two_ranks_prints_the_one_process_line_once(
     tmp_path: Path, resnet18_cached: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, b = _images(tmp_path / "a", 7, 1), _images(tmp_path / "b", 6, 2)
-    run = torchrun(["fd", str(a), str(b), *MODEL, *SIZES])
+    run = two_ranks(["fd", str(a), str(b), *MODEL, *SIZES])
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("layer2: FD ")
@@ -63,7 +64,7 @@ def test_fid_of_two_ranks_prints_the_one_process_number_once(
 ) -> None:
     a, b = _images(tmp_path / "a", 5, 3), _images(tmp_path / "b", 4, 4)
     fid = ["fid", str(a), str(b), "--dims", "64", "--weights", "none", "--batch-size", "2", "--workers", "0"]
-    run = torchrun([*fid, "--device", "cpu", "-q"])
+    run = two_ranks([*fid, "--device", "cpu", "-q"])
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("FID:  ")
