@@ -46,12 +46,13 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._hooks import ClosedOnExit, Observer, ObserverSession
 from .._taps import Selection, call_name
@@ -97,12 +98,14 @@ READ_AT_ONCE = frozenset({"cpu"})  # device types whose values the host reads at
 
 
 class _GradFlag:
-    """Tensor hook on one checked tensor: records whether its gradient is finite, for every role it plays."""
+    """Tensor hook on one checked tensor: records whether its gradient is finite, for every role it plays in the
+    last forward that checked it (``forward``)."""
 
-    __slots__ = ("owner", "roles")
+    __slots__ = ("forward", "owner", "roles")
 
     def __init__(self, owner: NonFiniteDetector) -> None:
         self.owner = owner
+        self.forward = -1
         self.roles: list[Role] = []
 
     def __call__(self, grad: Tensor) -> None:
@@ -323,7 +326,8 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         self._label = type(model).__name__
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._backwards: dict[int, tuple[list[tuple[_GradFlag, int]], _Flags]] = {}  # graph task -> its gradients
+        self._backwards: dict[int, tuple[list[tuple[list[Role], int]], _Flags]] = {}  # graph task -> its gradients
+        self._hooked: MutableMapping[Tensor, _GradFlag] = WeakIdKeyDictionary()  # tensor -> its hook, while alive
         self._selection = selection
         self._session = ObserverSession(model, selection, self)
 
@@ -348,12 +352,20 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
             return seen
         flag = forward.flags.add(_flag(tensor))
-        grad = None
-        if tensor.requires_grad and torch.is_grad_enabled():
-            grad = _GradFlag(self)
-            self._session.hold(tensor, grad)
+        grad = self._grad_flag(forward, tensor) if tensor.requires_grad and torch.is_grad_enabled() else None
         seen = forward.seen[id(tensor)] = _Seen(tensor, version, flag, grad)
         return seen
+
+    def _grad_flag(self, forward: _Forward, tensor: Tensor) -> _GradFlag:
+        """The one gradient hook of ``tensor``, answering for this forward. A tensor that outlives forwards (an image
+        being optimized, fed to every step) keeps its hook: registering one each forward would pile them up."""
+        grad = self._hooked.get(tensor)
+        if grad is None:
+            grad = self._hooked[tensor] = _GradFlag(self)
+            self._session.hold(tensor, grad)
+        if grad.forward != forward.id:
+            grad.forward, grad.roles = forward.id, []  # a new list: a backward under way keeps the one it took
+        return grad
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         forward = _Forward(next(self._ids))
@@ -442,7 +454,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             if backward is None:
                 backward = self._backwards[task] = ([], _Flags())
             events, flags = backward
-            events.append((hook, flags.add(flag)))
+            events.append((hook.roles, flags.add(flag)))
         if first:  # check once, when this backward pass ends
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
 
@@ -453,8 +465,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             return
         events, flags = backward
         kinds = flags.kinds()
-        good = [kinds[index] == FINITE for _hook, index in events]
-        self._raise_backward([(hook.roles, ok) for (hook, _index), ok in zip(events, good)])
+        self._raise_backward([(roles, kinds[index] == FINITE) for roles, index in events])
 
     def _raise_backward(self, events: list[tuple[list[Role], bool]]) -> None:
         seen_output: dict[tuple[int, str, int], bool] = {}  # module call -> whether its output gradient was finite
@@ -521,6 +532,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
     def close(self) -> None:
         """Remove every hook, module and tensor hooks alike; safe to call twice."""
         self._session.remove()
+        self._hooked.clear()
         with self._lock:
             self._backwards.clear()
 

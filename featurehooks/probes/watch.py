@@ -34,13 +34,14 @@ import csv
 import math
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._hooks import ClosedOnExit, Observer, ObserverSession
 from .._taps import call_name
@@ -206,6 +207,8 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
     is no device to wait for): the reads of each call pick this path, several times faster than the exact one.
     """
     source = _flat(x)
+    if source.numel() <= _SMALL:
+        return _small_call_stats(source, need, shift)
     flat = source.float()  # bfloat16, float16: one conversion, then float32 passes
     n = flat.numel()
     low, high = torch.aminmax(flat)
@@ -228,6 +231,24 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
     about_shift = max(central, 0.0) + n * (mean - shift) ** 2
     return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
 
+
+def _small_call_stats(source: Tensor, need: _Need, shift: float) -> Tensor | None:
+    """``_finite_call_stats`` of a tensor of at most ``_SMALL`` values: everything in float64 at once, a handful of
+    operations (each costs more than its arithmetic here: 25 us a call instead of 180 on four-row-sum passes)."""
+    wide = source.to(torch.float64, copy=True)  # changed in place below
+    low, high = torch.aminmax(wide)
+    total = wide.sum()
+    about = wide.sub_(shift)
+    read = torch.stack([low, high, total, torch.dot(about, about)]).tolist()  # the one host read: free on the CPU
+    if not all(map(math.isfinite, read)):
+        return None
+    low_, high_, total_, about_shift = read
+    nonzero = float(torch.count_nonzero(source)) if need.zeros else 0.0
+    return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
+
+
+# values up to which a call is summed in float64 at once (below ~50k values that beats float32 row sums)
+_SMALL = 1 << 14
 
 # the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
 # float32 row sums are good to about 1e-8 of the sum of squares, so the variance then keeps about 1e-6
@@ -420,6 +441,7 @@ class Watch(Observer[None], ClosedOnExit):
         self._lock = threading.Lock()
         self._sums: dict[tuple[str, int, str, torch.device], _Sums] = {}
         self._scratch = _Scratch()
+        self._hooked: MutableMapping[Tensor, set[tuple[str, int]]] = WeakIdKeyDictionary()  # tensor -> hooked sites
         self._session = ObserverSession(model, selection, self)
 
     # Observer ------------------------------------------------------------------------------------
@@ -433,7 +455,12 @@ class Watch(Observer[None], ClosedOnExit):
             return
         self._add(path, call, "output", tensor)
         if self.grads and tensor.requires_grad and torch.is_grad_enabled():
-            self._session.hold(tensor, _GradStats(self, path, call))
+            # one hook per tensor and call site: an output that outlives forwards (a module returning a leaf)
+            # would otherwise gather a hook a forward, each adding the same gradient again
+            sites = self._hooked.setdefault(tensor, set())
+            if (path, call) not in sites:
+                sites.add((path, call))
+                self._session.hold(tensor, _GradStats(self, path, call))
 
     def _add(self, path: str, call: int, kind: str, tensor: Tensor) -> None:
         if not self._session.active:
@@ -466,6 +493,7 @@ class Watch(Observer[None], ClosedOnExit):
         """Remove every hook (module and tensor hooks); the statistics stay readable. Safe to call twice."""
         self._session.remove()
         self._scratch.clear()
+        self._hooked.clear()
 
     def reset(self) -> None:
         """Start a new window: forget everything accumulated so far."""

@@ -177,6 +177,21 @@ def test_watch_counts_zeros_exactly_at_any_size(size: int, dtype: torch.dtype) -
     assert round(row.zeros * size) == int((x == 0).sum())
 
 
+def test_watch_adds_a_persistent_outputs_gradient_once_per_backward() -> None:
+    class Same(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x  # the same leaf every step
+
+    model = nn.Sequential(Same())
+    x = torch.randn(4, 6, requires_grad=True)
+    with watch(model, layers="0") as w:
+        for _ in range(3):
+            model(x).sum().backward()
+        assert len(x._backward_hooks) == 1
+    rows = {row.kind: row for row in w.summary()}
+    assert (rows["grad"].calls, rows["grad"].count, rows["grad"].mean) == (3, 3 * x.numel(), 1.0)
+
+
 def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
     model = Twice()
     with (
@@ -518,6 +533,19 @@ def test_nonfinite_finite_values_whose_sum_overflows_are_finite(dtype: torch.dty
     assert nonfinite._cpu_kind(torch.tensor([big, -math.inf], dtype=dtype)) == nonfinite.MINUS_INF
     assert nonfinite._cpu_kind(torch.tensor([-math.inf, math.inf], dtype=dtype)) == nonfinite.NONFINITE
     assert nonfinite._cpu_kind(torch.tensor([big, big, math.nan], dtype=dtype)) == nonfinite.NONFINITE
+
+
+def test_nonfinite_one_gradient_hook_on_an_input_fed_to_every_step() -> None:
+    model = mlp()
+    image = torch.randn(3, 6, requires_grad=True)  # an image being optimized: the same leaf every step
+    with detect_nonfinite(model):
+        for _ in range(5):
+            model(image).sum().backward()
+        assert len(image._backward_hooks) == 1, "a hook a forward would pile up"
+        with pytest.raises(NonFiniteError) as info:
+            (model(image).sum() * math.nan).backward()
+    assert (info.value.path, info.value.phase) == (OUTPUT, "backward")
+    assert not image._backward_hooks
 
 
 def test_nonfinite_in_threads_names_its_own_forward() -> None:
