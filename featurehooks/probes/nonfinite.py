@@ -25,7 +25,9 @@ respect to each is finite, the same way. When the backward pass ends (a callback
 engine by the first of those hooks), the device's flags are read in one transfer; any non-finite gradient
 is reported. The origin is the first module call, in backward order, whose gradient with respect to an input is
 non-finite while the gradient with respect to its output was finite. A gradient already non-finite when
-it reaches the model's output (from the loss) is reported with path ``"<output>"``.
+it reaches the model's output (from the loss) is reported with path ``"<output>"``. A tensor checked in
+several forwards (an image being optimized, fed to every step) has one hook, which answers for the last
+forward that checked it.
 
 Limits: modules are seen from outside. A NaN a module makes from one of its masks (a row masked
 entirely) is blamed on that module, which is where it appears. A ``-inf`` mask passed as the model's
