@@ -4,7 +4,8 @@ Every call of every watched module adds its output's statistics (and, in backwar
 gradient flowing out of it) to running sums kept on the device, with no host sync on an accelerator: the
 numbers are read once, by ``Watch.summary()``. On the CPU, where reading a value waits for nothing, a
 float32, bfloat16 or float16 call whose values are all finite reads its sums to take a fast path (four
-float32 passes instead of float64 ones, about 3x faster; the exact path below decides everything else).
+float32 passes instead of float64 ones, about 3x faster; up to 16k values, a few float64 operations at once);
+the exact path below decides everything else.
 
 Definitions (per layer, call and kind; ``n`` counts the finite values):
 
@@ -24,8 +25,9 @@ no float64, in float32, where values beyond about ``1e19`` overflow the sums of 
 The statistics of a call with non-finite values are those of its finite values (the non-finite
 ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
 
-Cost: on a ResNet50 training step (CPU, 2 threads, batch 8), every statistic of the 16 blocks' outputs and
-gradients adds 0-15% from 112 to 320 px, float32 or under bf16 autocast (``benchmarks/probes.py``; docs/probes.md).
+Cost: on a ResNet50 training step (CPU, one thread, batch 8), every statistic of the 16 blocks' outputs and
+gradients adds 1-4% from 112 to 320 px in float32, 6-7% under bf16 autocast (``benchmarks/probes.py``;
+docs/probes.md).
 """
 
 from __future__ import annotations
@@ -234,7 +236,8 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float) 
 
 def _small_call_stats(source: Tensor, need: _Need, shift: float) -> Tensor | None:
     """``_finite_call_stats`` of a tensor of at most ``_SMALL`` values: everything in float64 at once, a handful of
-    operations (each costs more than its arithmetic here: 25 us a call instead of 180 on four-row-sum passes)."""
+    operations, each costing more than its arithmetic here: 20-40 us a call from 32 to 16k values, against 65-85 on
+    the row-sum passes (and more where the mean needs a second pass)."""
     wide = source.to(torch.float64, copy=True)  # changed in place below
     low, high = torch.aminmax(wide)
     total = wide.sum()
