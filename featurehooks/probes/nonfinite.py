@@ -329,7 +329,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._backwards: dict[int, tuple[list[tuple[list[Role], int]], _Flags]] = {}  # graph task -> its gradients
-        self._hooked: MutableMapping[Tensor, _GradFlag] = WeakIdKeyDictionary()  # tensor -> its hook, while alive
+        self._hooked: MutableMapping[Tensor, tuple[Any, _GradFlag]] = WeakIdKeyDictionary()  # tensor -> (grad_fn, hook)
         self._selection = selection
         self._session = ObserverSession(model, selection, self)
 
@@ -359,12 +359,19 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         return seen
 
     def _grad_flag(self, forward: _Forward, tensor: Tensor) -> _GradFlag:
-        """The one gradient hook of ``tensor``, answering for this forward. A tensor that outlives forwards (an image
-        being optimized, fed to every step) keeps its hook: registering one each forward would pile them up."""
-        grad = self._hooked.get(tensor)
-        if grad is None:
-            grad = self._hooked[tensor] = _GradFlag(self)
+        """The gradient hook of ``tensor`` as autograd sees it now (its ``grad_fn``), answering for this forward.
+
+        A tensor that outlives forwards (an image being optimized, fed to every step: a leaf) keeps its hook;
+        registering one each forward would pile them up. A tensor changed in place has a new ``grad_fn`` and gets a
+        hook of its own: the gradient with respect to its new version is another gradient.
+        """
+        held = self._hooked.get(tensor)
+        if held is None or held[0] is not tensor.grad_fn:
+            grad = _GradFlag(self)
+            self._hooked[tensor] = (tensor.grad_fn, grad)
             self._session.hold(tensor, grad)
+        else:
+            grad = held[1]
         if grad.forward != forward.id:
             grad.forward, grad.roles = forward.id, []  # a new list: a backward under way keeps the one it took
         return grad

@@ -444,7 +444,7 @@ class Watch(Observer[None], ClosedOnExit):
         self._lock = threading.Lock()
         self._sums: dict[tuple[str, int, str, torch.device], _Sums] = {}
         self._scratch = _Scratch()
-        self._hooked: MutableMapping[Tensor, set[tuple[str, int]]] = WeakIdKeyDictionary()  # tensor -> hooked sites
+        self._hooked: MutableMapping[Tensor, dict[tuple[str, int], Any]] = WeakIdKeyDictionary()  # site -> grad_fn
         self._session = ObserverSession(model, selection, self)
 
     # Observer ------------------------------------------------------------------------------------
@@ -458,11 +458,11 @@ class Watch(Observer[None], ClosedOnExit):
             return
         self._add(path, call, "output", tensor)
         if self.grads and tensor.requires_grad and torch.is_grad_enabled():
-            # one hook per tensor and call site: an output that outlives forwards (a module returning a leaf)
-            # would otherwise gather a hook a forward, each adding the same gradient again
-            sites = self._hooked.setdefault(tensor, set())
-            if (path, call) not in sites:
-                sites.add((path, call))
+            # one hook per tensor, call site and grad_fn: an output that outlives forwards (a module returning a
+            # leaf) would otherwise gather a hook a forward, each adding the same gradient again
+            sites = self._hooked.setdefault(tensor, {})
+            if (path, call) not in sites or sites[path, call] is not tensor.grad_fn:
+                sites[path, call] = tensor.grad_fn
                 self._session.hold(tensor, _GradStats(self, path, call))
 
     def _add(self, path: str, call: int, kind: str, tensor: Tensor) -> None:

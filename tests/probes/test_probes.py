@@ -60,6 +60,24 @@ class InfBackward(nn.Module):
         return _InfBackward.apply(x)
 
 
+class _InPlaceInfBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.mark_dirty(x)
+        return x.mul_(1.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad * math.inf
+
+
+class InPlaceInfBackward(nn.Module):
+    """Identity in place (its output is its input tensor, changed), infinite gradient backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _InPlaceInfBackward.apply(x)
+
+
 class Boom(nn.Module):
     armed = True
 
@@ -497,6 +515,13 @@ def test_nonfinite_backward_origin_is_the_module_that_made_it(flags_read: str) -
     assert (info.value.path, info.value.call, info.value.phase) == ("2", 0, "backward")
     assert info.value.tensor == "grad_input"
     assert "'2' (InfBackward)" in str(info.value)
+
+
+def test_nonfinite_backward_origin_changed_its_input_in_place(flags_read: str) -> None:
+    model = mlp(nn.Linear(8, 8), InPlaceInfBackward())  # its input and output: one tensor, two versions
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 6)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("3", "backward", "grad_input")
 
 
 def test_nonfinite_backward_from_the_loss_is_the_output(flags_read: str) -> None:
