@@ -1,5 +1,5 @@
-"""What the examples share: pretrained weights when they can be had, else seeded random ones (offline runs), and
-the caption line that tells which of the two drew a picture."""
+"""What the examples share: pretrained weights when they can be had, else seeded random ones (offline runs), the
+caption line that tells which of the two drew a picture, and one-line errors for bad arguments."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ import torch
 import featurehooks as fh
 
 T = TypeVar("T")
+
+
+def run(main: Callable[[], object]) -> None:
+    """Run an example's ``main``; a featurehooks error (a precision this machine cannot run, an unknown model or
+    layer) or a file that cannot be read or written ends it with one line, as the ``featurehooks`` command does;
+    anything else is a bug and keeps its traceback."""
+    try:
+        main()
+    except (fh.FeatureHooksError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def pretrained_or_seeded(build: Callable[..., T], model: str, seed: int = 0) -> T:

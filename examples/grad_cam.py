@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw, ImageFont
 import featurehooks as fh
 from featurehooks.viz import add_caption
 
-from _common import weights_caption
+from _common import run, weights_caption
 
 HERE = Path(__file__).parent
 DEFAULT_IMAGES = [
@@ -170,4 +170,4 @@ def _categories(model: str, weights: str) -> list[str] | None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

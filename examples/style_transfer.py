@@ -32,7 +32,7 @@ import featurehooks as fh
 import featurehooks.losses as fl
 from featurehooks.viz import add_caption
 
-from _common import pretrained_or_seeded, weights_caption
+from _common import pretrained_or_seeded, run, weights_caption
 
 HERE = Path(__file__).parent
 
@@ -143,4 +143,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -23,7 +23,7 @@ from torch import nn
 
 import featurehooks as fh
 
-from _common import pretrained_or_seeded
+from _common import pretrained_or_seeded, run
 
 HERE = Path(__file__).parent
 
@@ -114,4 +114,4 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from featurehooks.errors import InvalidValueError
 from featurehooks.viz import add_caption, feature_grid, save_feature_grid, top_channels
 
-from helpers import load_script
+from helpers import REPO, load_script
 
 LABEL = 14
 GAP = 2
@@ -145,3 +146,22 @@ def test_the_examples_caption_says_when_the_weights_are_random() -> None:
     random = weights_caption("VGG16", None, seed=3)
     assert "RANDOM weights (seed 3)" in random and "not what a trained VGG16 sees" in random
     assert weights_caption("VGG16", "VGG16_Weights.IMAGENET1K_V1") == "weights VGG16_Weights.IMAGENET1K_V1"
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def test_the_examples_end_bad_arguments_in_one_line() -> None:
+    run = load_script("examples/_common.py").run
+    refused = InvalidValueError("precision='fp16' cannot run on cpu: ...")
+    with pytest.raises(SystemExit, match=r"^error: precision='fp16' cannot run on cpu: \.\.\.$"):
+        run(lambda: _raise(refused))
+    with pytest.raises(SystemExit, match="^error: .*No such file"):
+        run(lambda: _raise(FileNotFoundError(2, "No such file or directory", "style.jpg")))
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        run(lambda: 1 / 0)
+    for name in ("grad_cam", "style_transfer", "train_with_perceptual_loss"):  # the examples that take arguments
+        assert (REPO / "examples" / f"{name}.py").read_text().endswith('if __name__ == "__main__":\n    run(main)\n'), (
+            name
+        )
