@@ -105,6 +105,26 @@ def photos(size: int = 64, count: int = 2) -> torch.Tensor:
     return torch.cat(images).clamp(0, 1)
 
 
+def degraded_photos(size: int = 64, count: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``photos`` with seeded Gaussian noise (std 0.1) and the photos: a restoration model's output and its target."""
+    target = photos(size, count)
+    noise = 0.1 * torch.randn(target.shape, generator=torch.Generator().manual_seed(SEED))
+    return (target + noise).clamp(0, 1), target
+
+
+def value_and_grad(
+    metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``metric(x, y)`` and the gradient of its sum to ``x``, both checked float32 and finite (what a loss or metric
+    in any precision hands back)."""
+    leaf = x.clone().requires_grad_(True)
+    value = metric(leaf, y)
+    (grad,) = torch.autograd.grad(value.sum(), leaf)
+    assert value.dtype == torch.float32 and grad.dtype == torch.float32
+    assert torch.isfinite(value).all() and torch.isfinite(grad).all()
+    return value, grad
+
+
 def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
     """``count`` random RGB PNGs ``0.png``, ``1.png``, ... of ``size`` (height, width) from one seeded generator."""
     folder.mkdir(parents=True, exist_ok=True)

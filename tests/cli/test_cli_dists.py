@@ -19,21 +19,6 @@ pytest.importorskip("DISTS_pytorch")  # the learned alpha/beta (a dev extra)
 RUN = ["--workers", "0", "-q"]
 
 
-@pytest.fixture(scope="module")
-def pairs_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Two folders of four pairs of two sizes, one file only in A, and one only in B (in a subfolder)."""
-    root = tmp_path_factory.mktemp("dists_dirs")
-    rng = np.random.default_rng(0)
-    for name in ("a", "b"):
-        for i, size in enumerate([(40, 44), (40, 44), (36, 52), (36, 52)]):
-            (root / name).mkdir(exist_ok=True)
-            Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
-    (root / "a" / "only_here.png").write_bytes((root / "a" / "0.png").read_bytes())
-    (root / "b" / "sub").mkdir()
-    (root / "b" / "sub" / "extra.png").write_bytes((root / "b" / "0.png").read_bytes())
-    return root / "a", root / "b"
-
-
 def _image(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.array(Image.open(path))).permute(2, 0, 1)[None].float() / 255
 

@@ -11,7 +11,7 @@ import featurehooks.losses as fl
 from featurehooks import FeatureExtractor
 from featurehooks.losses import FeatureLoss
 
-from helpers import needs_cpu_bf16, photos
+from helpers import degraded_photos, needs_cpu_bf16, value_and_grad
 
 pytestmark = needs_cpu_bf16
 
@@ -20,18 +20,7 @@ LAYERS = ["relu1_2", "relu2_2", "relu3_3"]
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.Tensor, torch.Tensor]:
-    """Photos and a degraded copy (noise), as a restoration model's output and target."""
-    target = photos(64, 2)
-    noise = 0.1 * torch.randn(target.shape, generator=torch.Generator().manual_seed(0))
-    return (target + noise).clamp(0, 1), target
-
-
-def value_and_grad(loss: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    leaf = x.clone().requires_grad_(True)
-    value = loss(leaf, y)
-    (grad,) = torch.autograd.grad(value, leaf)
-    assert torch.isfinite(value) and torch.isfinite(grad).all()
-    return value, grad
+    return degraded_photos()
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,7 @@ lpips = pytest.importorskip("lpips")
 NETS = ("alex", "vgg", "squeeze")
 # the VGG16 trunk, the slowest of the three, only in make test (not in make test-fast)
 NETS_FAST_ALEX_SQUEEZE = [pytest.param(net, marks=pytest.mark.slow) if net == "vgg" else net for net in NETS]
-TRUNKS = {"alex": "alexnet", "vgg": "vgg16", "squeeze": "squeezenet1_1"}
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def trunks(seeded_weights: Callable[..., Path]) -> None:
-    """Seeded trunk checkpoints where torchvision, and so lpips (pretrained=True), read them."""
-    for name in TRUNKS.values():
-        seeded_weights(name)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +54,7 @@ def input_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
 
 
 @pytest.mark.parametrize("net", NETS_FAST_ALEX_SQUEEZE)
-def test_equals_lpips_per_sample_spatial_and_in_gradients(trunks: None, pair, net: str) -> None:
+def test_equals_lpips_per_sample_spatial_and_in_gradients(lpips_trunks: None, pair, net: str) -> None:
     x, y = pair
     x1, y1 = 2 * x - 1, 2 * y - 1  # lpips' own range
     expected = reference(net, version="0.1")(x1, y1).flatten()
@@ -83,7 +75,7 @@ def test_equals_lpips_per_sample_spatial_and_in_gradients(trunks: None, pair, ne
 
 
 @pytest.mark.parametrize("net", NETS_FAST_ALEX_SQUEEZE)
-def test_uncalibrated_equals_lpips_baseline(trunks: None, pair, net: str) -> None:
+def test_uncalibrated_equals_lpips_baseline(lpips_trunks: None, pair, net: str) -> None:
     x, y = pair
     expected = reference(net, lpips=False)(2 * x - 1, 2 * y - 1).flatten()
     metric = LPIPS(net, calibrated=False, reduction="none")
@@ -91,13 +83,13 @@ def test_uncalibrated_equals_lpips_baseline(trunks: None, pair, net: str) -> Non
     assert all(bool((metric.head(name) == 1).all()) for name in metric.layers)
 
 
-def test_version_0_0_equals_lpips(trunks: None, pair) -> None:
+def test_version_0_0_equals_lpips(lpips_trunks: None, pair) -> None:
     x, y = pair
     expected = reference("alex", version="0.0")(2 * x - 1, 2 * y - 1).flatten()
     torch.testing.assert_close(LPIPS("alex", "0.0", reduction="none")(x, y), expected, atol=ATOL, rtol=0)
 
 
-def test_one_forward_and_two_forwards_agree_in_values_and_gradients(trunks: None, pair) -> None:
+def test_one_forward_and_two_forwards_agree_in_values_and_gradients(lpips_trunks: None, pair) -> None:
     """Metric (concatenated batch), loss (graph-free target), both with graphs, and a broadcast target."""
     x, y = pair
     metric = LPIPS("alex", reduction="none")
@@ -114,7 +106,7 @@ def test_one_forward_and_two_forwards_agree_in_values_and_gradients(trunks: None
     torch.testing.assert_close(broadcast, metric(x, y[:1].expand_as(x)), atol=1e-6, rtol=0)
 
 
-def test_reductions(trunks: None, pair) -> None:
+def test_reductions(lpips_trunks: None, pair) -> None:
     x, y = pair
     per_sample = LPIPS("squeeze", reduction="none")(x, y)
     assert LPIPS("squeeze")(x, y).shape == ()
@@ -154,7 +146,7 @@ def test_finds_torchmetrics_copy_by_its_layout(tmp_path: Path, monkeypatch: pyte
     assert find_heads("alex", "0.0") is None  # torchmetrics bundles version 0.1 only
 
 
-def test_heads_from_a_file(trunks: None, pair, tmp_path: Path) -> None:
+def test_heads_from_a_file(lpips_trunks: None, pair, tmp_path: Path) -> None:
     x, y = pair
     default = LPIPS("alex", reduction="none")
     state = torch.load(find_heads("alex"), map_location="cpu", weights_only=True)
@@ -168,7 +160,7 @@ def test_heads_from_a_file(trunks: None, pair, tmp_path: Path) -> None:
     torch.testing.assert_close(LPIPS("alex", reduction="none", heads=renamed)(x, y), default(x, y))
 
 
-def test_missing_heads_say_how_to_get_them(trunks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_heads_say_how_to_get_them(lpips_trunks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fh_lpips, "_package_dir", lambda name: None)  # neither lpips nor torchmetrics installed
     assert find_heads("alex") is None
     with pytest.raises(WeightsUnavailableError, match=r"pip install lpips.*heads='path/to/alex.pth'"):
@@ -176,7 +168,7 @@ def test_missing_heads_say_how_to_get_them(trunks: None, monkeypatch: pytest.Mon
     assert LPIPS("alex", calibrated=False).heads_source.startswith("uncalibrated")  # needs no heads
 
 
-def test_unusable_head_files_are_clear_errors(trunks: None, tmp_path: Path) -> None:
+def test_unusable_head_files_are_clear_errors(lpips_trunks: None, tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.pth"
     corrupt.write_bytes(b"not a torch file")
     with pytest.raises(WeightsUnavailableError, match="corrupt.pth"):
@@ -197,7 +189,7 @@ def test_unusable_head_files_are_clear_errors(trunks: None, tmp_path: Path) -> N
 # ------------------------------------------------------------------------------------ frozen, AMP, edge values
 
 
-def test_frozen_in_eval_and_out_of_the_state_dict(trunks: None) -> None:
+def test_frozen_in_eval_and_out_of_the_state_dict(lpips_trunks: None) -> None:
     metric = LPIPS("alex")
     parent = nn.Sequential(nn.Conv2d(3, 3, 1), metric)
     parent.train()
@@ -212,14 +204,14 @@ def test_frozen_in_eval_and_out_of_the_state_dict(trunks: None) -> None:
     )
 
 
-def test_bf16_autocast_is_finite_and_close(trunks: None, pair) -> None:
+def test_bf16_autocast_is_finite_and_close(lpips_trunks: None, pair) -> None:
     x, y = pair
     metric = LPIPS("alex", reduction="none")
     value, _ = bf16_value_and_grad(metric, x, y)
     torch.testing.assert_close(value, metric(x, y).detach(), rtol=0.1, atol=0)
 
 
-def test_identical_and_black_images_give_zero_with_finite_gradients(trunks: None, pair) -> None:
+def test_identical_and_black_images_give_zero_with_finite_gradients(lpips_trunks: None, pair) -> None:
     x, _ = pair
     metric = LPIPS("vgg", reduction="none")
     black = torch.zeros_like(x)
@@ -235,7 +227,7 @@ def test_identical_and_black_images_give_zero_with_finite_gradients(trunks: None
 
 
 @pytest.mark.slow
-def test_compiles_to_one_graph(trunks: None, pair) -> None:
+def test_compiles_to_one_graph(lpips_trunks: None, pair) -> None:
     x, y = pair
     metric = LPIPS("alex", reduction="none")
     torch._dynamo.reset()
@@ -255,7 +247,7 @@ def test_compiles_to_one_graph(trunks: None, pair) -> None:
 # ------------------------------------------------------------------------------------------------ bad input
 
 
-def test_bad_arguments_are_clear_errors(trunks: None, pair) -> None:
+def test_bad_arguments_are_clear_errors(lpips_trunks: None, pair) -> None:
     x, y = pair
     with pytest.raises(InvalidValueError, match="did you mean 'alex'"):
         LPIPS("alexx")
@@ -309,7 +301,7 @@ def test_pair_files_by_relative_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_score_pairs_streams_and_matches_the_metric(trunks: None, tmp_path: Path) -> None:
+def test_score_pairs_streams_and_matches_the_metric(lpips_trunks: None, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     sizes = {"1.png": (40, 48), "2.png": (40, 48), "3.png": (48, 40)}  # two sizes within one batch
     for k, (name, size) in enumerate(sizes.items()):
@@ -329,7 +321,7 @@ def test_score_pairs_streams_and_matches_the_metric(trunks: None, tmp_path: Path
     assert score_pairs(metric, [], batch_size=2) == []
 
 
-def test_score_pairs_errors_name_the_file(trunks: None, tmp_path: Path) -> None:
+def test_score_pairs_errors_name_the_file(lpips_trunks: None, tmp_path: Path) -> None:
     _write(tmp_path / "a.png", (40, 40), 0)
     _write(tmp_path / "b.png", (40, 48), 1)
     broken = tmp_path / "broken.png"

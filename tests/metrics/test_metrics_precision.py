@@ -4,7 +4,6 @@ gradients, statistics and torchmetrics features reduced in float32, the option f
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,32 +12,14 @@ from featurehooks import DISTS, LPIPS, feature_statistics
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import PooledFeatures, fid_extractor, fid_statistics
 
-from helpers import needs_cpu_bf16, photos, tiny_extractor
+from helpers import degraded_photos, needs_cpu_bf16, photos, tiny_extractor, value_and_grad
 
 pytestmark = needs_cpu_bf16
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.Tensor, torch.Tensor]:
-    """Photos and a degraded copy (noise)."""
-    target = photos(64, 2)
-    noise = 0.1 * torch.randn(target.shape, generator=torch.Generator().manual_seed(0))
-    return (target + noise).clamp(0, 1), target
-
-
-@pytest.fixture(scope="module")
-def trunks(seeded_weights: Callable[..., Path]) -> None:
-    for name in ("alexnet", "vgg16"):
-        seeded_weights(name)
-
-
-def value_and_grad(metric: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    leaf = x.clone().requires_grad_(True)
-    value = metric(leaf, y)
-    (grad,) = torch.autograd.grad(value.sum(), leaf)
-    assert value.dtype == torch.float32 and grad.dtype == torch.float32
-    assert torch.isfinite(value).all() and torch.isfinite(grad).all()
-    return value, grad
+    return degraded_photos()
 
 
 @pytest.mark.parametrize(
@@ -49,7 +30,7 @@ def value_and_grad(metric: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
         pytest.param(lambda **o: DISTS(reduction="none", **o), id="dists"),
     ],
 )
-def test_bf16_metrics_are_finite_and_close(trunks: None, pair, build: Callable[..., torch.nn.Module]) -> None:
+def test_bf16_metrics_are_finite_and_close(lpips_trunks: None, pair, build: Callable[..., torch.nn.Module]) -> None:
     x, y = pair
     low, full = build(precision="bf16"), build()
     assert low.extractor.precision == "bf16" and "precision='bf16'" in repr(low)
