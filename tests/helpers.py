@@ -172,6 +172,18 @@ class Scale(nn.Module):
         return x * self.value
 
 
+class FlattensWithView(nn.Module):
+    """A convolution then ``.view``: fine in NCHW, an error for channels-last strides (at any input size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.adaptive_avg_pool2d(self.conv(x), 8).view(x.shape[0], -1))
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for torchrun's rendezvous."""
     with socket.socket() as sock:

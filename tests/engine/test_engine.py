@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_memory_formats import FlattensWithView  # a .view that fails with channels-last strides
 from torch import Tensor, nn
 
 import featurehooks as fh
@@ -18,6 +17,8 @@ from featurehooks._hooks import Hooks, Observer, ObserverSession, StopForward
 from featurehooks._taps import Selection
 from featurehooks._trace import trace, trace_images
 from featurehooks.layers import select_modules
+
+from helpers import FlattensWithView  # a .view that fails with channels-last strides
 
 
 def test_an_extractor_runs_one_meta_forward(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,8 @@ from featurehooks.losses import PerceptualLoss, StyleLoss
 from featurehooks.stream import forward as stream_forward
 from featurehooks.stream import tiling
 
+from helpers import FlattensWithView
+
 SEED = 0
 
 
@@ -183,18 +185,6 @@ def test_explicit_formats_are_obeyed_on_any_model() -> None:
     assert "memory_format='contiguous'" in repr(resnet) and "memory_format" not in repr(
         seeded_extractor("resnet18", ["layer1"])
     )
-
-
-class FlattensWithView(nn.Module):
-    """A convolution then ``.view``: fine in NCHW, an error for channels-last strides (at any input size)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 8 * 8, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(nn.functional.adaptive_avg_pool2d(self.conv(x), 8).view(x.shape[0], -1))
 
 
 def test_auto_runs_nchw_again_for_a_model_that_fails_in_channels_last() -> None:
