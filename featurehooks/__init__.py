@@ -1,6 +1,7 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
 from . import functional, losses, metrics, probes
+from ._version import __version__ as __version__
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
 from .errors import (
@@ -25,8 +26,6 @@ from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, T
 from .metrics import DISTS, LPIPS, FeatureStatistics, feature_statistics, frechet_distance, kernel_inception_distance
 from .probes import clip_grad, detect_nonfinite, reverse_grad, scale_grad, watch
 from .viz import feature_grid, save_feature_grid
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackboneNotFoundError",

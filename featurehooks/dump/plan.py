@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .._layout import Pool
+from .._version import __version__
 from ..errors import InvalidValueError, OutputExistsError, RunFailedError
 from ..stream import Inputs, inputs_digest, row_shapes
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
@@ -34,8 +35,6 @@ _NAMED = 5  # changed inputs named in an error; the rest are counted
 def _versions() -> dict[str, str]:
     import PIL
     import torchvision
-
-    from .. import __version__
 
     return {
         "featurehooks": __version__,

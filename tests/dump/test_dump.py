@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch import nn
 from torchvision.models import ResNet18_Weights
 from torchvision.transforms.functional import pil_to_tensor
 
+import featurehooks
 from featurehooks import FeatureExtractor
 from featurehooks.dump import dump_features, list_images, read_manifest
 from featurehooks.images import read_image, transform_for
@@ -115,6 +117,9 @@ def test_manifest_and_index_describe_the_dump(extractor: FeatureExtractor, tmp_p
     assert pre["resize_size"] == RESIZE and pre["crop_size"] == CROP and pre["input_range"] == [0.0, 1.0]
     assert pre["mean"] == pytest.approx(list(extractor.preprocessing.mean))
     assert set(manifest["versions"]) >= {"featurehooks", "torch", "torchvision", "numpy", "pillow", "python"}
+    # the installed distribution's version (pyproject.toml reads featurehooks/_version.py) is the package's
+    installed = importlib.metadata.version("featurehooks")
+    assert manifest["versions"]["featurehooks"] == featurehooks.__version__ == installed
     assert manifest["num_rows"] == manifest["num_valid"] == 5 and manifest["skipped"] == []
     assert np.load(tmp_path / "out" / "layer3.npy").dtype == np.float16
     lines = (tmp_path / "out" / "index.csv").read_text().splitlines()
