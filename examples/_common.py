@@ -15,13 +15,18 @@ T = TypeVar("T")
 
 
 def run(main: Callable[[], object]) -> None:
-    """Run an example's ``main``; a featurehooks error (a precision this machine cannot run, an unknown model or
-    layer) or a file that cannot be read or written ends it with one line, as the ``featurehooks`` command does;
-    anything else is a bug and keeps its traceback."""
+    """Run an example's ``main``; as the ``featurehooks`` command does, a featurehooks error about the input (a
+    precision this machine cannot run, an unknown model or layer) ends it with one line and exit status 2, a run
+    that failed (a file that cannot be read or written) with one line and status 1; anything else is a bug and
+    keeps its traceback."""
     try:
         main()
-    except (fh.FeatureHooksError, OSError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except (fh.RunFailedError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except fh.FeatureHooksError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def pretrained_or_seeded(build: Callable[..., T], model: str, seed: int = 0) -> T:

@@ -36,7 +36,7 @@ def is_module(dotted: str) -> bool:
 def unit_of(name: str) -> str:
     """The unit a dotted import name lives in: ``featurehooks.metrics.lpips`` -> ``metrics``, ``featurehooks.errors``
     -> ``errors``, ``featurehooks.__version__`` (a name of the package, not a module) -> the face."""
-    while not is_module(name):
+    while "." in name and not is_module(name):
         name = name.rpartition(".")[0]
     return name.split(".")[1] if "." in name else FACE
 
@@ -49,6 +49,7 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "featurehooks"}
         elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "featurehooks"):
+            assert node.level <= len(package), f"{path}:{node.lineno}: a relative import above featurehooks"
             base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
             module = ".".join(filter(None, [base, node.module]))
             found |= {f"{module}.{alias.name}" for alias in node.names}  # a module, or a name in one
