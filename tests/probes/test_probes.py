@@ -45,37 +45,26 @@ class _InfBackward(torch.autograd.Function):
     clean_thread = ""  # the thread of this name gets a finite gradient
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad if threading.current_thread().name == _InfBackward.clean_thread else grad * math.inf
-
-
-class InfBackward(nn.Module):
-    """Identity forward, infinite gradient backward."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _InfBackward.apply(x)
-
-
-class _InPlaceInfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, in_place: bool) -> Tensor:
+        if not in_place:
+            return x.clone()
         ctx.mark_dirty(x)
         return x.mul_(1.0)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad * math.inf
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return (grad if threading.current_thread().name == _InfBackward.clean_thread else grad * math.inf), None
 
 
-class InPlaceInfBackward(nn.Module):
-    """Identity in place (its output is its input tensor, changed), infinite gradient backward."""
+class InfBackward(nn.Module):
+    """Identity forward (``in_place``: its output is its input tensor, changed), infinite gradient backward."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.in_place = in_place
 
     def forward(self, x: Tensor) -> Tensor:
-        return _InPlaceInfBackward.apply(x)
+        return _InfBackward.apply(x, self.in_place)
 
 
 class Boom(nn.Module):
@@ -518,7 +507,7 @@ def test_nonfinite_backward_origin_is_the_module_that_made_it(flags_read: str) -
 
 
 def test_nonfinite_backward_origin_changed_its_input_in_place(flags_read: str) -> None:
-    model = mlp(nn.Linear(8, 8), InPlaceInfBackward())  # its input and output: one tensor, two versions
+    model = mlp(nn.Linear(8, 8), InfBackward(in_place=True))  # its input and output: one tensor, two versions
     with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
         model(torch.randn(3, 6)).sum().backward()
     assert (info.value.path, info.value.phase, info.value.tensor) == ("3", "backward", "grad_input")
