@@ -7,6 +7,8 @@ changes nothing), side by side in one run:
 
 - no probes (the baseline);
 - ``fh.probes.watch`` on the 16 bottleneck blocks (``layer[1-4].[0-9]``) with gradients, every statistic;
+- the same with ``fused=True`` (each call's statistics in one pass compiled by TorchInductor; compiled before
+  timing, on a throwaway copy of the model);
 - ``fh.probes.detect_nonfinite`` on every module (forward and backward checks);
 - hand-written hooks, the usual way: a forward hook per block that reads min, max, mean and std
   with ``.item()``, and a tensor hook on its output doing the same for the gradient;
@@ -15,8 +17,8 @@ changes nothing), side by side in one run:
 Each image size (112 to 320 px by default) and precision is its own group: the probes' per-call work does not
 shrink with the maps the way the step does. ``bf16`` runs the step's forward and loss under
 ``torch.autocast(dtype=torch.bfloat16)`` (how a model is trained in bf16; where the device computes bf16 natively),
-so the probes see bfloat16 outputs and gradients. Targets: watch <= 1.05x and detect_nonfinite <= 1.05x of the
-step without probes, at every size and precision.
+so the probes see bfloat16 outputs and gradients. Targets: watch (either way) <= 1.05x and detect_nonfinite <= 1.05x
+of the step without probes, at every size and precision.
 
     python benchmarks/probes.py --threads 1 --clock cpu     # about 30 minutes on a shared CPU machine
     python benchmarks/probes.py --precisions bf16 --shapes 8x224
@@ -41,6 +43,7 @@ import _harness as H
 
 BASE = "no probes"
 WATCH = "watch, 16 blocks + grads"
+FUSED = "watch(fused=True), 16 blocks + grads"
 NONFINITE = "detect_nonfinite, every module"
 HAND = "hand-written hooks with .item()"
 ANOMALY = "torch.autograd.detect_anomaly"
@@ -127,14 +130,18 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     base = resnet50().to(cfg.device).train()
     x = H.images(batch, size, cfg, "fp32")
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
-    models = {name: copy.deepcopy(base) for name in (WATCH, NONFINITE, HAND, ANOMALY)}
+    models = {name: copy.deepcopy(base) for name in (WATCH, FUSED, NONFINITE, HAND, ANOMALY)}
     blocks = [path for path, _ in base.named_modules() if path.count(".") == 1 and path.startswith("layer")]
+    with watch(throwaway := copy.deepcopy(base), BLOCKS, grads=True, fused=True):
+        Step(throwaway, x, y, precision)()  # compiles the fused kernel for this step's dtypes, outside the timing
     watcher = watch(models[WATCH], BLOCKS, grads=True)
+    fused = watch(models[FUSED], BLOCKS, grads=True, fused=True)
     sentinel = detect_nonfinite(models[NONFINITE])
     hand = HandWritten(models[HAND], blocks)
     steps = {
         BASE: Step(base, x, y, precision),
         WATCH: Step(models[WATCH], x, y, precision),
+        FUSED: Step(models[FUSED], x, y, precision),
         NONFINITE: Step(models[NONFINITE], x, y, precision),
         HAND: Step(models[HAND], x, y, precision),
         ANOMALY: Step(models[ANOMALY], x, y, precision, _anomaly),
@@ -146,6 +153,7 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
         rows = watcher.summary()
     finally:
         watcher.close()
+        fused.close()
         sentinel.close()
         hand.close()
     reference = steps[BASE].losses
@@ -171,7 +179,7 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
     return [
         H.Target(f"{name} / {BASE}", g.case, g.row(name).ratio, 1.05, "<=")
         for g in groups
-        for name in (WATCH, NONFINITE)
+        for name in (WATCH, FUSED, NONFINITE)
     ]
 
 

@@ -233,12 +233,12 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     probes, payload = _run_quick("probes", tmp_path, torch_home)
     rows = _single_group_rows(payload)
-    assert list(rows) == [probes.BASE, probes.WATCH, probes.NONFINITE, probes.HAND, probes.ANOMALY]
+    assert list(rows) == [probes.BASE, probes.WATCH, probes.FUSED, probes.NONFINITE, probes.HAND, probes.ANOMALY]
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
     assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
     claims = {t["claim"] for t in payload["targets"]}
-    assert claims == {f"{probes.WATCH} / {probes.BASE}", f"{probes.NONFINITE} / {probes.BASE}"}
+    assert claims == {f"{name} / {probes.BASE}" for name in (probes.WATCH, probes.FUSED, probes.NONFINITE)}
     assert all(t["limit"] == 1.05 for t in payload["targets"])
 
 

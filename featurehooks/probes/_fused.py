@@ -1,0 +1,89 @@
+"""One compiled pass over a CPU tensor for every statistic of ``watch(fused=True)``.
+
+The eager fast path of ``watch`` reads a call's values five times (a float32 copy of a bfloat16 tensor, min and
+max, sum, sum of squares, non-zero count). TorchInductor fuses the same arithmetic into one loop over rows of
+``ROW`` values, so each value is read once: on a ResNet50 training step under bf16 autocast (CPU, one thread) the
+statistics of 16 blocks' outputs and gradients took 30 ms a step eagerly and 16 ms fused at 112 px, 123 and 32 ms
+at 224 px. The kernel is compiled once per process and dtype (a few seconds; TorchInductor needs a C++ compiler),
+with the number of rows dynamic, so every tensor size shares it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..errors import RunFailedError
+
+__all__ = ["ROW", "fused_moments"]
+
+ROW = 1024
+"""Values per row: float32 sums of 1024 values, added in float64 (the eager fast path's accuracy)."""
+
+
+def _row_moments(rows: Tensor) -> Tensor:
+    """Min, max, sum, sum of squares and non-zero count of a ``(rows, ROW)`` tensor: per row in float32, over the
+    rows in float64."""
+    wide = rows.float()
+    per_row = torch.stack(
+        [wide.amin(1), wide.amax(1), wide.sum(1), (wide * wide).sum(1), (wide != 0).sum(1, dtype=torch.float32)]
+    ).double()
+    return torch.stack([per_row[0].amin(), per_row[1].amax(), per_row[2].sum(), per_row[3].sum(), per_row[4].sum()])
+
+
+_lock = threading.Lock()
+_kernel: Callable[[Tensor], Tensor] | None = None
+_compiled: set[tuple[torch.dtype, bool, int]] = set()  # (dtype, inference tensor, threads): graphs built so far
+
+
+def fused_moments(flat: Tensor) -> list[float]:
+    """``[min, max, sum, sum of squares, non-zero count]`` of a 1-D CPU tensor of at least ``2 * ROW`` values (one
+    row would make TorchInductor specialize the graph): its rows by the compiled kernel, the last ``len % ROW``
+    values in float64.
+
+    Raises ``RunFailedError`` when the kernel cannot be compiled (no C++ compiler, an unsupported platform).
+    """
+    body = flat.numel() - flat.numel() % ROW
+    low, high, total, squares, nonzero = _kernel_moments(flat[:body].view(-1, ROW))
+    if body == flat.numel():
+        return [low, high, total, squares, nonzero]
+    tail = flat[body:].double()
+    t_low, t_high = torch.aminmax(tail)
+    t_total, t_squares, t_nonzero = tail.sum(), torch.dot(tail, tail), torch.count_nonzero(tail)
+    read = torch.stack([t_low, t_high, t_total, t_squares, t_nonzero.double()]).tolist()
+    return [min(low, read[0]), max(high, read[1]), total + read[2], squares + read[3], nonzero + read[4]]
+
+
+def _kernel_moments(rows: Tensor) -> list[float]:
+    global _kernel
+    graph = (rows.dtype, rows.is_inference(), torch.get_num_threads())  # what the graph's guards check
+    with _lock:
+        if _kernel is None:
+            # not fullgraph: past dynamo's recompile limit (8 graphs) the function runs eagerly instead of raising
+            _kernel = torch.compile(_row_moments, dynamic=True)
+        kernel = _kernel
+        if graph not in _compiled:  # compile under the lock: two threads never build the same graph
+            moments = _run(kernel, rows, first=True)
+            _compiled.add(graph)
+            return moments
+    return _run(kernel, rows, first=False)
+
+
+def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor, *, first: bool) -> list[float]:
+    # one global state for every call (inference mode, no autocast), and a tensor that is no view (``detach``): the
+    # compiled graph's guards then hold for every call; on a view they check its base's shape and strides too
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        try:
+            return kernel(rows.detach()).tolist()
+        except Exception as error:  # a compiler failure: torch raises several kinds
+            if not first:
+                raise
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RunFailedError(
+                f"watch(fused=True) could not compile its statistics kernel for {rows.dtype} with TorchInductor "
+                f"(it needs a working C++ compiler): {reason}. watch(fused=False) computes the same statistics "
+                "without compiling."
+            ) from error
