@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from featurehooks.probes.nonfinite import detect_nonfinite
-from featurehooks.probes.watch import watch
+from featurehooks.probes.watch import WatchRow, watch
 
 import _harness as H
 
@@ -151,6 +151,7 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
             warnings.simplefilter("ignore")  # anomaly mode warns on every entry
             timing = H.time_interleaved(dict(steps), cfg)
         rows = watcher.summary()
+        fused_rows = fused.summary()
     finally:
         watcher.close()
         fused.close()
@@ -168,11 +169,23 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     facts = {
         "watched_layers": len({row.path for row in rows}),
         "watch_rows": len(rows),
+        "fused_max_rel_diff": _largest_difference(fused_rows, rows),
         "hand_written_layers": len(blocks),
     }
     params = {"mode": "train step", "batch": batch, "size": size, "precision": precision}
     title = f"ResNet50 training step, batch {batch}, {size}x{size}" + (", bf16 autocast" if precision == "bf16" else "")
     return H.make_group(title, params, timing, BASE, extras), facts
+
+
+def _largest_difference(fused: list[WatchRow], eager: list[WatchRow]) -> float:
+    """The largest difference of fused from eager statistics (same steps on identical copies), relative to each
+    row's absolute maximum: a fused run that fell back to eager passes or lost values shows here."""
+    assert [(r.name, r.kind, r.calls, r.count) for r in fused] == [(r.name, r.kind, r.calls, r.count) for r in eager]
+    return max(
+        abs(getattr(a, stat) - getattr(b, stat)) / max(b.absmax, 1e-30)
+        for a, b in zip(fused, eager)
+        for stat in ("mean", "std", "min", "max", "zeros")
+    )
 
 
 def targets(groups: list[H.Group]) -> list[H.Target]:
@@ -191,14 +204,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = H.settings(args, budget=60.0)
     shapes = SHAPES.parse(args.shapes, cfg)
     wanted = precisions(args.precisions, cfg)
-    groups, facts = [], {}
+    groups, facts, differences = [], {}, []
     for precision in wanted:
         for batch, size in shapes:
             H.log(f"ResNet50 training step, batch {batch}, {size}x{size}, {precision}")
             group, facts = run(cfg, batch, size, precision)
             groups.append(group)
+            differences.append(facts["fused_max_rel_diff"])
             H.log(", ".join(f"{row.name}={row.median_ms:.0f}ms ({row.ratio:.3f}x)" for row in group.rows))
+    facts["fused_max_rel_diff"] = max(differences)
     notes = [
+        f"watch(fused=True) against watch, same steps on identical copies: largest difference of a statistic "
+        f"{facts['fused_max_rel_diff']:.1e} of its row's absolute maximum, over every group.",
         f"watch: {facts['watched_layers']} layers ({BLOCKS}), {facts['watch_rows']} rows (outputs and gradients), "
         "every statistic (count, mean, std, min, max, absmax, zeros, nonfinite) on the device, read once after "
         "the run.",

@@ -37,6 +37,7 @@ def _row_moments(rows: Tensor) -> Tensor:
 _lock = threading.Lock()
 _kernel: Callable[[Tensor], Tensor] | None = None
 _compiled: set[tuple[torch.dtype, bool, int]] = set()  # (dtype, inference tensor, threads): graphs built so far
+_failed: dict[tuple[torch.dtype, bool, int], RunFailedError] = {}
 
 
 def fused_moments(flat: Tensor) -> list[float]:
@@ -44,7 +45,8 @@ def fused_moments(flat: Tensor) -> list[float]:
     row would make TorchInductor specialize the graph): its rows by the compiled kernel, the last ``len % ROW``
     values in float64.
 
-    Raises ``RunFailedError`` when the kernel cannot be compiled (no C++ compiler, an unsupported platform).
+    Raises ``RunFailedError`` when the kernel cannot be compiled (no C++ compiler, an unsupported platform), at
+    once on every later call of the same kind.
     """
     body = flat.numel() - flat.numel() % ROW
     low, high, total, squares, nonzero = _kernel_moments(flat[:body].view(-1, ROW))
@@ -58,32 +60,45 @@ def fused_moments(flat: Tensor) -> list[float]:
 
 
 def _kernel_moments(rows: Tensor) -> list[float]:
+    """The compiled kernel's moments of ``rows``; the first call of a kind compiles its graph, under the lock."""
     global _kernel
-    graph = (rows.dtype, rows.is_inference(), torch.get_num_threads())  # what the graph's guards check
+    kind = (rows.dtype, rows.is_inference(), torch.get_num_threads())  # what the graph's guards check
     with _lock:
+        if kind in _failed:
+            raise _failed[kind]
         if _kernel is None:
             # not fullgraph: past dynamo's recompile limit (8 graphs) the function runs eagerly instead of raising
-            _kernel = torch.compile(_row_moments, dynamic=True)
+            _kernel = torch.compile(_row_moments)
         kernel = _kernel
-        if graph not in _compiled:  # compile under the lock: two threads never build the same graph
-            moments = _run(kernel, rows, first=True)
-            _compiled.add(graph)
+        if kind not in _compiled:  # two threads never build the same graph
+            try:
+                moments = _run(kernel, rows)
+            except Exception as error:  # torch raises several kinds; the cause stays chained
+                _failed[kind] = _compile_error(rows.dtype, error)
+                raise _failed[kind] from error
+            _compiled.add(kind)
             return moments
-    return _run(kernel, rows, first=False)
+    return _run(kernel, rows)
 
 
-def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor, *, first: bool) -> list[float]:
-    # one global state for every call (inference mode, no autocast), and a tensor that is no view (``detach``): the
-    # compiled graph's guards then hold for every call; on a view they check its base's shape and strides too
+def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor) -> list[float]:
+    """Run ``kernel`` on ``rows`` so that one graph serves every size: under one global state (inference mode, no
+    autocast, whoever calls), on a tensor that is no view (``detach``: on a view the guards check its base's shape
+    and strides too), with the number of rows marked dynamic (the row length stays a constant: no graph specializes
+    on a row count that happens to equal it)."""
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
-        try:
-            return kernel(rows.detach()).tolist()
-        except Exception as error:  # a compiler failure: torch raises several kinds
-            if not first:
-                raise
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RunFailedError(
-                f"watch(fused=True) could not compile its statistics kernel for {rows.dtype} with TorchInductor "
-                f"(it needs a working C++ compiler): {reason}. watch(fused=False) computes the same statistics "
-                "without compiling."
-            ) from error
+        rows = rows.detach()
+        torch._dynamo.mark_dynamic(rows, 0)
+        return kernel(rows).tolist()
+
+
+def _compile_error(dtype: torch.dtype, error: Exception) -> RunFailedError:
+    """One line on why the kernel could not be built (inductor wraps the compiler's error: its first line is the
+    inner one's)."""
+    inner = getattr(error, "inner_exception", None) or error
+    text = str(inner).strip()
+    reason = text.splitlines()[0] if text else type(inner).__name__
+    return RunFailedError(
+        f"watch(fused=True) could not compile its statistics kernel for {dtype} with TorchInductor (it needs a "
+        f"working C++ compiler): {reason}. watch(fused=False) computes the same statistics without compiling."
+    )

@@ -49,7 +49,7 @@ from .._hooks import ClosedOnExit, Observer, ObserverSession
 from .._taps import call_name
 from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
 from ..layers import select_modules
-from ._fused import fused_moments
+from ._fused import ROW, fused_moments
 
 __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
@@ -201,10 +201,11 @@ _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> Tensor | None:
-    """``_call_stats`` of a CPU tensor whose values are all finite, in four passes over it (one compiled pass when
-    ``fused``); ``None`` (the exact path decides) when a value is not finite or a float32 sum overflows.
+    """``_call_stats`` of a CPU tensor whose values are all finite, in four passes over it after a float32 copy of a
+    bfloat16 or float16 tensor (one compiled pass when ``fused``); ``None`` (the exact path decides) when a value is
+    not finite or a float32 sum overflows.
 
-    Sums of rows of ``_ROW`` values in float32 (vectorized), added in float64: about 1e-8 of the sum of the
+    Sums of rows of ``ROW`` values in float32 (vectorized), added in float64: about 1e-8 of the sum of the
     magnitudes off the float64 sums. Where the mean is large against the spread, the squares are summed again
     around the mean, so ``1000 ± 0.01`` keeps its std. On the CPU reading a value on the host costs nothing (there
     is no device to wait for): the reads of each call pick this path, several times faster than the exact one.
@@ -229,7 +230,7 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, 
     if mean * mean > _CANCELLATION * max(central / n, 0.0):  # a mean far above the spread: sum around it
         (buffer,) = scratch.take(n, torch.float32, source.device, 1)
         pivot = torch.tensor(mean, dtype=torch.float32)  # what the float32 subtraction takes away
-        near = torch.sub(source.float() if flat is None else flat, pivot, out=buffer)
+        near = buffer.copy_(source).sub_(pivot) if flat is None else torch.sub(flat, pivot, out=buffer)  # type: ignore[union-attr]  # a CPU buffer
         offset, squares_ = torch.stack([_sum(near), _sum_of_squares(near, torch.float64)]).tolist()
         central = squares_ - offset * offset / n
         mean = pivot.item() + offset / n
@@ -297,7 +298,6 @@ def _head(buffer: Tensor | None, size: int) -> Tensor | None:
 
 # Values per pass on the CPU: chunk and scratch buffers (2 MiB each) stay in the cache between passes.
 _CHUNK = 1 << 19
-_ROW = 1024
 
 
 def _sum_of_squares(flat: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -305,21 +305,21 @@ def _sum_of_squares(flat: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     squares in ``dtype`` (default: its own; accurate)."""
     dtype = dtype or flat.dtype
     n = flat.numel()
-    body = n - n % _ROW
+    body = n - n % ROW
     tail = flat[body:].to(dtype)
     if body == 0:
         return torch.dot(tail, tail)
-    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, _ROW), dim=1).to(dtype).square_().sum()
+    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, ROW), dim=1).to(dtype).square_().sum()
     if body < n:
         squares = squares + torch.dot(tail, tail)
     return squares
 
 
 def _sum(flat: Tensor) -> Tensor:
-    """Sum of a float32 1-D tensor as a float64 0-d tensor: float32 sums of rows of ``_ROW`` values, added in
+    """Sum of a float32 1-D tensor as a float64 0-d tensor: float32 sums of rows of ``ROW`` values, added in
     float64."""
-    body = flat.numel() - flat.numel() % _ROW
-    return flat[:body].view(-1, _ROW).sum(dim=1).double().sum() + flat[body:].double().sum()
+    body = flat.numel() - flat.numel() % ROW
+    return flat[:body].view(-1, ROW).sum(dim=1).double().sum() + flat[body:].double().sum()
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -487,8 +487,14 @@ class Watch(Observer[None], ClosedOnExit):
                 sums = self._sums[key] = _Sums(tensor.device)
                 with torch.no_grad():
                     sums.shift.copy_(_first_value(tensor))
-        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-            values = _call_stats(tensor.detach(), self._need, self._scratch, sums.shift, self.fused)
+        try:
+            with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+                values = _call_stats(tensor.detach(), self._need, self._scratch, sums.shift, self.fused)
+        except BaseException:
+            with self._lock:  # a first call that raised (the fused kernel could not be built) leaves no empty row
+                if sums.calls == 0 and self._sums.get(key) is sums:
+                    del self._sums[key]
+            raise
         with self._lock:
             sums.additive.add_(values[:_ADDITIVE])
             torch.fmax(sums.extremes, values[_ADDITIVE:], out=sums.extremes)
@@ -639,10 +645,11 @@ def watch(
         grads: also watch the gradients with respect to the outputs.
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
         fused: on the CPU, take every statistic of a call of more than 16k values in one pass compiled by
-            TorchInductor instead of four eager ones (half to a quarter of the time under bf16 autocast; the same
-            statistics to about 1e-8 of the sum of the magnitudes). The kernel is compiled once per process and
-            dtype, a few seconds at the first such call, and needs a C++ compiler: where it cannot be built the
-            first call raises ``RunFailedError``.
+            TorchInductor instead of four eager ones (five for bfloat16 and float16, copied to float32 first):
+            0.35-0.6 of the time under bf16 autocast, the same statistics to about 1e-8 of the sum of the
+            magnitudes. The kernel is compiled once per process for each dtype (and thread count, and for
+            inference tensors), a few seconds at the first such call, and needs a C++ compiler: where it cannot be
+            built that call raises ``RunFailedError``, and every later one at once.
 
     Examples:
         >>> import torch

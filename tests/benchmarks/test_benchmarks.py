@@ -237,6 +237,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
     assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
+    assert payload["config"]["fused_max_rel_diff"] < 1e-6  # the fused kernel's statistics are watch's
     claims = {t["claim"] for t in payload["targets"]}
     assert claims == {f"{name} / {probes.BASE}" for name in (probes.WATCH, probes.FUSED, probes.NONFINITE)}
     assert all(t["limit"] == 1.05 for t in payload["targets"])
