@@ -2,10 +2,10 @@
 
 Every call of every watched module adds its output's statistics (and, in backward, those of the
 gradient flowing out of it) to running sums kept on the device, with no host sync on an accelerator: the
-numbers are read once, by ``Watch.summary()``. On the CPU, where reading a value waits for nothing, a
-float32, bfloat16 or float16 call whose values are all finite reads its sums to take a fast path (four
-float32 passes instead of float64 ones, about 3x faster; up to 16k values, a few float64 operations at once);
-the exact path below decides everything else.
+numbers are read once, by ``Watch.summary()``. On the CPU, where reading a value waits for nothing, each call's
+sums are read at once and added on the host, and a float32, bfloat16 or float16 call whose values are all
+finite takes a fast path (four float32 passes instead of float64 ones, about 3x faster; up to 16k values, a few
+float64 operations at once); the exact path below decides everything else.
 
 Definitions (per layer, call and kind; ``n`` counts the finite values):
 
@@ -73,6 +73,7 @@ KINDS = ("output", "grad")
 _NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX, _SHIFT = range(7)
 _ADDITIVE = 4
 _SLOTS = 7
+READ_AT_ONCE = frozenset({"cpu"})  # device types whose values the host reads at no cost: summed on the host
 
 
 class ScalarWriter(Protocol):
@@ -139,7 +140,19 @@ class _Need:
         )
 
 
-def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor, fused: bool) -> Tensor:
+def _host_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> list[float]:
+    """``_call_stats`` of a CPU tensor, read at once (the host waits for nothing): the fast path when every value is
+    finite, else the exact one."""
+    if not need.flags:
+        return [0.0] * _SHIFT
+    if x.dtype in _FAST_DTYPES:
+        fast = _finite_call_stats(x, need, scratch, shift, fused)
+        if fast is not None:
+            return fast
+    return _call_stats(x, need, scratch, torch.tensor(shift, dtype=torch.float64)).tolist()
+
+
+def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Tensor:
     """One call's statistics as a vector of the accumulators' dtype on ``x``'s device; no host sync.
 
     Slots: number of non-finite values, sum of the finite values and sum of their squared distances
@@ -156,10 +169,6 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor, fused:
     dtype = accumulate
     if not need.flags:
         return torch.zeros(6, dtype=accumulate, device=x.device)
-    if x.device.type == "cpu" and x.dtype in _FAST_DTYPES:
-        fast = _finite_call_stats(x, need, scratch, float(shift), fused)
-        if fast is not None:
-            return fast
     source = _flat(x)
     n = source.numel()
     chunk = _CHUNK if x.device.type == "cpu" else n
@@ -200,50 +209,69 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor, fused:
 _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> Tensor | None:
-    """``_call_stats`` of a CPU tensor whose values are all finite, in four passes over it after a float32 copy of a
-    bfloat16 or float16 tensor (one compiled pass when ``fused``); ``None`` (the exact path decides) when a value is
-    not finite or a float32 sum overflows.
+def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> list[float] | None:
+    """``_call_stats`` of a CPU tensor whose values are all finite, read on the host: four passes over it after a
+    float32 copy of a bfloat16 or float16 tensor (one compiled pass when ``fused``); ``None`` (the exact path
+    decides) when a value is not finite or a float32 sum overflows.
 
     Sums of rows of ``ROW`` values in float32 (vectorized), added in float64: about 1e-8 of the sum of the
     magnitudes off the float64 sums. Where the mean is large against the spread, the squares are summed again
-    around the mean, so ``1000 ± 0.01`` keeps its std. On the CPU reading a value on the host costs nothing (there
-    is no device to wait for): the reads of each call pick this path, several times faster than the exact one.
+    around the mean, so ``1000 ± 0.01`` keeps its std. Few operations a call: in a training step each costs tens of
+    microseconds (the step's large operations have emptied the caches), several times what it costs in a loop.
     """
     source = _flat(x)
     if source.numel() <= _SMALL:
         return _small_call_stats(source, need, shift)
     n = source.numel()
     flat: Tensor | None = None
-    nonzero: float | None = None
     if fused:
-        low_, high_, total_, squares_, nonzero = fused_moments(source)
+        low, high, total, squares, nonzero = fused_moments(source)
     else:
-        flat = source.float()  # bfloat16, float16: one conversion, then float32 passes
-        low, high = torch.aminmax(flat)
-        total, squares = _sum(flat), _sum_of_squares(flat, torch.float64)
-        low_, high_, total_, squares_ = torch.stack([low, high, total, squares]).tolist()  # the one host read
-    if not all(map(math.isfinite, (low_, high_, total_, squares_))):
+        flat = source if source.dtype == torch.float32 else _float_copy(source, scratch)
+        low, high, total, squares, nonzero = _moments(flat, source if need.zeros else None, scratch)
+    if not all(map(math.isfinite, (low, high, total, squares))):
         return None
-    mean = total_ / n
-    central = squares_ - total_ * mean  # the sum of squares about the mean, if nothing cancelled
+    mean = total / n
+    central = squares - total * mean  # the sum of squares about the mean, if nothing cancelled
     if mean * mean > _CANCELLATION * max(central / n, 0.0):  # a mean far above the spread: sum around it
-        (buffer,) = scratch.take(n, torch.float32, source.device, 1)
+        (buffer,) = scratch.take(n, torch.float32, source.device, 1)  # a bfloat16 call's float32 copy: used up here
         pivot = torch.tensor(mean, dtype=torch.float32)  # what the float32 subtraction takes away
         near = buffer.copy_(source).sub_(pivot) if flat is None else torch.sub(flat, pivot, out=buffer)  # type: ignore[union-attr]  # a CPU buffer
-        offset, squares_ = torch.stack([_sum(near), _sum_of_squares(near, torch.float64)]).tolist()
-        central = squares_ - offset * offset / n
+        offset, squares = torch.stack([_sum(near), _sum_of_squares(near, torch.float64)]).tolist()
+        central = squares - offset * offset / n
         mean = pivot.item() + offset / n
-        total_ = mean * n
-    if not need.zeros:
-        nonzero = 0.0
-    elif nonzero is None:
-        nonzero = float(_count_nonzero(source, scratch))
+        total = mean * n
     about_shift = max(central, 0.0) + n * (mean - shift) ** 2
-    return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
+    return [0.0, total, about_shift, nonzero if need.zeros else 0.0, -low, high]
 
 
-def _small_call_stats(source: Tensor, need: _Need, shift: float) -> Tensor | None:
+def _float_copy(source: Tensor, scratch: _Scratch) -> Tensor:
+    """A bfloat16 or float16 CPU tensor's values in float32, in this thread's scratch buffer (nothing allocated)."""
+    (buffer,) = scratch.take(source.numel(), torch.float32, source.device, 1)
+    return buffer.copy_(source)  # type: ignore[union-attr]  # a CPU buffer
+
+
+def _moments(flat: Tensor, zeros_of: Tensor | None, scratch: _Scratch) -> list[float]:
+    """``[min, max, sum, sum of squares, non-zero count]`` of a float32 1-D CPU tensor of at least ``ROW`` values,
+    in one host read: float32 sums and norms of rows of ``ROW`` values added in float64, the last ``len % ROW``
+    values in float64; the non-zero values are counted in ``zeros_of`` (0 when None)."""
+    n = flat.numel()
+    body = n - n % ROW
+    rows = flat[:body].view(-1, ROW)
+    per_row = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, dim=1)]).double()
+    per_row[1].square_()
+    sums = per_row.sum(1)
+    if body < n:
+        tail = flat[body:].double()
+        sums = sums + torch.stack([tail.sum(), torch.dot(tail, tail)])
+    parts = [torch.stack(torch.aminmax(flat)).double(), sums]
+    if zeros_of is not None:
+        parts.append(_count_nonzero(zeros_of, scratch).double().view(1))
+    read: list[float] = torch.cat(parts).tolist()
+    return read if zeros_of is not None else [*read, 0.0]
+
+
+def _small_call_stats(source: Tensor, need: _Need, shift: float) -> list[float] | None:
     """``_finite_call_stats`` of a tensor of at most ``_SMALL`` values: everything in float64 at once, a handful of
     operations, each costing more than its arithmetic here: 20-40 us a call from 32 to 16k values, against 65-85 on
     the row-sum passes (and more where the mean needs a second pass)."""
@@ -254,9 +282,9 @@ def _small_call_stats(source: Tensor, need: _Need, shift: float) -> Tensor | Non
     read = torch.stack([low, high, total, torch.dot(about, about)]).tolist()  # the one host read: free on the CPU
     if not all(map(math.isfinite, read)):
         return None
-    low_, high_, total_, about_shift = read
+    low, high, total, about_shift = read
     nonzero = float(torch.count_nonzero(source)) if need.zeros else 0.0
-    return torch.tensor([0.0, total_, about_shift, nonzero, -low_, high_], dtype=torch.float64)
+    return [0.0, total, about_shift, nonzero, -low, high]
 
 
 # values up to which a call is summed in float64 at once (below ~50k values that beats float32 row sums)
@@ -267,8 +295,9 @@ _SMALL = 1 << 14
 _CANCELLATION = 100.0
 
 
-def _count_nonzero(flat: Tensor, scratch: _Scratch) -> int:
-    """How many values of a CPU 1-D tensor are not 0, exactly, in one conversion pass and two cheap sums.
+def _count_nonzero(flat: Tensor, scratch: _Scratch) -> Tensor:
+    """How many values of a CPU 1-D tensor are not 0 (an int64 0-d tensor), exactly, in one conversion pass and two
+    cheap sums.
 
     The values become bytes (1 where not 0) in a scratch buffer, read as int32 words of four byte counters;
     ``_LANE_ROW`` rows of words add up column by column in int32 without a counter overflowing into the next,
@@ -280,7 +309,8 @@ def _count_nonzero(flat: Tensor, scratch: _Scratch) -> int:
     flags = buffer.copy_(flat)  # type: ignore[union-attr]  # a CPU buffer
     body = n - n % (4 * _LANE_ROW)
     sums = flags[:body].view(torch.int32).view(_LANE_ROW, -1).sum(dim=0, dtype=torch.int32)
-    return int(sums.view(torch.uint8).sum(dtype=torch.int64)) + int(flags[body:].sum())
+    count = sums.view(torch.uint8).sum(dtype=torch.int64)
+    return count + flags[body:].sum() if body < n else count
 
 
 # rows of int32 words summed per column: each byte counter reaches at most 127, no carry nor sign overflow
@@ -333,8 +363,9 @@ def _flat(x: Tensor) -> Tensor:
 
 
 class _Scratch:
-    """Flat buffers per thread and dtype on the CPU (a chunk each on the exact path; on the fast path a whole
-    tensor's bytes for counting zeros, and its float32 copy where the mean would cancel); dropped by ``clear``."""
+    """Flat buffers per thread and dtype on the CPU, reused call after call (a chunk each on the exact path; on the
+    fast path a whole tensor's bytes for counting zeros and its float32 copy: a bfloat16 or float16 call's values, or
+    the second pass where the mean would cancel); as large as the largest call watched, dropped by ``clear``."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, torch.dtype], list[Tensor]] = {}
@@ -386,19 +417,45 @@ def _moved_to_shift(values: list[float], count: int, shift: float) -> list[float
 
 
 class _Sums:
-    """Running sums of one (layer, call, kind) on one device."""
+    """Running sums of one (layer, call, kind) on one device: a tensor there (added to without a host sync), Python
+    floats on the CPU (where each call's statistics are read at once, and a tensor operation costs more than the
+    additions)."""
 
-    __slots__ = ("additive", "calls", "count", "extremes", "shift", "values")
+    __slots__ = ("calls", "count", "host", "values")
 
-    def __init__(self, device: torch.device) -> None:
-        with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
-            self.values = torch.zeros(_SLOTS, dtype=_accumulator_dtype(device), device=device)
-            self.values[_ADDITIVE:_SHIFT] = -math.inf
-        self.additive = self.values[:_ADDITIVE]
-        self.extremes = self.values[_ADDITIVE:_SHIFT]
-        self.shift = self.values[_SHIFT]
+    def __init__(self, first: Tensor) -> None:
+        shift = _first_value(first)
         self.calls = 0
         self.count = 0
+        self.host: list[float] | None = None
+        self.values: Tensor | None = None
+        if first.device.type in READ_AT_ONCE:
+            self.host = [0.0] * _ADDITIVE + [-math.inf, -math.inf, shift.item()]
+            return
+        with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
+            self.values = torch.zeros(_SLOTS, dtype=_accumulator_dtype(first.device), device=first.device)
+            self.values[_ADDITIVE:_SHIFT] = -math.inf
+            self.values[_SHIFT] = shift
+
+    def add(self, values: Tensor | list[float], count: int) -> None:
+        """Add one call's statistics (the caller holds the lock)."""
+        if isinstance(values, list):
+            host = self.host
+            assert host is not None
+            for slot in range(_ADDITIVE):
+                host[slot] += values[slot]
+            host[_NEG_MIN] = max(host[_NEG_MIN], values[_NEG_MIN])
+            host[_MAX] = max(host[_MAX], values[_MAX])
+        else:
+            assert self.values is not None
+            self.values[:_ADDITIVE].add_(values[:_ADDITIVE])
+            torch.fmax(self.values[_ADDITIVE:_SHIFT], values[_ADDITIVE:], out=self.values[_ADDITIVE:_SHIFT])
+        self.calls += 1
+        self.count += count
+
+    def snapshot(self) -> Tensor | list[float]:
+        """A copy of the sums and the shift (a tensor on the device, a list on the CPU)."""
+        return list(self.host) if self.host is not None else self.values.clone()  # type: ignore[union-attr]
 
 
 class _GradStats:
@@ -484,22 +541,24 @@ class Watch(Observer[None], ClosedOnExit):
         with self._lock:
             sums = self._sums.get(key)
             if sums is None:
-                sums = self._sums[key] = _Sums(tensor.device)
-                with torch.no_grad():
-                    sums.shift.copy_(_first_value(tensor))
+                sums = self._sums[key] = _Sums(tensor)
         try:
-            with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-                values = _call_stats(tensor.detach(), self._need, self._scratch, sums.shift, self.fused)
+            values = self._call_values(tensor.detach(), sums)
         except BaseException:
             with self._lock:  # a first call that raised (the fused kernel could not be built) leaves no empty row
                 if sums.calls == 0 and self._sums.get(key) is sums:
                     del self._sums[key]
             raise
         with self._lock:
-            sums.additive.add_(values[:_ADDITIVE])
-            torch.fmax(sums.extremes, values[_ADDITIVE:], out=sums.extremes)
-            sums.calls += 1
-            sums.count += tensor.numel()
+            sums.add(values, tensor.numel())
+
+    def _call_values(self, tensor: Tensor, sums: _Sums) -> Tensor | list[float]:
+        if (
+            sums.host is not None
+        ):  # float64 or host arithmetic on detached values: autocast and grad mode cannot reach it
+            return _host_call_stats(tensor, self._need, self._scratch, sums.host[_SHIFT], self.fused)
+        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+            return _call_stats(tensor, self._need, self._scratch, sums.values[_SHIFT])  # type: ignore[index]
 
     # handle --------------------------------------------------------------------------------------
 
@@ -525,13 +584,14 @@ class Watch(Observer[None], ClosedOnExit):
         The only method that reads device memory: one transfer per device, whatever the number of rows.
         """
         with self._lock:
-            items = [(key, sums.values.clone(), sums.calls, sums.count) for key, sums in self._sums.items()]
+            items = [(key, sums.snapshot(), sums.calls, sums.count) for key, sums in self._sums.items()]
+        host = [values if isinstance(values, list) else [] for _key, values, *_rest in items]
         by_device: dict[torch.device, list[int]] = {}
-        for k, (key, *_rest) in enumerate(items):
-            by_device.setdefault(key[3], []).append(k)
-        host: list[list[float]] = [[] for _ in items]
+        for k, (key, values, *_rest) in enumerate(items):
+            if isinstance(values, Tensor):
+                by_device.setdefault(key[3], []).append(k)
         for indices in by_device.values():
-            stacked = torch.stack([items[k][1] for k in indices]).tolist()
+            stacked = torch.stack([items[k][1] for k in indices]).tolist()  # type: ignore[misc]
             for k, values in zip(indices, stacked):
                 host[k] = values
         merged: dict[tuple[str, int, str], tuple[list[float], int, int]] = {}

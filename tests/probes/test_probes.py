@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import math
 import threading
 from pathlib import Path
@@ -20,6 +21,18 @@ from featurehooks.probes.nonfinite import INPUT, OUTPUT, detect_nonfinite
 from featurehooks.probes.watch import STATS, Watch, WatchRow, watch
 
 from helpers import Scale
+
+watch_module = importlib.import_module("featurehooks.probes.watch")  # the package exports the function by that name
+
+
+@pytest.fixture(params=["host", "device"])
+def sums_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of summing: on the host, read at once (the CPU), and on the device with no sync (an accelerator's,
+    taken on the CPU here)."""
+    if request.param == "device":
+        monkeypatch.setattr(watch_module, "READ_AT_ONCE", frozenset())
+    return str(request.param)
+
 
 # --------------------------------------------------------------------------------------------------
 # models
@@ -156,7 +169,7 @@ class CountSyncs:
 # watch: statistics
 
 
-def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor) -> None:
+def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor, sums_path: str) -> None:
     model = Twice()
     names = ["conv1", "conv2", "head"]
     seen: dict[str, list[Tensor]] = {name: [] for name in names}
@@ -174,7 +187,7 @@ def test_watch_statistics_equal_a_direct_computation(images: torch.Tensor) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [1, 3, 508, 509, 4 * 127 * 9 + 7, (1 << 20) + 5])
-def test_watch_counts_zeros_exactly_at_any_size(size: int, dtype: torch.dtype) -> None:
+def test_watch_counts_zeros_exactly_at_any_size(size: int, dtype: torch.dtype, sums_path: str) -> None:
     x = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(dtype)
     x[::3] = 0.0
     model = nn.Sequential(nn.Identity())
@@ -199,7 +212,7 @@ def test_watch_adds_a_persistent_outputs_gradient_once_per_backward() -> None:
     assert (rows["grad"].calls, rows["grad"].count, rows["grad"].mean) == (3, 3 * x.numel(), 1.0)
 
 
-def test_watch_under_bf16_autocast(images: torch.Tensor) -> None:
+def test_watch_under_bf16_autocast(images: torch.Tensor, sums_path: str) -> None:
     model = Twice()
     with (
         watch(model, grads=False) as w,
@@ -275,7 +288,7 @@ def test_watch_counts_accumulate_over_calls_per_step_and_reset(images: torch.Ten
         assert rows_by(w.summary())[("0", "output")].calls == 1
 
 
-def test_watch_nonfinite_values_do_not_poison_the_moments() -> None:
+def test_watch_nonfinite_values_do_not_poison_the_moments(sums_path: str) -> None:
     model = mlp(Scale(1.0))
     x = torch.randn(4, 6)
     with watch(model, ["1"], grads=False) as w, fh.capture(model, ["1"], mode="detach") as feats:
@@ -286,7 +299,7 @@ def test_watch_nonfinite_values_do_not_poison_the_moments() -> None:
     assert math.isfinite(row.mean) and math.isfinite(row.std)
 
 
-def test_watch_min_max_are_over_finite_values_only() -> None:
+def test_watch_min_max_are_over_finite_values_only(sums_path: str) -> None:
     class Exp(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             return torch.exp(x)  # positive, no zeros, inf where x is large
@@ -300,7 +313,7 @@ def test_watch_min_max_are_over_finite_values_only() -> None:
     assert row.min == pytest.approx(math.exp(1.0)) and row.max == pytest.approx(math.exp(3.0))
 
 
-def test_watch_stats_subset_and_tuple_outputs() -> None:
+def test_watch_stats_subset_and_tuple_outputs(sums_path: str) -> None:
     class Pair(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -334,10 +347,10 @@ def test_watch_bad_requests() -> None:
 
 
 def test_watch_summary_is_the_only_sync(images: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The path every accelerator takes (here float64 on the CPU) reads no value on the host until ``summary()``;
-    only the CPU's float32 fast path reads its call's sums, where there is no device to wait for."""
-    model = Twice().double()
-    images = images.double()
+    """The path every accelerator takes (taken here on the CPU) reads no value on the host until ``summary()``;
+    only the CPU reads each call's sums, where there is no device to wait for."""
+    monkeypatch.setattr(watch_module, "READ_AT_ONCE", frozenset())
+    model = Twice()
     with watch(model) as w:
         model(images).sum().backward()  # first calls allocate the running sums
         syncs = CountSyncs(monkeypatch)
