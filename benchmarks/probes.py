@@ -29,6 +29,7 @@ of the step without probes, at every size and precision.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from featurehooks.probes.nonfinite import detect_nonfinite
-from featurehooks.probes.watch import WatchRow, watch
+from featurehooks.probes.watch import Watch, WatchRow, watch
 
 import _harness as H
 
@@ -49,6 +50,7 @@ HAND = "hand-written hooks with .item()"
 ANOMALY = "torch.autograd.detect_anomaly"
 BLOCKS = "layer[1-4].[0-9]"  # the 16 bottleneck blocks of ResNet50 (fnmatch: * would cross dots)
 LR = 1e-3
+STATISTICS_STEPS = 3  # steps timed inside watch's statistics, after the interleaved rounds
 SHAPES = H.Shapes(quick="2x32", cpu="8x112,8x160,8x224,8x320", cuda="32x112,32x160,32x224,32x320")
 
 
@@ -152,20 +154,22 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
             timing = H.time_interleaved(dict(steps), cfg)
         rows = watcher.summary()
         fused_rows = fused.summary()
+        reference = steps[BASE].losses
+        extras: dict[str, dict[str, Any]] = {
+            name: {
+                "steps": len(step.losses),
+                "max_abs_diff": max(abs(a - b) for a, b in zip(step.losses, reference)),
+                "last_loss": step.losses[-1],
+            }
+            for name, step in steps.items()
+        }
+        for name, probe in ((WATCH, watcher), (FUSED, fused)):  # after the losses are compared: more steps
+            extras[name]["statistics_ms"] = statistics_ms(probe, steps[name], cfg)
     finally:
         watcher.close()
         fused.close()
         sentinel.close()
         hand.close()
-    reference = steps[BASE].losses
-    extras = {
-        name: {
-            "steps": len(step.losses),
-            "max_abs_diff": max(abs(a - b) for a, b in zip(step.losses, reference)),
-            "last_loss": step.losses[-1],
-        }
-        for name, step in steps.items()
-    }
     facts = {
         "watched_layers": len({row.path for row in rows}),
         "watch_rows": len(rows),
@@ -175,6 +179,29 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     params = {"mode": "train step", "batch": batch, "size": size, "precision": precision}
     title = f"ResNet50 training step, batch {batch}, {size}x{size}" + (", bf16 autocast" if precision == "bf16" else "")
     return H.make_group(title, params, timing, BASE, extras), facts
+
+
+def statistics_ms(probe: Watch, step: Step, cfg: H.Settings) -> float:
+    """Milliseconds a step spends inside ``probe``'s statistics (every call's passes and their accumulation, on the
+    run's clock), over a few more steps: the probe's own cost, without the noise of a whole step's time. Taken after
+    the timed rounds (the losses compared above are theirs); ``probe`` is closed afterwards, also on an error."""
+    clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
+    add = probe._add
+    spent = 0.0
+
+    def timed(*args: Any) -> None:
+        nonlocal spent
+        start = clock()
+        try:
+            add(*args)
+        finally:
+            spent += clock() - start
+
+    probe._add = timed  # type: ignore[method-assign]  # on this instance only: the hooks call it through self
+    count = 1 if cfg.quick else STATISTICS_STEPS
+    for _ in range(count):
+        step()
+    return spent / count * 1e3
 
 
 def _largest_difference(fused: list[WatchRow], eager: list[WatchRow]) -> float:
@@ -238,7 +265,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         targets(groups),
         config,
         notes,
-        extra_columns=[("max_abs_diff", "max |Δ loss|", ".2g"), ("steps", "steps", "d")],
+        extra_columns=[
+            ("max_abs_diff", "max |Δ loss|", ".2g"),
+            ("steps", "steps", "d"),
+            ("statistics_ms", "statistics ms / step", ".1f"),
+        ],
     )
     return H.publish(cfg, payload)
 

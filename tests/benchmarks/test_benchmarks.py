@@ -236,6 +236,8 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     assert list(rows) == [probes.BASE, probes.WATCH, probes.FUSED, probes.NONFINITE, probes.HAND, probes.ANOMALY]
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
+    assert all(rows[name]["statistics_ms"] > 0 for name in (probes.WATCH, probes.FUSED))
+    assert "statistics_ms" not in rows[probes.BASE]
     assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
     assert payload["config"]["fused_max_rel_diff"] < 1e-6  # the fused kernel's statistics are watch's
     claims = {t["claim"] for t in payload["targets"]}
