@@ -3,7 +3,7 @@
 The eager fast path of ``watch`` reads a call's values five times (a float32 copy of a bfloat16 tensor, min and
 max, sum, sum of squares, non-zero count). TorchInductor fuses the same arithmetic into one loop over rows of
 ``ROW`` values, so each value is read once: on a ResNet50 training step under bf16 autocast (CPU, one thread) the
-statistics of 16 blocks' outputs and gradients took 30 ms a step eagerly and 17 ms fused at 112 px, 96 and 34 ms
+statistics of 16 blocks' outputs and gradients took 36 ms a step eagerly and 24 ms fused at 112 px, 97 and 40 ms
 at 224 px (time inside the hooks). The kernel is compiled once per process for each dtype, thread count and
 inference-ness (a few seconds; TorchInductor needs a C++ compiler), with the number of rows dynamic, so every tensor
 size shares it.
@@ -73,7 +73,7 @@ def _kernel_moments(rows: Tensor) -> list[float]:
         kernel = _kernel
         if kind not in _compiled:  # two threads never build the same graph
             try:
-                moments = _run(kernel, rows)
+                moments = _run(kernel, rows, first=True)
             except Exception as error:  # torch raises several kinds; the cause stays chained
                 _failed[kind] = _compile_error(rows.dtype, error)
                 raise _failed[kind] from error
@@ -82,15 +82,22 @@ def _kernel_moments(rows: Tensor) -> list[float]:
     return _run(kernel, rows)
 
 
-def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor) -> list[float]:
-    """Run ``kernel`` on ``rows`` so that one graph serves every size: under one global state (inference mode, no
-    autocast, whoever calls), on a tensor that is no view (``detach``: on a view the guards check its base's shape
-    and strides too), with the number of rows marked dynamic (the row length stays a constant: no graph specializes
-    on a row count that happens to equal it)."""
-    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
-        rows = rows.detach()
-        torch._dynamo.mark_dynamic(rows, 0)
-        return kernel(rows).tolist()
+def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor, first: bool = False) -> list[float]:
+    """Run ``kernel`` on ``rows`` so that one graph serves every size: under one global state (inference mode, this
+    thread's CPU autocast off, whoever calls), on a tensor that is no view (``detach``: on a view the guards check its
+    base's shape and strides too), with the number of rows marked dynamic when the ``first`` call builds the graph
+    (the row length stays a constant: no graph specializes on a row count that happens to equal it; later calls
+    match the dynamic graph's guards unmarked, and skip the mark's Python)."""
+    autocast = torch.is_autocast_enabled("cpu")
+    torch.set_autocast_enabled("cpu", False)  # thread-local; cheaper than entering torch.autocast in every hook call
+    try:
+        with torch.inference_mode():
+            rows = rows.detach()
+            if first:
+                torch._dynamo.mark_dynamic(rows, 0)
+            return kernel(rows).tolist()
+    finally:
+        torch.set_autocast_enabled("cpu", autocast)
 
 
 def _compile_error(dtype: torch.dtype, error: Exception) -> RunFailedError:

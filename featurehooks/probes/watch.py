@@ -25,9 +25,9 @@ no float64, in float32, where values beyond about ``1e19`` overflow the sums of 
 The statistics of a call with non-finite values are those of its finite values (the non-finite
 ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
 
-Cost: on a ResNet50 training step (CPU, one thread, batch 8), every statistic of the 16 blocks' outputs and
-gradients adds 0-8% from 112 to 320 px in float32 and 6-7% under bf16 autocast; with ``fused=True`` (one compiled
-pass a call) 0-4% either way (``benchmarks/probes.py``; docs/probes.md).
+Cost: on a ResNet50 training step (CPU, one thread, batch 8, 112 to 320 px), the statistics of the 16 blocks'
+outputs and gradients take 2.6-3.1% of the step's time in float32 and 5.8-6.6% under bf16 autocast; with
+``fused=True`` (one compiled pass a call) 1.2-2.6% and 1.9-4.5% (``benchmarks/probes.py``; docs/probes.md).
 """
 
 from __future__ import annotations
@@ -706,7 +706,7 @@ def watch(
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
         fused: on the CPU, take every statistic of a call of more than 16k values in one pass compiled by
             TorchInductor instead of four eager ones (five for bfloat16 and float16, copied to float32 first):
-            0.35-0.6 of the time under bf16 autocast, the same statistics to about 1e-8 of the sum of the
+            0.3-0.7 of the time under bf16 autocast, the same statistics to about 1e-8 of the sum of the
             magnitudes. The kernel is compiled once per process for each dtype (and thread count, and for
             inference tensors), a few seconds at the first such call, and needs a C++ compiler: where it cannot be
             built that call raises ``RunFailedError``, and every later one at once.
