@@ -83,21 +83,16 @@ def _kernel_moments(rows: Tensor) -> list[float]:
 
 
 def _run(kernel: Callable[[Tensor], Tensor], rows: Tensor, first: bool = False) -> list[float]:
-    """Run ``kernel`` on ``rows`` so that one graph serves every size: under one global state (inference mode, this
-    thread's CPU autocast off, whoever calls), on a tensor that is no view (``detach``: on a view the guards check its
-    base's shape and strides too), with the number of rows marked dynamic when the ``first`` call builds the graph
-    (the row length stays a constant: no graph specializes on a row count that happens to equal it; later calls
-    match the dynamic graph's guards unmarked, and skip the mark's Python)."""
-    autocast = torch.is_autocast_enabled("cpu")
-    torch.set_autocast_enabled("cpu", False)  # thread-local; cheaper than entering torch.autocast in every hook call
-    try:
-        with torch.inference_mode():
-            rows = rows.detach()
-            if first:
-                torch._dynamo.mark_dynamic(rows, 0)
-            return kernel(rows).tolist()
-    finally:
-        torch.set_autocast_enabled("cpu", autocast)
+    """Run ``kernel`` on ``rows`` so that one graph serves every size: under one global state (inference mode, no
+    autocast, whoever calls), on a tensor that is no view (``detach``: on a view the guards check its base's shape
+    and strides too), with the number of rows marked dynamic when the ``first`` call builds the graph (the row
+    length stays a constant: no graph specializes on a row count that happens to equal it; later calls match the
+    dynamic graph's guards unmarked, and skip the mark's Python)."""
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        rows = rows.detach()
+        if first:
+            torch._dynamo.mark_dynamic(rows, 0)
+        return kernel(rows).tolist()
 
 
 def _compile_error(dtype: torch.dtype, error: Exception) -> RunFailedError:
