@@ -416,46 +416,61 @@ def _moved_to_shift(values: list[float], count: int, shift: float) -> list[float
     return moved
 
 
-class _Sums:
-    """Running sums of one (layer, call, kind) on one device: a tensor there (added to without a host sync), Python
-    floats on the CPU (where each call's statistics are read at once, and a tensor operation costs more than the
-    additions)."""
+class _HostSums:
+    """Running sums of one (layer, call, kind) on the CPU, as Python floats: each call's statistics are read at once
+    there (the host waits for nothing), and a tensor operation costs more than the additions."""
 
-    __slots__ = ("calls", "count", "host", "values")
+    __slots__ = ("calls", "count", "values")
 
     def __init__(self, first: Tensor) -> None:
-        shift = _first_value(first)
+        self.values = [0.0] * _ADDITIVE + [-math.inf, -math.inf, _first_value(first).item()]
         self.calls = 0
         self.count = 0
-        self.host: list[float] | None = None
-        self.values: Tensor | None = None
-        if first.device.type in READ_AT_ONCE:
-            self.host = [0.0] * _ADDITIVE + [-math.inf, -math.inf, shift.item()]
-            return
+
+    def take(self, tensor: Tensor, watch: Watch) -> None:
+        """Add the statistics of one call's (detached) ``tensor``: float64 or host arithmetic, which autocast and
+        grad mode cannot reach."""
+        values = _host_call_stats(tensor, watch._need, watch._scratch, self.values[_SHIFT], watch.fused)
+        with watch._lock:
+            sums = self.values
+            for slot in range(_ADDITIVE):
+                sums[slot] += values[slot]
+            sums[_NEG_MIN] = max(sums[_NEG_MIN], values[_NEG_MIN])
+            sums[_MAX] = max(sums[_MAX], values[_MAX])
+            self.calls += 1
+            self.count += tensor.numel()
+
+    def snapshot(self) -> list[float]:
+        """A copy of the sums and the shift (the caller holds the lock)."""
+        return list(self.values)
+
+
+class _DeviceSums:
+    """Running sums of one (layer, call, kind) on an accelerator: a tensor there, added to without a host sync."""
+
+    __slots__ = ("calls", "count", "values")
+
+    def __init__(self, first: Tensor) -> None:
         with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
             self.values = torch.zeros(_SLOTS, dtype=_accumulator_dtype(first.device), device=first.device)
             self.values[_ADDITIVE:_SHIFT] = -math.inf
-            self.values[_SHIFT] = shift
+            self.values[_SHIFT] = _first_value(first)
+        self.calls = 0
+        self.count = 0
 
-    def add(self, values: Tensor | list[float], count: int) -> None:
-        """Add one call's statistics (the caller holds the lock)."""
-        if isinstance(values, list):
-            host = self.host
-            assert host is not None
-            for slot in range(_ADDITIVE):
-                host[slot] += values[slot]
-            host[_NEG_MIN] = max(host[_NEG_MIN], values[_NEG_MIN])
-            host[_MAX] = max(host[_MAX], values[_MAX])
-        else:
-            assert self.values is not None
+    def take(self, tensor: Tensor, watch: Watch) -> None:
+        """Add the statistics of one call's (detached) ``tensor``, computed on its device."""
+        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
+            values = _call_stats(tensor, watch._need, watch._scratch, self.values[_SHIFT])
+        with watch._lock:
             self.values[:_ADDITIVE].add_(values[:_ADDITIVE])
             torch.fmax(self.values[_ADDITIVE:_SHIFT], values[_ADDITIVE:], out=self.values[_ADDITIVE:_SHIFT])
-        self.calls += 1
-        self.count += count
+            self.calls += 1
+            self.count += tensor.numel()
 
-    def snapshot(self) -> Tensor | list[float]:
-        """A copy of the sums and the shift (a tensor on the device, a list on the CPU)."""
-        return list(self.host) if self.host is not None else self.values.clone()  # type: ignore[union-attr]
+    def snapshot(self) -> Tensor:
+        """A copy of the sums and the shift, on the device (the caller holds the lock)."""
+        return self.values.clone()
 
 
 class _GradStats:
@@ -509,7 +524,7 @@ class Watch(Observer[None], ClosedOnExit):
         self._order = {path: k for k, path in enumerate(selection.paths)}
         self._types = {path: type(model.get_submodule(path)).__name__ for path in selection.paths}
         self._lock = threading.Lock()
-        self._sums: dict[tuple[str, int, str, torch.device], _Sums] = {}
+        self._sums: dict[tuple[str, int, str, torch.device], _HostSums | _DeviceSums] = {}
         self._scratch = _Scratch()
         self._hooked: MutableMapping[Tensor, dict[tuple[str, int], Any]] = WeakIdKeyDictionary()  # site -> grad_fn
         self._session = ObserverSession(model, selection, self)
@@ -541,24 +556,15 @@ class Watch(Observer[None], ClosedOnExit):
         with self._lock:
             sums = self._sums.get(key)
             if sums is None:
-                sums = self._sums[key] = _Sums(tensor)
+                kind_of_sums = _HostSums if tensor.device.type in READ_AT_ONCE else _DeviceSums
+                sums = self._sums[key] = kind_of_sums(tensor)
         try:
-            values = self._call_values(tensor.detach(), sums)
+            sums.take(tensor.detach(), self)
         except BaseException:
             with self._lock:  # a first call that raised (the fused kernel could not be built) leaves no empty row
                 if sums.calls == 0 and self._sums.get(key) is sums:
                     del self._sums[key]
             raise
-        with self._lock:
-            sums.add(values, tensor.numel())
-
-    def _call_values(self, tensor: Tensor, sums: _Sums) -> Tensor | list[float]:
-        if (
-            sums.host is not None
-        ):  # float64 or host arithmetic on detached values: autocast and grad mode cannot reach it
-            return _host_call_stats(tensor, self._need, self._scratch, sums.host[_SHIFT], self.fused)
-        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-            return _call_stats(tensor, self._need, self._scratch, sums.values[_SHIFT])  # type: ignore[index]
 
     # handle --------------------------------------------------------------------------------------
 
@@ -585,15 +591,16 @@ class Watch(Observer[None], ClosedOnExit):
         """
         with self._lock:
             items = [(key, sums.snapshot(), sums.calls, sums.count) for key, sums in self._sums.items()]
-        host = [values if isinstance(values, list) else [] for _key, values, *_rest in items]
-        by_device: dict[torch.device, list[int]] = {}
-        for k, (key, values, *_rest) in enumerate(items):
-            if isinstance(values, Tensor):
-                by_device.setdefault(key[3], []).append(k)
-        for indices in by_device.values():
-            stacked = torch.stack([items[k][1] for k in indices]).tolist()  # type: ignore[misc]
-            for k, values in zip(indices, stacked):
-                host[k] = values
+        host: list[list[float]] = []
+        on_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for k, (key, snapshot, _calls, _count) in enumerate(items):
+            if isinstance(snapshot, Tensor):
+                on_device.setdefault(key[3], []).append((k, snapshot))
+            host.append(snapshot if isinstance(snapshot, list) else [])
+        for pairs in on_device.values():
+            stacked = torch.stack([sums for _k, sums in pairs]).tolist()
+            for (k, _sums), read in zip(pairs, stacked):
+                host[k] = read
         merged: dict[tuple[str, int, str], tuple[list[float], int, int]] = {}
         for (key, _values, calls, count), values in zip(items, host):
             row_key = key[:3]
