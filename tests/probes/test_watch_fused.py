@@ -110,16 +110,17 @@ def test_fused_kernel_is_one_graph_for_every_size_and_offset(monkeypatch: pytest
 
 
 @pytest.mark.slow
-def test_fused_past_the_recompile_limit_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_past_the_recompile_limit_runs_eagerly() -> None:
     calls = [seeded(30_000, seed=11).bfloat16()]
     rows_of(True, calls)  # the graph of this thread count exists
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)  # a guard of the graph: another one would be compiled
-    try:
-        fused = rows_of(True, calls)
-    finally:
-        torch.set_num_threads(threads)
+    # torch's own patch: pytest's monkeypatch deletes a config entry on undo, failing every later compile
+    with torch._dynamo.config.patch(recompile_limit=1):
+        torch.set_num_threads(threads + 1)  # a guard of the graph: another one would be compiled
+        try:
+            fused = rows_of(True, calls)
+        finally:
+            torch.set_num_threads(threads)
     assert_same_rows(fused, rows_of(False, calls))
 
 
