@@ -12,6 +12,9 @@ changes nothing), side by side in one run:
 - ``fh.probes.detect_nonfinite`` on every module (forward and backward checks);
 - hand-written hooks, the usual way: a forward hook per block that reads min, max, mean and std
   with ``.item()``, and a tensor hook on its output doing the same for the gradient;
+- the least a finite check by hand can do: a forward hook on every module that sums its output once and reads
+  the sum (``math.isfinite(out.sum().item())``), and a tensor hook doing the same for the output's gradient: the
+  floor ``detect_nonfinite`` stands against (it also checks inputs, names the origin and keeps masks apart);
 - ``torch.autograd.detect_anomaly()`` around the step.
 
 Each image size (112 to 320 px by default) and precision is its own group: the probes' per-call work does not
@@ -29,6 +32,7 @@ of the step without probes, at every size and precision.
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -47,6 +51,7 @@ WATCH = "watch, 16 blocks + grads"
 FUSED = "watch(fused=True), 16 blocks + grads"
 NONFINITE = "detect_nonfinite, every module"
 HAND = "hand-written hooks with .item()"
+HAND_FINITE = "hand-written finite check, every module"
 ANOMALY = "torch.autograd.detect_anomaly"
 BLOCKS = "layer[1-4].[0-9]"  # the 16 bottleneck blocks of ResNet50 (fnmatch: * would cross dots)
 LR = 1e-3
@@ -80,6 +85,27 @@ class HandWritten:
                 output.register_hook(lambda grad: self.stats.__setitem__(f"{path}.grad", self._read(grad)))
 
         return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class HandFinite:
+    """The least a finite check by hand does: one sum per module output and per gradient, read at once."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.finite = True
+        self.handles = [module.register_forward_hook(self._forward) for path, module in model.named_modules() if path]
+
+    def _check(self, t: Tensor) -> None:
+        self.finite = self.finite and math.isfinite(t.detach().sum().item())
+
+    def _forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if isinstance(output, Tensor) and output.is_floating_point():
+            self._check(output)
+            if output.requires_grad:
+                output.register_hook(self._check)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -132,19 +158,21 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     base = resnet50().to(cfg.device).train()
     x = H.images(batch, size, cfg, "fp32")
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
-    models = {name: copy.deepcopy(base) for name in (WATCH, FUSED, NONFINITE, HAND, ANOMALY)}
+    models = {name: copy.deepcopy(base) for name in (WATCH, FUSED, NONFINITE, HAND_FINITE, HAND, ANOMALY)}
     blocks = [path for path, _ in base.named_modules() if path.count(".") == 1 and path.startswith("layer")]
     with watch(throwaway := copy.deepcopy(base), BLOCKS, grads=True, fused=True):
         Step(throwaway, x, y, precision)()  # compiles the fused kernel for this step's dtypes, outside the timing
     watcher = watch(models[WATCH], BLOCKS, grads=True)
     fused = watch(models[FUSED], BLOCKS, grads=True, fused=True)
     sentinel = detect_nonfinite(models[NONFINITE])
+    hand_finite = HandFinite(models[HAND_FINITE])
     hand = HandWritten(models[HAND], blocks)
     steps = {
         BASE: Step(base, x, y, precision),
         WATCH: Step(models[WATCH], x, y, precision),
         FUSED: Step(models[FUSED], x, y, precision),
         NONFINITE: Step(models[NONFINITE], x, y, precision),
+        HAND_FINITE: Step(models[HAND_FINITE], x, y, precision),
         HAND: Step(models[HAND], x, y, precision),
         ANOMALY: Step(models[ANOMALY], x, y, precision, _anomaly),
     }
@@ -169,6 +197,7 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
         watcher.close()
         fused.close()
         sentinel.close()
+        hand_finite.close()
         hand.close()
     facts = {
         "watched_layers": len({row.path for row in rows}),
@@ -253,6 +282,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "any NaN); on a GPU every .item() also waits for the device to finish.",
         "detect_nonfinite: every module (forward: inputs and outputs; backward: gradients of inputs and outputs), "
         "one host read per forward and one per backward.",
+        "hand-written finite check: a forward hook on every module summing its output and a tensor hook summing "
+        "its gradient, each read with .item(): the floor of reading every output and gradient once, without "
+        "inputs, origins or masks.",
         "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]

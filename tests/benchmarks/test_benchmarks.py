@@ -233,7 +233,15 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     probes, payload = _run_quick("probes", tmp_path, torch_home)
     rows = _single_group_rows(payload)
-    assert list(rows) == [probes.BASE, probes.WATCH, probes.FUSED, probes.NONFINITE, probes.HAND, probes.ANOMALY]
+    assert list(rows) == [
+        probes.BASE,
+        probes.WATCH,
+        probes.FUSED,
+        probes.NONFINITE,
+        probes.HAND_FINITE,
+        probes.HAND,
+        probes.ANOMALY,
+    ]
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
     assert all(rows[name]["statistics_ms"] > 0 for name in (probes.WATCH, probes.FUSED))
