@@ -28,8 +28,8 @@ The statistics of a call with non-finite values are those of its finite values (
 ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
 
 Cost: on a ResNet50 training step (CPU, one thread, batch 8, 112 to 320 px), the statistics of the 16 blocks'
-outputs and gradients take 2.6-3.1% of the step's time in float32 and 5.8-6.6% under bf16 autocast; with
-``fused=True`` (one compiled pass a call) 1.2-2.6% and 1.9-4.5% (``benchmarks/probes.py``; docs/probes.md).
+outputs and gradients take 2.2-2.7% of the step's time in float32 and 4.5-6.2% under bf16 autocast; with
+``fused=True`` (one compiled pass a call) 1.0-2.4% and 1.9-4.9% (``benchmarks/probes.py``; docs/probes.md).
 """
 
 from __future__ import annotations
