@@ -23,6 +23,10 @@ shrink with the maps the way the step does. ``bf16`` runs the step's forward and
 so the probes see bfloat16 outputs and gradients. Targets: watch (either way) <= 1.05x and detect_nonfinite <= 1.05x
 of the step without probes, at every size and precision.
 
+A whole step's time moves by several percent from round to round on a shared machine, so after the timed rounds
+three more steps time every call into the hooks of watch, detect_nonfinite and the hand-written finite check
+(*hooks ms / step*): each one's own cost, which a ratio of whole steps cannot resolve to a percent.
+
     python benchmarks/probes.py --threads 1 --clock cpu     # about 30 minutes on a shared CPU machine
     python benchmarks/probes.py --precisions bf16 --shapes 8x224
     python benchmarks/probes.py --device cuda
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from featurehooks.probes.nonfinite import detect_nonfinite
+from featurehooks.probes.nonfinite import NonFiniteDetector, detect_nonfinite
 from featurehooks.probes.watch import Watch, WatchRow, watch
 
 import _harness as H
@@ -55,7 +59,7 @@ HAND_FINITE = "hand-written finite check, every module"
 ANOMALY = "torch.autograd.detect_anomaly"
 BLOCKS = "layer[1-4].[0-9]"  # the 16 bottleneck blocks of ResNet50 (fnmatch: * would cross dots)
 LR = 1e-3
-STATISTICS_STEPS = 3  # steps timed inside watch's statistics, after the interleaved rounds
+HOOKS_STEPS = 3  # steps timed inside the probes' hooks, after the interleaved rounds
 SHAPES = H.Shapes(quick="2x32", cpu="8x112,8x160,8x224,8x320", cuda="32x112,32x160,32x224,32x320")
 
 
@@ -96,16 +100,20 @@ class HandFinite:
 
     def __init__(self, model: nn.Module) -> None:
         self.finite = True
-        self.handles = [module.register_forward_hook(self._forward) for path, module in model.named_modules() if path]
+        self.handles = [
+            module.register_forward_hook(lambda module, args, output: self.forward_hook(module, args, output))
+            for path, module in model.named_modules()
+            if path
+        ]
 
-    def _check(self, t: Tensor) -> None:
+    def check(self, t: Tensor) -> None:
         self.finite = self.finite and math.isfinite(t.detach().sum().item())
 
-    def _forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def forward_hook(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if isinstance(output, Tensor) and output.is_floating_point():
-            self._check(output)
+            self.check(output)
             if output.requires_grad:
-                output.register_hook(self._check)
+                output.register_hook(self.check)
 
     def close(self) -> None:
         for handle in self.handles:
@@ -191,8 +199,14 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
             }
             for name, step in steps.items()
         }
-        for name, probe in ((WATCH, watcher), (FUSED, fused)):  # after the losses are compared: more steps
-            extras[name]["statistics_ms"] = statistics_ms(probe, steps[name], cfg)
+        entries = {  # where each probe's hooks enter its code (methods looked up on the instance at every call)
+            WATCH: [*_session_hooks(watcher), (watcher, "_add")],
+            FUSED: [*_session_hooks(fused), (fused, "_add")],
+            NONFINITE: [*_session_hooks(sentinel), (sentinel, "_note_grad"), (sentinel, "_end_backward")],
+            HAND_FINITE: [(hand_finite, "forward_hook"), (hand_finite, "check")],
+        }
+        for name, methods in entries.items():  # after the losses are compared: more steps
+            extras[name]["hooks_ms"] = hooks_ms(methods, steps[name], cfg)
     finally:
         watcher.close()
         fused.close()
@@ -210,26 +224,44 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     return H.make_group(title, params, timing, BASE, extras), facts
 
 
-def statistics_ms(probe: Watch, step: Step, cfg: H.Settings) -> float:
-    """Milliseconds a step spends inside ``probe``'s statistics (every call's passes and their accumulation, on the
-    run's clock), over a few more steps: the probe's own cost, without the noise of a whole step's time. Taken after
-    the timed rounds (the losses compared above are theirs); ``probe`` is closed afterwards, also on an error."""
+def _session_hooks(probe: Watch | NonFiniteDetector) -> list[tuple[object, str]]:
+    """The module hooks of a featurehooks probe: a call of a watched module enters its session through these."""
+    return [(probe._session, name) for name in ("_open", "_finish", "_close")]
+
+
+def hooks_ms(methods: list[tuple[object, str]], step: Step, cfg: H.Settings) -> float:
+    """Milliseconds a step spends inside a probe's hooks (``methods``: where they enter its code, each patched on its
+    instance; time nested in another is counted once), on the run's clock, over a few more steps: the probe's own
+    cost, without the noise of a whole step's time (on a GPU: the host's part). Taken after the timed rounds (the
+    losses compared above are theirs); the methods are the class's again afterwards, also on an error."""
     clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
-    add = probe._add
     spent = 0.0
+    depth = 0
 
-    def timed(*args: Any) -> None:
-        nonlocal spent
-        start = clock()
-        try:
-            add(*args)
-        finally:
-            spent += clock() - start
+    def timed(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal spent, depth
+            if depth:
+                return method(*args, **kwargs)
+            depth += 1
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent += clock() - start
+                depth -= 1
 
-    probe._add = timed  # type: ignore[method-assign]  # on this instance only: the hooks call it through self
-    count = 1 if cfg.quick else STATISTICS_STEPS
-    for _ in range(count):
-        step()
+        return call
+
+    for owner, name in methods:
+        setattr(owner, name, timed(getattr(owner, name)))
+    count = 1 if cfg.quick else HOOKS_STEPS
+    try:
+        for _ in range(count):
+            step()
+    finally:
+        for owner, name in methods:
+            delattr(owner, name)
     return spent / count * 1e3
 
 
@@ -285,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hand-written finite check: a forward hook on every module summing its output and a tensor hook summing "
         "its gradient, each read with .item(): the floor of reading every output and gradient once, without "
         "inputs, origins or masks.",
+        "hooks ms / step: time inside the probe's hooks (module hooks and gradient hooks, from where they enter its "
+        "code), over 3 more steps after the timed rounds, on the run's clock (on a GPU the host's part only).",
         "max |Δ loss|: largest difference of a contender's per-step losses from those without probes (identical "
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]
@@ -300,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         extra_columns=[
             ("max_abs_diff", "max |Δ loss|", ".2g"),
             ("steps", "steps", "d"),
-            ("statistics_ms", "statistics ms / step", ".1f"),
+            ("hooks_ms", "hooks ms / step", ".1f"),
         ],
     )
     return H.publish(cfg, payload)

@@ -244,8 +244,9 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     ]
     for row in rows.values():  # identical copies and batches: no probe changes the training step
         assert row["max_abs_diff"] == 0.0 and row["steps"] >= 3, row
-    assert all(rows[name]["statistics_ms"] > 0 for name in (probes.WATCH, probes.FUSED))
-    assert "statistics_ms" not in rows[probes.BASE]
+    timed = (probes.WATCH, probes.FUSED, probes.NONFINITE, probes.HAND_FINITE)
+    assert all(rows[name]["hooks_ms"] > 0 for name in timed)
+    assert all("hooks_ms" not in rows[name] for name in set(rows) - set(timed))
     assert payload["config"]["watched_layers"] == 16 and payload["config"]["watch_rows"] == 32
     assert payload["config"]["fused_max_rel_diff"] < 1e-6  # the fused kernel's statistics are watch's
     claims = {t["claim"] for t in payload["targets"]}
