@@ -147,7 +147,7 @@ class Step:
         with H.autocast(self.precision, self.x.device):
             loss = nn.functional.cross_entropy(self.model(self.x), self.y)
         loss.backward()
-        self.losses.append(float(loss))  # after backward, like a training loop's logging
+        self.losses.append(float(loss.detach()))  # after backward, like a training loop's logging
         return loss
 
 
