@@ -140,6 +140,15 @@ class Hooks:
         with self._tensor_lock:
             self._tensor_handles.append(handle)
 
+    def hold_node(
+        self, node: torch.autograd.graph.Node, hook: Callable[[tuple[torch.Tensor | None, ...]], None]
+    ) -> None:
+        """Register a pre-hook on an autograd node (it sees the gradients with respect to the node's outputs, whatever
+        became of the tensors since) that ``remove`` takes away again."""
+        handle = node.register_prehook(hook)
+        with self._tensor_lock:
+            self._tensor_handles.append(handle)
+
     def prune(self) -> None:
         """Drop the handles of tensor hooks whose tensor (and graph) is gone."""
         with self._tensor_lock:
@@ -569,7 +578,9 @@ class Observer(ABC, Generic[T]):
       ``wants_inputs`` is true;
     - ``after(state, path, call, module, args, output)`` after each selected call;
     - ``end(state, output)`` when the forward returns; an exception raised here leaves the forward
-      (the session still closes the forward). Not called when the forward itself raised.
+      (the session still closes the forward). Not called when the forward itself raised;
+    - ``leave(state)`` when the forward is taken off the stack, returned or raised (after ``end``), before any
+      backward of it can run.
 
     ``call`` counts the runs of ``path`` in this forward from 0, in the order they begin, as taps
     name them (``path``, ``path_1``, ...). Calls in meta traces are not reported.
@@ -591,6 +602,9 @@ class Observer(ABC, Generic[T]):
 
     def end(self, state: T, output: Any) -> None:
         """The forward returned ``output``."""
+
+    def leave(self, state: T) -> None:
+        """The forward is over, returned or raised."""
 
 
 class _Observed(_Bracket, Generic[T]):
@@ -658,6 +672,9 @@ class ObserverSession(HookSession[_Observed[T]], Generic[T]):
 
     def _finished(self, forward: _Observed[T], output: Any) -> None:
         self._observer.end(forward.state, output)
+
+    def _closed(self, forward: _Observed[T]) -> None:
+        self._observer.leave(forward.state)
 
 
 # In-place modules whose out-of-place form gives bitwise the same values and first and second order

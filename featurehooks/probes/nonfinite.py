@@ -23,14 +23,18 @@ as its first. A non-finite output *leads on* when the model returns it, when a m
 later returned a non-finite output that leads on, or, where no checked module received it later, when
 the call it was made in has a non-finite output that leads on (that call's code used it).
 
-Backward: tensor hooks on the checked modules' outputs and inputs record whether the gradient with
-respect to each is finite, the same way. When the backward pass ends (a callback queued on the autograd
-engine by the first of those hooks), the device's flags are read in one transfer; any non-finite gradient
-is reported. The origin is the first module call, in backward order, whose gradient with respect to an input is
-non-finite while the gradient with respect to its output was finite. A gradient already non-finite when
-it reaches the model's output (from the loss) is reported with path ``"<output>"``. A tensor checked in
-several forwards (an image being optimized, fed to every step) has one hook, which answers for the last
-forward that checked it.
+Backward: hooks record whether the gradient with respect to each checked output and input is finite, the
+same way: on the autograd node that made the tensor (so a tensor changed in place later is checked as it was
+when the module saw it), on the tensor itself for a leaf. They are put on when the forward is over, all in one
+go: one at a time between the model's kernels, each cost several times more (caches cold). When the
+backward pass ends (a callback queued on the autograd engine by the first of those hooks), the device's
+flags are read in one transfer; any non-finite gradient is reported. The origin is the first module call,
+in backward order, whose gradient with respect to an input is non-finite while the gradient with respect
+to its output was finite. A gradient already non-finite when it reaches the model's output (from the loss)
+is reported with path ``"<output>"``. A gradient checked in several forwards (an image being optimized,
+fed to every step) has one hook, which answers for the last forward that checked it. A forward cut short by
+a ``BaseException`` that is not an ``Exception`` (a KeyboardInterrupt, a FeatureExtractor stopping after its
+deepest layer) is checked in neither pass.
 
 Limits: modules are seen from outside. A NaN a module makes from one of its masks (a row masked
 entirely) is blamed on that module, which is where it appears. A ``-inf`` mask passed as the model's
@@ -103,8 +107,8 @@ READ_AT_ONCE = frozenset({"cpu"})  # device types whose values the host reads at
 
 
 class _GradFlag:
-    """Tensor hook on one checked tensor: records whether its gradient is finite, for every role it plays in the
-    last forward that checked it (``forward``)."""
+    """Tensor hook on one checked leaf tensor: records whether its gradient is finite, for every role it plays in
+    the last forward that checked it (``forward``)."""
 
     __slots__ = ("forward", "owner", "roles")
 
@@ -117,16 +121,33 @@ class _GradFlag:
         self.owner._note_grad(self, grad)
 
 
+class _NodeGradFlag(_GradFlag):
+    """Pre-hook on the autograd node that made a checked tensor: the same for the gradient with respect to that
+    tensor, the node's output ``output_nr`` (the tensor as it was when checked, whatever changed it in place since)."""
+
+    __slots__ = ("output_nr",)
+
+    def __init__(self, owner: NonFiniteDetector, output_nr: int) -> None:
+        super().__init__(owner)
+        self.output_nr = output_nr
+
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:  # type: ignore[override]
+        grad = grad_outputs[self.output_nr]
+        if grad is not None:
+            self.owner._note_grad(self, grad)
+
+
 class _Seen:
-    """A tensor already checked in this forward, as long as it is alive and unchanged."""
+    """A tensor already checked in this forward, as long as it is alive and unchanged; ``roles``: what it is to
+    the calls that saw it (None: its gradient is not checked)."""
 
-    __slots__ = ("flag", "grad", "ref", "version")
+    __slots__ = ("flag", "ref", "roles", "version")
 
-    def __init__(self, tensor: Tensor, version: int | None, flag: int, grad: _GradFlag | None) -> None:
+    def __init__(self, tensor: Tensor, version: int | None, flag: int, roles: list[Role] | None) -> None:
         self.ref = weakref.ref(tensor)
         self.version = version
         self.flag = flag
-        self.grad = grad
+        self.roles = roles
 
 
 class _Call:
@@ -187,12 +208,15 @@ class _Flags:
 class _Forward:
     """One forward: the flags of every checked tensor and the calls that saw them."""
 
-    __slots__ = ("calls", "flags", "id", "root", "running", "seen")
+    __slots__ = ("calls", "flags", "grads", "id", "root", "running", "seen")
 
     def __init__(self, forward_id: int) -> None:
         self.id = forward_id
         self.flags = _Flags()
         self.seen: dict[int, _Seen] = {}
+        # what made each checked tensor whose gradient is checked (its node and output, or the leaf itself), with
+        # its roles: hooked when the forward is over, in one go, not one at a time between the model's kernels
+        self.grads: list[tuple[Any, int, list[Role]]] = []
         self.root = _Call("", 0, [], 0, None)  # the forward itself: the model's arguments and output
         self.running: list[_Call] = []  # checked calls begun and not yet ended, innermost last
         self.calls: list[_Call] = []  # in the order calls finished
@@ -354,7 +378,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._backwards: dict[int, tuple[list[tuple[list[Role], int]], _Flags]] = {}  # graph task -> its gradients
-        self._hooked: MutableMapping[Tensor, tuple[Any, _GradFlag]] = WeakIdKeyDictionary()  # tensor -> (grad_fn, hook)
+        self._hooked: MutableMapping[Tensor, _GradFlag] = WeakIdKeyDictionary()  # leaf tensor -> its hook
         self._selection = selection
         self._session = ObserverSession(model, selection, self)
 
@@ -375,8 +399,8 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         for label, tensor in zip(_labels(kind, len(tensors)), tensors):
             seen = self._seen(forward, tensor, known)
             entries.append((label, seen.flag))
-            if seen.grad is not None:
-                seen.grad.roles.append((forward.id, path, call, label, is_output))
+            if seen.roles is not None:
+                seen.roles.append((forward.id, path, call, label, is_output))
         return entries
 
     def _seen(self, forward: _Forward, tensor: Tensor, known: int | None = None) -> _Seen:
@@ -386,27 +410,39 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
             return seen
         flag = forward.flags.add(_flag(tensor) if known is None else known)
-        grad = self._grad_flag(forward, tensor) if tensor.requires_grad and torch.is_grad_enabled() else None
-        seen = forward.seen[id(tensor)] = _Seen(tensor, version, flag, grad)
+        roles: list[Role] | None = None
+        if tensor.requires_grad and torch.is_grad_enabled():
+            roles = []
+            node = tensor.grad_fn
+            forward.grads.append((tensor, 0, roles) if node is None else (node, tensor.output_nr, roles))
+        seen = forward.seen[id(tensor)] = _Seen(tensor, version, flag, roles)
         return seen
 
-    def _grad_flag(self, forward: _Forward, tensor: Tensor) -> _GradFlag:
-        """The gradient hook of ``tensor`` as autograd sees it now (its ``grad_fn``), answering for this forward.
+    def _hook_grads(self, forward: _Forward) -> None:
+        """Hook the gradients of the tensors checked in ``forward``, each answering for its roles in it.
 
-        A tensor that outlives forwards (an image being optimized, fed to every step: a leaf) keeps its hook;
-        registering one each forward would pile them up. A tensor changed in place has a new ``grad_fn`` and gets a
-        hook of its own: the gradient with respect to its new version is another gradient.
+        One hook per gradient: on the node that made the tensor (its output ``output_nr``), so a tensor changed in
+        place later is still checked as it was; on a leaf (an image being optimized, fed to every step), the tensor
+        itself. A gradient checked in several forwards (a leaf, or one tensor fed to the model twice) keeps its
+        hook, answering for the last of them: registering one each forward would pile them up.
         """
-        held = self._hooked.get(tensor)
-        if held is None or held[0] is not tensor.grad_fn:
-            grad = _GradFlag(self)
-            self._hooked[tensor] = (tensor.grad_fn, grad)
-            self._session.hold(tensor, grad)
-        else:
-            grad = held[1]
-        if grad.forward != forward.id:
-            grad.forward, grad.roles = forward.id, []  # a new list: a backward under way keeps the one it took
-        return grad
+        for maker, output_nr, roles in forward.grads:
+            if isinstance(maker, Tensor):
+                grad = self._hooked.get(maker)
+                if grad is None:
+                    grad = self._hooked[maker] = _GradFlag(self)
+                    self._session.hold(maker, grad)
+            else:
+                metadata = maker.metadata
+                grad = metadata.get((self, output_nr))
+                if grad is None:
+                    grad = metadata[(self, output_nr)] = _NodeGradFlag(self, output_nr)
+                    self._session.hold_node(maker, grad)
+            if grad.forward != forward.id:
+                grad.forward, grad.roles = forward.id, roles  # a new list: a backward under way keeps the one it took
+            else:
+                grad.roles = grad.roles + roles
+        forward.grads.clear()
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         forward = _Forward(next(self._ids))
@@ -436,6 +472,10 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         kinds = state.flags.kinds()
         if any(kind != FINITE for kind in kinds):
             self._check_forward(state, kinds)
+
+    def leave(self, state: _Forward) -> None:
+        if self._session.active:
+            self._hook_grads(state)
 
     def _check_forward(self, forward: _Forward, kinds: list[int]) -> None:
         """Raise at the origin of a NaN or inf in the model's input or output (the rules: the module docstring)."""

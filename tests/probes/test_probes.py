@@ -113,8 +113,13 @@ def module_hooks(model: nn.Module) -> int:
     )
 
 
-def tensor_hooks(t: Tensor) -> int:
-    return len(t._backward_hooks or {})
+def gradient_hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The calls of the probes' gradient hooks (on tensors or on the autograd nodes that made them), from now on."""
+    calls: list[object] = []
+    for owner in (watch_module._GradStats, nonfinite._GradFlag, nonfinite._NodeGradFlag):
+        fire = owner.__call__
+        monkeypatch.setattr(owner, "__call__", lambda self, grad, fire=fire: calls.append(self) or fire(self, grad))
+    return calls
 
 
 def direct(t: Tensor) -> dict[str, float]:
@@ -636,6 +641,20 @@ def test_nonfinite_one_gradient_hook_on_an_input_fed_to_every_step() -> None:
     assert not image._backward_hooks
 
 
+def test_nonfinite_one_gradient_hook_on_a_tensor_fed_twice_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = gradient_hook_calls(monkeypatch)
+    model = mlp(InfBackward(), nn.Tanh())
+    fake = torch.randn(3, 6, requires_grad=True) * 2  # a generator's output: not a leaf, fed to the model twice
+    with detect_nonfinite(model):
+        loss = model(fake).sum() + model(fake).sum()
+        with pytest.raises(NonFiniteError) as info:
+            loss.backward()
+    # per forward the outputs of the five modules, and the shared input once, though both forwards checked it
+    assert len(calls) == 2 * 5 + 1
+    assert len({id(hook) for hook in calls}) == len(calls)
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("2", "backward", "grad_input")
+
+
 def test_nonfinite_in_threads_names_its_own_forward() -> None:
     model = mlp(Scale(1.0))
     results: dict[str, BaseException | None] = {}
@@ -694,25 +713,29 @@ def probe(request: pytest.FixtureRequest) -> Any:
     return watch if request.param == "watch" else detect_nonfinite
 
 
-def test_probes_leave_no_hooks(probe: Any) -> None:
+def test_probes_leave_no_hooks(probe: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = gradient_hook_calls(monkeypatch)
     model = mlp(Keep())
     x = torch.randn(2, 6)
     with probe(model, ["0", "2", "3"]) as handle:
         assert module_hooks(model) > 0
         out = model(x)
-        kept = model[2].kept
-        assert tensor_hooks(kept) == 1 and tensor_hooks(out) == 1
+        out.sum().backward(retain_graph=True)
+        assert calls  # the gradients were checked
+    calls.clear()
     assert not handle.active and module_hooks(model) == 0
-    assert tensor_hooks(kept) == 0 and tensor_hooks(out) == 0
     out.sum().backward()  # the graph still works, with nothing left to fire
+    assert calls == []
 
 
-def test_probes_leave_no_hooks_after_an_exception(probe: Any) -> None:
+def test_probes_leave_no_hooks_after_an_exception(probe: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = gradient_hook_calls(monkeypatch)
     model = mlp(Keep(), Boom())
     with pytest.raises(RuntimeError, match="boom"), probe(model):
         model(torch.randn(2, 6))
     kept = model[2].kept
-    assert module_hooks(model) == 0 and tensor_hooks(kept) == 0
+    kept.sum().backward()
+    assert module_hooks(model) == 0 and calls == []
     model[3].armed = False
     with probe(model):  # the failed forward was closed: the next one is checked from a clean start
         model(torch.randn(2, 6)).sum().backward()
