@@ -136,16 +136,16 @@ class Hooks:
 
     def hold(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """Register a backward hook on ``tensor`` that ``remove`` takes away again."""
-        handle = tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        with self._tensor_lock:
-            self._tensor_handles.append(handle)
+        self._hold(tensor.register_hook(hook))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
 
     def hold_node(
         self, node: torch.autograd.graph.Node, hook: Callable[[tuple[torch.Tensor | None, ...]], None]
     ) -> None:
         """Register a pre-hook on an autograd node (it sees the gradients with respect to the node's outputs, whatever
         became of the tensors since) that ``remove`` takes away again."""
-        handle = node.register_prehook(hook)
+        self._hold(node.register_prehook(hook))
+
+    def _hold(self, handle: RemovableHandle) -> None:
         with self._tensor_lock:
             self._tensor_handles.append(handle)
 

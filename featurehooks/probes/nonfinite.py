@@ -442,7 +442,6 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
                 grad.forward, grad.roles = forward.id, roles  # a new list: a backward under way keeps the one it took
             else:
                 grad.roles = grad.roles + roles
-        forward.grads.clear()
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         forward = _Forward(next(self._ids))
