@@ -145,6 +145,15 @@ class Hooks:
         became of the tensors since) that ``remove`` takes away again."""
         self._hold(node.register_prehook(hook))
 
+    def hold_node_post(
+        self,
+        node: torch.autograd.graph.Node,
+        hook: Callable[[tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]], None],
+    ) -> None:
+        """Register a post-hook on an autograd node (it sees the gradients the node made, with respect to its inputs,
+        and the ones it took, with respect to its outputs) that ``remove`` takes away again."""
+        self._hold(node.register_hook(hook))
+
     def _hold(self, handle: RemovableHandle) -> None:
         with self._tensor_lock:
             self._tensor_handles.append(handle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib
 import math
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,9 @@ def module_hooks(model: nn.Module) -> int:
 def gradient_hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The calls of the probes' gradient hooks (on tensors or on the autograd nodes that made them), from now on."""
     calls: list[object] = []
-    for owner in (watch_module._GradStats, nonfinite._GradFlag, nonfinite._NodeGradFlag):
+    for owner in (watch_module._GradStats, nonfinite._GradFlag, nonfinite._NodeGradFlag, nonfinite._PassingGradFlag):
         fire = owner.__call__
-        monkeypatch.setattr(owner, "__call__", lambda self, grad, fire=fire: calls.append(self) or fire(self, grad))
+        monkeypatch.setattr(owner, "__call__", lambda self, *grads, fire=fire: calls.append(self) or fire(self, *grads))
     return calls
 
 
@@ -507,6 +508,94 @@ def test_nonfinite_reads_no_relu_output_of_a_finite_input(in_place: bool, monkey
         model(torch.randn(2, 6)).sum().backward()
     forward_reads = [(2, 6), (2, 8), (2, 3)]  # the input, the first Linear's output, the head's output
     assert read[: len(forward_reads)] == forward_reads
+
+
+PASSES_FINITE = {  # activations whose input gradient is finite wherever their output gradient is: not read
+    "relu": nn.ReLU(),
+    "relu in place": nn.ReLU(inplace=True),
+    "relu6": nn.ReLU6(),
+    "hardtanh in place": nn.Hardtanh(-2.0, 3.0, inplace=True),
+    "threshold": nn.Threshold(0.1, 2.0),
+    "hardsigmoid": nn.Hardsigmoid(),
+    "leaky relu": nn.LeakyReLU(0.1),
+    "leaky relu in place": nn.LeakyReLU(0.5, inplace=True),
+    "leaky relu, slope -1": nn.LeakyReLU(-1.0),
+}
+READ = {"gelu": nn.GELU(), "silu": nn.SiLU(), "sigmoid": nn.Sigmoid(), "leaky relu, slope 2": nn.LeakyReLU(2.0)}
+
+
+@pytest.mark.parametrize("case", [*PASSES_FINITE, *READ])
+def test_nonfinite_reads_no_gradient_an_activation_keeps_finite(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradient with respect to a ReLU's input is not read where the one with respect to its output was finite;
+    nor is a gradient that reaches the next checked tensor unchanged (through the addition)."""
+    activation = {**PASSES_FINITE, **READ}[case]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.act, self.head = nn.Linear(6, 8), activation, nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.act(self.body(x)) + 1.0)
+
+    torch.manual_seed(0)
+    model = Net()
+    read: list[tuple[int, ...]] = []
+    classify = nonfinite._cpu_kind
+    with detect_nonfinite(model):
+        out = model(torch.randn(2, 6))
+        monkeypatch.setattr(nonfinite, "_cpu_kind", lambda values: read.append(tuple(values.shape)) or classify(values))
+        out.sum().backward()
+    # the gradients with respect to the output, the head's input (which the addition hands on to the activation's
+    # output unchanged) and, unless the activation keeps it finite, the activation's input
+    assert read == [(2, 3), (2, 8)] + ([] if case in PASSES_FINITE else [(2, 8)])
+
+
+class Fork(nn.Module):
+    """A ReLU's input is also used by another module (``other``), whose gradient is added to the ReLU's."""
+
+    def __init__(self, other: nn.Module, other_first: bool) -> None:
+        super().__init__()
+        self.body, self.act, self.other, self.head = nn.Linear(6, 8), nn.ReLU(), other, nn.Linear(8, 3)
+        self.other_first = other_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body(x)
+        parts = (self.other(h), self.act(h)) if self.other_first else (self.act(h), self.other(h))
+        return self.head(parts[0] + parts[1])
+
+
+@pytest.mark.parametrize("other_first", [False, True])
+def test_nonfinite_backward_a_relu_input_shared_with_an_infinite_gradient(other_first: bool, flags_read: str) -> None:
+    """The ReLU hands its input's gradient on as finite; the sum with the other module's infinite one is read."""
+    torch.manual_seed(0)
+    model = Fork(InfBackward(), other_first)
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 6)).sum().backward()
+    assert (info.value.phase, info.value.tensor) == ("backward", "grad_input")
+    assert {info.value.path, *re.findall(r"'(\w+)' \(", str(info.value))} == {"act", "other"}
+
+
+def test_nonfinite_backward_leaky_relu_slope_above_one_overflows() -> None:
+    """A slope over 1 can make an infinite gradient from a finite one: that LeakyReLU's input gradient is read."""
+    model = nn.Sequential(Scale(1.0), nn.LeakyReLU(-1e38))
+    x = torch.full((2, 4), -1e-38, requires_grad=True)
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        out = model(x)  # finite: about 1
+        out.backward(torch.full_like(out, 10.0))  # 10 * -1e38 overflows float32
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
+
+
+def test_nonfinite_backward_origin_in_a_resnet_block(flags_read: str) -> None:
+    """A ResNet's gradients through its batch norms, ReLUs and residual additions, most handed on unread."""
+    import torchvision.models as tvm
+
+    torch.manual_seed(0)
+    model = tvm.resnet18(weights=None)
+    model.layer2[1].bn1 = nn.Sequential(model.layer2[1].bn1, InfBackward())
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.rand(2, 3, 32, 32)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("layer2.1.bn1.1", "backward", "grad_input")
 
 
 def test_nonfinite_forward_nan_weight_in_a_resnet_block(flags_read: str) -> None:
