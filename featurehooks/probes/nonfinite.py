@@ -589,6 +589,8 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         with self._lock:
             backward = self._backwards.get(task)
             if backward is None:
+                for other in self._backwards.values():  # a backward pass that raised never ended: let go of its
+                    other.finite = None  # gradient (one running in another thread just reads its next one)
                 backward = self._backwards[task] = _Backward()
                 # check once, when this backward pass ends
                 torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))

@@ -586,6 +586,37 @@ def test_nonfinite_backward_leaky_relu_slope_above_one_overflows() -> None:
     assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("backward failed")
+
+
+class FailingBackward(nn.Module):
+    armed = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _FailingBackward.apply(x) if self.armed else x
+
+
+def test_nonfinite_lets_go_of_the_gradient_of_a_backward_that_raised() -> None:
+    """The gradient known finite is held until the next one arrives; a backward pass that raised never ends, and
+    the next backward pass lets go of its gradient."""
+    failing = FailingBackward()
+    model = nn.Sequential(nn.Linear(6, 8), failing, nn.ReLU(), nn.Linear(8, 3))
+    with detect_nonfinite(model) as detector:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            model(torch.randn(3, 6)).sum().backward()
+        assert [backward.finite is None for backward in detector._backwards.values()] == [False]
+        failing.armed = False
+        model(torch.randn(3, 6)).sum().backward()
+        assert [backward.finite for backward in detector._backwards.values()] == [None]
+
+
 def test_nonfinite_backward_origin_in_a_resnet_block(flags_read: str) -> None:
     """A ResNet's gradients through its batch norms, ReLUs and residual additions, most handed on unread."""
     import torchvision.models as tvm
