@@ -124,7 +124,8 @@ class _GradFlag:
         self.roles: list[Role] = []
 
     def __call__(self, grad: Tensor) -> None:
-        self.owner._note_grad(self, grad)
+        # a leaf's gradient goes on to be accumulated into ``.grad`` only: held, it would be copied there, not taken
+        self.owner._note_grad(self, grad, keep=False)
 
 
 class _NodeGradFlag(_GradFlag):
@@ -581,8 +582,9 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
 
     # backward ------------------------------------------------------------------------------------
 
-    def _note_grad(self, hook: _GradFlag, grad: Tensor, passed: Tensor | None = None) -> None:
-        """Record whether ``grad`` is finite; ``passed``: a gradient that is wherever ``grad`` is (a node made it)."""
+    def _note_grad(self, hook: _GradFlag, grad: Tensor, passed: Tensor | None = None, keep: bool = True) -> None:
+        """Record whether ``grad`` is finite; ``passed``: a gradient that is wherever ``grad`` is (a node made it);
+        ``keep``: whether a later checked gradient may be this one (or ``passed``)."""
         if not self._session.active or not hook.roles or grad.numel() == 0:
             return
         task = torch._C._current_graph_task_id()
@@ -597,7 +599,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         # the tensor known finite is held until the next checked gradient: holding it, autograd never adds another
         # gradient into it in place, so while the same tensor arrives it holds the same values
         flag = FINITE if grad is backward.finite else _flag(grad)
-        backward.finite = (grad if passed is None else passed) if flag == FINITE else None
+        backward.finite = (grad if passed is None else passed) if keep and flag == FINITE else None
         with self._lock:
             backward.events.append((hook.roles, backward.flags.add(flag)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import math
@@ -615,6 +616,19 @@ def test_nonfinite_lets_go_of_the_gradient_of_a_backward_that_raised() -> None:
         failing.armed = False
         model(torch.randn(3, 6)).sum().backward()
         assert [backward.finite for backward in detector._backwards.values()] == [None]
+
+
+@pytest.mark.parametrize("probed", [False, True])
+def test_nonfinite_leaves_a_leafs_gradient_to_be_taken_into_grad(probed: bool) -> None:
+    """Autograd moves a leaf's gradient into ``.grad`` when nothing else holds it: detect_nonfinite holds none of a
+    leaf's (it would be copied instead)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    image = torch.randn(3, 6, requires_grad=True)  # an image being optimized
+    arrived: list[int] = []
+    image.register_hook(lambda grad: arrived.append(grad.data_ptr()))  # runs after the probe's hook
+    with detect_nonfinite(model) if probed else contextlib.nullcontext():
+        model(image).sum().backward()
+    assert image.grad is not None and image.grad.data_ptr() == arrived[0], "moved, not copied"
 
 
 def test_nonfinite_backward_origin_in_a_resnet_block(flags_read: str) -> None:
