@@ -49,8 +49,7 @@ model absorbs before its output (``tanh`` of an overflow, ``nan_to_num``) is not
 its gradient may be. In backward, a tensor feeding several modules has one gradient, the sum over
 them, so when it turns non-finite every consumer qualifies; the one reported is a leaf module if any,
 else the first to run, and the message lists the others. A module whose inputs need no gradient (the
-first layer) can only be blamed through its output. Gradients of parameters are not checked. A gradient that a
-hook of other code changes in place (PyTorch's hooks must not) may be taken for the one found finite before. Nested
+first layer) can only be blamed through its output. Gradients of parameters are not checked. Nested
 tensors (the fast path of ``nn.TransformerEncoder``) are checked through their packed values.
 """
 
@@ -166,12 +165,13 @@ class _Backward:
     """One backward pass (a graph task): the roles and flags of its checked gradients, in the order they arrived,
     and the last gradient known finite (autograd hands a tensor on unchanged where a node passes it through)."""
 
-    __slots__ = ("events", "finite", "flags")
+    __slots__ = ("events", "finite", "flags", "version")
 
     def __init__(self) -> None:
         self.events: list[tuple[list[Role], int]] = []
         self.flags = _Flags()
         self.finite: Tensor | None = None
+        self.version = -1  # that tensor's version when found finite: changed in place since, it is read again
 
 
 class _Seen:
@@ -597,9 +597,11 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
                 # check once, when this backward pass ends
                 torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
         # the tensor known finite is held until the next checked gradient: holding it, autograd never adds another
-        # gradient into it in place, so while the same tensor arrives it holds the same values
-        flag = FINITE if grad is backward.finite else _flag(grad)
-        backward.finite = (grad if passed is None else passed) if keep and flag == FINITE else None
+        # gradient into it in place; anything else changing it in place (a custom backward) bumps its version
+        known = grad is backward.finite and grad._version == backward.version
+        flag = FINITE if known else _flag(grad)
+        kept = (grad if passed is None else passed) if keep and flag == FINITE else None
+        backward.finite, backward.version = kept, -1 if kept is None else kept._version
         with self._lock:
             backward.events.append((hook.roles, backward.flags.add(flag)))
 

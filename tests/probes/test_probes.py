@@ -577,6 +577,33 @@ def test_nonfinite_backward_a_relu_input_shared_with_an_infinite_gradient(other_
     assert {info.value.path, *re.findall(r"'(\w+)' \(", str(info.value))} == {"act", "other"}
 
 
+class _InPlaceInfBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.mul_(math.inf)  # the gradient it was given, changed in place and handed on
+
+
+class InPlaceInfBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _InPlaceInfBackward.apply(x)
+
+
+@pytest.mark.parametrize("after", ["linear", "relu"])
+def test_nonfinite_backward_a_gradient_changed_in_place_is_read_again(after: str) -> None:
+    """A custom backward that changes the gradient it was given (found finite) in place and hands it on: the same
+    tensor arrives, changed, and is read again."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 3) if after == "linear" else nn.Sequential(nn.ReLU(), nn.Linear(8, 3))
+    model = nn.Sequential(nn.Linear(6, 8), InPlaceInfBackward(), head)
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 6)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
+
+
 def test_nonfinite_backward_leaky_relu_slope_above_one_overflows() -> None:
     """A slope over 1 can make an infinite gradient from a finite one: that LeakyReLU's input gradient is read."""
     model = nn.Sequential(Scale(1.0), nn.LeakyReLU(-1e38))
