@@ -172,6 +172,29 @@ class Scale(nn.Module):
         return x * self.value
 
 
+class _ChangedGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.change = change
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.change(grad), None
+
+
+class ChangesGradient(nn.Module):
+    """Identity forward (a copy); backward hands on ``change(grad)``: a NaN, an inf, an in-place change or an error,
+    made there on purpose."""
+
+    def __init__(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.change = change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ChangedGradient.apply(x, self.change)
+
+
 class FlattensWithView(nn.Module):
     """A convolution then ``.view``: fine in NCHW, an error for channels-last strides (at any input size)."""
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from featurehooks.errors import NonFiniteError
 from featurehooks.probes.nonfinite import INPUT, detect_nonfinite
 
-from helpers import Scale
+from helpers import ChangesGradient, Scale
 
 D, HEADS, L = 16, 2, 5
 
@@ -47,23 +47,6 @@ def padded(length: int = L, as_float: bool = False) -> Tensor:
     mask = torch.zeros(2, length, dtype=torch.bool)
     mask[1, -2:] = True
     return torch.zeros(mask.shape).masked_fill(mask, -math.inf) if as_float else mask
-
-
-class _NanBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad * math.nan
-
-
-class NanBackward(nn.Module):
-    """Identity forward, NaN gradient backward."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _NanBackward.apply(x)
 
 
 class Attend(nn.Module):
@@ -361,13 +344,13 @@ def test_nan_in_the_input_or_in_a_mask_is_the_input() -> None:
 
 def test_nan_gradient_after_attention_is_named_in_backward() -> None:
     model = encoder()
-    model.layers[1].dropout1 = NanBackward()
+    model.layers[1].dropout1 = ChangesGradient(lambda grad: grad * math.nan)
     error = origin(model, lambda: model(tokens(), mask=causal(), src_key_padding_mask=padded()))
     assert (error.path, error.phase, error.tensor) == ("layers.1.dropout1", "backward", "grad_input")
 
 
 def test_nan_gradient_in_a_timm_vit_is_named_in_backward() -> None:
     model = vit(fused=False)
-    model.blocks[0].ls1 = NanBackward()  # takes the attention's output
+    model.blocks[0].ls1 = ChangesGradient(lambda grad: grad * math.nan)  # takes the attention's output
     error = origin(model, lambda: model(images(), is_causal=True))
     assert (error.path, error.phase) == ("blocks.0.ls1", "backward")

@@ -22,7 +22,7 @@ from featurehooks.probes import nonfinite
 from featurehooks.probes.nonfinite import INPUT, OUTPUT, detect_nonfinite
 from featurehooks.probes.watch import STATS, Watch, WatchRow, watch
 
-from helpers import Scale
+from helpers import ChangesGradient, Scale
 
 watch_module = importlib.import_module("featurehooks.probes.watch")  # the package exports the function by that name
 
@@ -577,28 +577,13 @@ def test_nonfinite_backward_a_relu_input_shared_with_an_infinite_gradient(other_
     assert {info.value.path, *re.findall(r"'(\w+)' \(", str(info.value))} == {"act", "other"}
 
 
-class _InPlaceInfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.mul_(math.inf)  # the gradient it was given, changed in place and handed on
-
-
-class InPlaceInfBackward(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return _InPlaceInfBackward.apply(x)
-
-
 @pytest.mark.parametrize("after", ["linear", "relu"])
 def test_nonfinite_backward_a_gradient_changed_in_place_is_read_again(after: str) -> None:
     """A custom backward that changes the gradient it was given (found finite) in place and hands it on: the same
     tensor arrives, changed, and is read again."""
     torch.manual_seed(0)
     head = nn.Linear(8, 3) if after == "linear" else nn.Sequential(nn.ReLU(), nn.Linear(8, 3))
-    model = nn.Sequential(nn.Linear(6, 8), InPlaceInfBackward(), head)
+    model = nn.Sequential(nn.Linear(6, 8), ChangesGradient(lambda grad: grad.mul_(math.inf)), head)  # handed on
     with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
         model(torch.randn(3, 6)).sum().backward()
     assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
@@ -614,33 +599,20 @@ def test_nonfinite_backward_leaky_relu_slope_above_one_overflows() -> None:
     assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise RuntimeError("backward failed")
-
-
-class FailingBackward(nn.Module):
-    armed = True
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _FailingBackward.apply(x) if self.armed else x
+def fail(grad: Tensor) -> Tensor:
+    raise RuntimeError("backward failed")
 
 
 def test_nonfinite_lets_go_of_the_gradient_of_a_backward_that_raised() -> None:
     """The gradient known finite is held until the next one arrives; a backward pass that raised never ends, and
     the next backward pass lets go of its gradient."""
-    failing = FailingBackward()
+    failing = ChangesGradient(fail)
     model = nn.Sequential(nn.Linear(6, 8), failing, nn.ReLU(), nn.Linear(8, 3))
     with detect_nonfinite(model) as detector:
         with pytest.raises(RuntimeError, match="backward failed"):
             model(torch.randn(3, 6)).sum().backward()
         assert [backward.finite is None for backward in detector._backwards.values()] == [False]
-        failing.armed = False
+        failing.change = lambda grad: grad
         model(torch.randn(3, 6)).sum().backward()
         assert [backward.finite for backward in detector._backwards.values()] == [None]
 
