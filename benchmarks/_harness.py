@@ -217,12 +217,14 @@ def seeded_fid_weights() -> Path:
 
 
 def load_seeded(name: str) -> torch.nn.Module:
-    """A plain torchvision model (no hooks) with the seeded cached weights, frozen and in eval mode."""
+    """A plain torchvision model (no hooks) with the seeded cached weights, frozen and in eval mode (built on the
+    meta device, then given the file's tensors: a random init of VGG16 alone takes a second)."""
     import torchvision.models as tvm
 
     path = seeded_hub_weights(name)
-    model = tvm.get_model(name, weights=None)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    with torch.device("meta"):
+        model = tvm.get_model(name, weights=None)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), assign=True)
     return model.eval().requires_grad_(False)
 
 

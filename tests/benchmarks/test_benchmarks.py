@@ -55,7 +55,7 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
         assert {"claim", "measured", "limit", "met"} <= set(target) and math.isfinite(target["measured"])
 
 
-def test_extraction_quick(tmp_path: Path, torch_home: Path) -> None:
+def test_extraction_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> None:
     # the timm convnext case runs the vit case's code on NCHW stages: left to the full run
     options = ("--cases", "vgg16-relu3_3,timm-vit", "--shapes", "2x32")
     e, payload = _run_quick("extraction", tmp_path, torch_home, *options)
@@ -161,7 +161,7 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
         extraction._release(models)
 
 
-def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
+def test_losses_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> None:
     losses, payload = _run_quick("losses", tmp_path, torch_home)
     L = losses
     # featurehooks' losses (auto, contiguous) also in bf16 where this CPU has native bfloat16, after their float32 rows
@@ -209,7 +209,7 @@ def test_losses_quick(tmp_path: Path, torch_home: Path) -> None:
     assert (bf16 is not None) == ("bf16" in reduced) and (bf16 is None or bf16["limit"] == 1.5)
 
 
-def test_compile_quick(tmp_path: Path, torch_home: Path) -> None:
+def test_compile_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> None:
     compile_bench, payload = _run_quick("compile", tmp_path, torch_home)  # --quick: backend "eager", tracing only
     rows = {row["name"]: row for g in payload["groups"] for row in g["rows"]}
     assert {"FeatureExtractor (compiled)", "torchvision FX (compiled)", "PerceptualLoss (compiled)"} <= set(rows)
@@ -254,7 +254,7 @@ def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     assert all(t["limit"] == 1.05 for t in payload["targets"])
 
 
-def test_metrics_quick(tmp_path: Path, torch_home: Path) -> None:
+def test_metrics_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> None:
     metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "lpips,dists", "--nets", "squeeze")
     groups = payload["groups"]
     assert [(g["case"], g["params"]["metric"], g["params"]["net"]) for g in groups] == [

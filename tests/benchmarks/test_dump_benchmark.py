@@ -15,7 +15,7 @@ pytest.importorskip("skimage")
 
 
 @pytest.mark.slow
-def test_dump_throughput_quick(tmp_path: Path, torch_home: Path) -> None:
+def test_dump_throughput_quick(tmp_path: Path, torch_home: Path, resnet18_cached: Path) -> None:
     bench = load_script("benchmarks/dump_throughput.py")
     argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
     payload = bench.main(argv)
