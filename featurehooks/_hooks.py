@@ -62,6 +62,7 @@ __all__ = [
     "StopForward",
     "TapSession",
     "release_inplace",
+    "runs_as_defined",
 ]
 
 K = TypeVar("K")  # what a tap session keeps of each tapped output (capture's gradient slots)
@@ -149,10 +150,14 @@ class Hooks:
         self,
         node: torch.autograd.graph.Node,
         hook: Callable[[tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]], None],
-    ) -> None:
+    ) -> bool:
         """Register a post-hook on an autograd node (it sees the gradients the node made, with respect to its inputs,
-        and the ones it took, with respect to its outputs) that ``remove`` takes away again."""
-        self._hold(node.register_hook(hook))
+        and the ones it took, with respect to its outputs) that ``remove`` takes away again; whether it runs first
+        (post-hooks run in the order registered: one registered before may have changed what the node made)."""
+        handle = node.register_hook(hook)
+        self._hold(handle)
+        hooks = handle.hooks_dict_ref()
+        return hooks is not None and next(iter(hooks)) == handle.id
 
     def _hold(self, handle: RemovableHandle) -> None:
         with self._tensor_lock:
@@ -367,6 +372,21 @@ class _Collect(_Hook["TapSession[Any]"]):
 
     def __call__(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         self.session._collect(self.path, output)
+
+
+_OWN_HOOKS = (_Hook, _Inert)  # featurehooks' forward hooks and pre-hooks: each returns None, changing nothing
+
+
+def runs_as_defined(module: nn.Module) -> bool:
+    """Whether ``module`` returns what its class computes from the input its forward pre-hooks saw: no ``forward``
+    set on the instance, no forward hook or pre-hook but featurehooks' own, and no global forward hook (another hook
+    may scale, clamp or replace the input or the output)."""
+    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    return (
+        "forward" not in module.__dict__
+        and not torch.nn.modules.module._global_forward_hooks
+        and all(isinstance(hook, _OWN_HOOKS) for hook in hooks)
+    )
 
 
 def _detached(output: Any) -> Any:

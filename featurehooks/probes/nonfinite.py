@@ -4,9 +4,10 @@ Forward: every checked module call records whether its inputs (before it runs) a
 NaN or an infinity: on the CPU at once (a summing pass), on another device as their minimum and maximum,
 left there. A tensor is read once per version, and on the CPU not at all where it cannot hold one: the output
 of an activation that keeps finite values finite (``ReLU``, ``GELU``, ``SiLU``, ``Sigmoid``, ``Tanh``, ...,
-exactly those types; dropout only in eval mode) called on inputs already found finite (13% of a ResNet50
-training step's reads). When the model's forward returns, the device's flags are read in one transfer. A forward is
-reported only when the model's input (masks aside) or its output holds a NaN or an infinity: non-finite
+exactly those types; dropout only in eval mode) called on inputs already found finite, with no forward of its own
+set on the instance and no forward hook but featurehooks' own (another may change what it takes or returns): 13% of a
+ResNet50 training step's reads. When the model's forward returns, the device's flags are read in one transfer. A
+forward is reported only when the model's input (masks aside) or its output holds a NaN or an infinity: non-finite
 values a model uses on purpose and that never reach its output (``-inf`` attention masks,
 ``masked_fill(-inf)`` before a softmax, a module that builds such a mask, ``-inf`` padding before a max pool)
 are not errors. The origin is, in this order:
@@ -30,8 +31,11 @@ go: one at a time between the model's kernels, each cost several times more (cac
 is not read where it is known finite already: where autograd hands the tensor just found finite on unchanged to the
 next checked one (through an addition), and where a node that keeps finite gradients finite made it from one found
 finite (the gradient with respect to the input of ``relu``, ``relu6``/``hardtanh``, ``threshold``, ``hardsigmoid``,
-or ``leaky_relu`` with a slope of at most 1 in size: exactly those autograd nodes). That is 40% of the values of a
-ResNet50 training step's checked gradients, the ReLUs' inputs and what the residual additions hand on from them.
+or ``leaky_relu`` with a slope of at most 1 in size: exactly those autograd nodes, and only where no post-hook
+registered on the node before the detector's could have changed it). That is 40% of the values of a ResNet50
+training step's checked gradients, the ReLUs' inputs and what the residual additions hand on from them. A tensor
+changed in place is told by its version: a write autograd does not count (through ``.data`` or numpy) into a
+gradient known finite goes unseen.
 When the backward pass ends (a callback queued on the autograd engine by the first of those hooks), the device's
 flags are read in one transfer; any non-finite gradient is reported. The origin is the first module call,
 in backward order, whose gradient with respect to an input is non-finite while the gradient with respect
@@ -68,7 +72,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._hooks import ClosedOnExit, Observer, ObserverSession
+from .._hooks import ClosedOnExit, Observer, ObserverSession, runs_as_defined
 from .._taps import Selection, call_name
 from ..errors import InvalidTypeError, NonFiniteError
 from ..layers import select_modules
@@ -146,19 +150,21 @@ class _NodeGradFlag(_GradFlag):
 class _PassingGradFlag(_NodeGradFlag):
     """Post-hook on a node whose gradient with respect to its input is finite wherever the one with respect to its
     output is (``_passes_finite``): checks the latter and, found finite, hands the former on as known finite, so the
-    hook it reaches next does not read it (the gradient with respect to a ReLU's input)."""
+    hook it reaches next does not read it (the gradient with respect to a ReLU's input). ``passes``: whether this
+    hook runs first among the node's post-hooks (another, run before, may have changed the former)."""
 
-    __slots__ = ()
+    __slots__ = ("passes",)
 
     def __init__(self, owner: NonFiniteDetector) -> None:
         super().__init__(owner, 0)
+        self.passes = True
 
     def __call__(  # type: ignore[override]
         self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
     ) -> None:
         grad = grad_outputs[0]
         if grad is not None:
-            self.owner._note_grad(self, grad, passed=grad_inputs[0])
+            self.owner._note_grad(self, grad, passed=grad_inputs[0] if self.passes else None)
 
 
 class _Backward:
@@ -325,19 +331,23 @@ def _keeps_finite(module: nn.Module) -> bool:
     return type(module) in _KEEPS_FINITE or (type(module) in _KEEPS_FINITE_IN_EVAL and not module.training)
 
 
-# Autograd nodes whose gradient with respect to their input holds, value by value, the gradient with respect to their
-# output, 0, or that scaled by at most 1 (Hardsigmoid's 1/6, LeakyReLU's slope, checked), whatever the forward's
-# values: finite wherever the output's is.
+# torch's autograd nodes whose gradient with respect to their input holds, value by value, the gradient with respect
+# to their output, 0, or that scaled by at most 1 (Hardsigmoid's 1/6, LeakyReLU's slope, checked), whatever the
+# forward's values: finite wherever the output's is. Exact names: a custom Function's node is named after its class
+# ("LeakyReluBackward" for a class LeakyRelu) and computes anything.
 _PASSES_FINITE = frozenset(
     {"ReluBackward0", "HardtanhBackward0", "ThresholdBackward0", "ThresholdBackward1", "HardsigmoidBackward0"}
 )
+_LEAKY_RELU = frozenset({"LeakyReluBackward0", "LeakyReluBackward1"})
+# backward passes followed at once: one that raised never ends, and is let go when this many newer ones have begun
+_BACKWARDS_KEPT = 64
 
 
 def _passes_finite(node: Any) -> bool:
     """Whether an autograd node's gradient with respect to its input is finite wherever the one it takes is."""
     name = node.name()
-    if name.startswith("LeakyReluBackward"):
-        return bool(abs(node._saved_negative_slope) <= 1)  # False for NaN
+    if name in _LEAKY_RELU:
+        return bool(abs(getattr(node, "_saved_negative_slope", math.nan)) <= 1)  # False for NaN
     return name in _PASSES_FINITE
 
 
@@ -490,7 +500,9 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
                 grad = metadata.get((self, output_nr))
                 if grad is None and _passes_finite(maker):
                     grad = metadata[(self, output_nr)] = _PassingGradFlag(self)
-                    self._session.hold_node_post(maker, grad)
+                    # a post-hook registered before this one (in the model's forward) runs first and may change
+                    # the gradient the node made: then it is read where it arrives, as any other
+                    grad.passes = self._session.hold_node_post(maker, grad)
                 elif grad is None:
                     grad = metadata[(self, output_nr)] = _NodeGradFlag(self, output_nr)
                     self._session.hold_node(maker, grad)
@@ -517,8 +529,16 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
     ) -> None:
         record = _ending(state, path, call)
         main = record.inputs[: record.main]
-        # a module that keeps finite values finite, on inputs known finite already: its output needs no reading
-        known = FINITE if main and _keeps_finite(module) and all(state.flags.finite_now(f) for _l, f in main) else None
+        # a module that keeps finite values finite, on inputs known finite already, with no other hook that could
+        # change what it takes or returns: its output needs no reading
+        known = (
+            FINITE
+            if main
+            and _keeps_finite(module)
+            and all(state.flags.finite_now(f) for _l, f in main)
+            and runs_as_defined(module)
+            else None
+        )
         record.outputs = self._check(state, path, call, "output", _float_leaves(output), is_output=True, known=known)
         state.calls.append(record)
 
@@ -593,6 +613,8 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             if backward is None:
                 for other in self._backwards.values():  # a backward pass that raised never ended: let go of its
                     other.finite = None  # gradient (one running in another thread just reads its next one)
+                while len(self._backwards) >= _BACKWARDS_KEPT:  # and, when many have raised, of the oldest
+                    del self._backwards[next(iter(self._backwards))]
                 backward = self._backwards[task] = _Backward()
                 # check once, when this backward pass ends
                 torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))

@@ -552,6 +552,106 @@ def test_nonfinite_reads_no_gradient_an_activation_keeps_finite(case: str, monke
     assert read == [(2, 3), (2, 8)] + ([] if case in PASSES_FINITE else [(2, 8)])
 
 
+class LeakyRelu(torch.autograd.Function):
+    """A user's own leaky ReLU: its autograd node is named ``LeakyReluBackward`` (after the class), not torch's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return torch.where(x > 0, x, 0.01 * x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.where(x > 0, grad, 0.01 * grad)
+
+
+class OwnLeakyReLU(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return LeakyRelu.apply(x)
+
+
+def test_nonfinite_a_custom_function_named_like_torchs_node_is_checked_as_any() -> None:
+    """Only torch's own nodes are taken to keep gradients finite: a custom Function named LeakyRelu is read."""
+    model = nn.Sequential(nn.Linear(4, 8), OwnLeakyReLU(), nn.Linear(8, 1))
+    assert model[1](torch.randn(2, 8, requires_grad=True)).grad_fn.name() == "LeakyReluBackward"
+    with detect_nonfinite(model):
+        model(torch.randn(3, 4)).sum().backward()  # finite all along: no error
+    model[2].register_full_backward_pre_hook(lambda module, grad: (grad[0] * math.inf,))
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 4)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("2", "backward", "grad_output")
+
+
+class PostHooked(nn.Module):
+    """A ReLU whose autograd node gets, in the forward (before the detector's hooks), a post-hook of the user's that
+    changes the gradient the node made: into a new tensor or in place."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.body, self.act, self.head = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)
+        self.in_place = in_place
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.act(self.body(x))
+        y.grad_fn.register_hook(self.nan_in_place if self.in_place else self.nan)
+        return self.head(y)
+
+    @staticmethod
+    def nan(grad_inputs: tuple[Tensor, ...], _grad_outputs: tuple[Tensor, ...]) -> tuple[Tensor]:
+        return (grad_inputs[0] * math.nan,)
+
+    @staticmethod
+    def nan_in_place(grad_inputs: tuple[Tensor, ...], _grad_outputs: tuple[Tensor, ...]) -> None:
+        grad_inputs[0].mul_(math.nan)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_nonfinite_backward_a_node_post_hook_run_before_the_detectors_is_not_trusted(in_place: bool) -> None:
+    """The gradient a ReLU's node made is handed on as finite only where the detector's post-hook runs first."""
+    torch.manual_seed(0)
+    model = PostHooked(in_place)
+    with pytest.raises(NonFiniteError) as info, detect_nonfinite(model):
+        model(torch.randn(3, 4)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("act", "backward", "grad_input")
+
+
+def scale_output(_module: nn.Module, _args: Any, output: Tensor) -> Tensor:
+    return output * 1e39
+
+
+def nan_input(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor]:
+    return (args[0] * math.nan,)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["forward hook", "forward hook, global", "pre-hook after the detector's", "forward on the instance"],
+)
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Sigmoid])
+def test_nonfinite_an_activation_changed_by_a_hook_is_read(hook: str, activation: type[nn.Module]) -> None:
+    """An activation's output is taken for finite without reading it only where nothing but its class computes it:
+    a user's hook or an instance ``forward`` may scale or replace what it takes or returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), activation(), nn.Linear(8, 2))
+    act = model[1]
+    with contextlib.ExitStack() as stack:
+        if hook == "forward hook":
+            act.register_forward_hook(scale_output)
+        elif hook == "forward hook, global":
+            stack.callback(nn.modules.module.register_module_forward_hook(scale_output).remove)
+        elif hook == "forward on the instance":
+            act.forward = lambda x: type(act).forward(act, x) * math.nan
+        detector = stack.enter_context(detect_nonfinite(model))
+        if hook == "pre-hook after the detector's":
+            act.register_forward_pre_hook(nan_input)
+        with pytest.raises(NonFiniteError) as info:
+            model(torch.randn(3, 4))
+        assert detector.active
+    expected = "0" if hook == "forward hook, global" else "1"  # a global hook scales the first Linear's output too
+    assert (info.value.path, info.value.phase, info.value.tensor) == (expected, "forward", "output")
+
+
 class Fork(nn.Module):
     """A ReLU's input is also used by another module (``other``), whose gradient is added to the ReLU's."""
 
@@ -615,6 +715,22 @@ def test_nonfinite_lets_go_of_the_gradient_of_a_backward_that_raised() -> None:
         failing.change = lambda grad: grad
         model(torch.randn(3, 6)).sum().backward()
         assert [backward.finite for backward in detector._backwards.values()] == [None]
+
+
+def test_nonfinite_keeps_a_bounded_number_of_backwards_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward pass that raised never ends; a training loop that skips such batches does not pile them up."""
+    monkeypatch.setattr(nonfinite, "_BACKWARDS_KEPT", 4)
+    failing = ChangesGradient(fail)
+    model = nn.Sequential(nn.Linear(6, 8), failing, nn.ReLU(), nn.Linear(8, 3))
+    with detect_nonfinite(model) as detector:
+        for _ in range(10):
+            with pytest.raises(RuntimeError, match="backward failed"):
+                model(torch.randn(3, 6)).sum().backward()
+        assert len(detector._backwards) == 4
+        failing.change = lambda grad: grad * math.inf  # a backward after them still names its origin
+        with pytest.raises(NonFiniteError) as info:
+            model(torch.randn(3, 6)).sum().backward()
+    assert (info.value.path, info.value.phase, info.value.tensor) == ("1", "backward", "grad_input")
 
 
 @pytest.mark.parametrize("probed", [False, True])
