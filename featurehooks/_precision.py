@@ -64,8 +64,8 @@ def _unsupported(precision: str, device_type: str, index: int | None) -> str:
         if precision == "fp16" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
             return (
                 "this CPU has no native float16 kernels (AVX512-FP16 or AMX-FP16), so float16 convolutions are "
-                "emulated and slower than float32; use precision='bf16' where the CPU has bfloat16 (AVX512), "
-                "or 'float32'"
+                "emulated and slower than float32; use precision='bf16' where the CPU has bfloat16 (AVX512-BF16 or "
+                "AMX-BF16 on x86), or precision='float32'"
             )
         if precision == "bf16" and not _native_cpu_bf16():
             return (

@@ -68,6 +68,17 @@ def _floating_tensor(model: nn.Module) -> Tensor:
     return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
+def _moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``fn`` (a ``Module._apply`` function) without its change of dtype: a tensor it would convert is moved to
+    where ``fn`` puts it instead, from its own values (a bf16 weight never goes through float16 and back)."""
+
+    def apply(tensor: Tensor) -> Tensor:
+        applied = fn(tensor)
+        return applied if applied.dtype == tensor.dtype else tensor.to(applied.device)
+
+    return apply
+
+
 class FeatureExtractor(nn.Module, ClosedOnExit):
     """A frozen pretrained backbone that returns the named intermediate features you ask for.
 
@@ -115,13 +126,16 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             enclosing ``torch.autocast`` applies as usual), ``"bf16"`` or ``"fp16"``. The frozen
             backbone is stored once in that dtype (its parameters and buffers; ``compute_dtype``)
             and runs with any enclosing autocast off; normalization and the cast of the images stay
-            in float32. Features come back in that dtype; losses and metrics reduce them in float32;
+            in float32 (a later ``.to()``/``.half()``/``.float()`` moves the extractor between devices
+            but changes neither dtype). Features come back in that dtype; losses and metrics reduce them in float32;
             gradients reach the images in the images' dtype. Faster where the device has the
             kernels (bf16 on an AVX512-BF16 CPU: VGG16 relu3_3 at 4x224 1.9x in inference, 2.5x
             in a loss step), with values that round differently (losses and metrics within
             0.25% of float32 on photos: ``docs/performance.md``); a device
             without them is refused at the first forward (fp16 on a CPU without AVX512-FP16/AMX-FP16,
-            where it is emulated and slower; bf16 on a GPU older than compute capability 8.0).
+            where it is emulated and slower; bf16 on a GPU older than compute capability 8.0). fp16
+            gradients below 6e-8 become 0: scale the loss as ``torch.amp.GradScaler`` does, or use bf16
+            (``docs/performance.md``).
 
     ``output_layouts`` tells the layout of each returned output.
 
@@ -218,9 +232,8 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             index.check_calls(self.taps, found)
             self._set_layouts({tap.name: found.outputs[tap.site].shape for tap in self.taps}, found.input_shape)
         self._trace: Trace | None = found
-        self._register_normalization(self.preprocessing)  # in the model's own dtype (float32), before the cast below
-        self.precision: Precision = precision
-        self._settle_precision()
+        self._precision: Precision = precision
+        self._register_normalization(self.preprocessing)
         self.memory_format: MemoryFormat = memory_format
         # the convolution work of what the forward runs (None: not counted, or no evidence that channels-last runs)
         self._conv_work = found.conv_work.get(self._stop_site) if found is not None else None
@@ -232,7 +245,13 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         self._session: TapSession[None] = TapSession(
             model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True
         )
-        self._session.prepare(found)
+        self._session.prepare(found)  # may run the trace again, on the float32 model: cast after it
+        self._settle_precision()
+
+    @property
+    def precision(self) -> Precision:
+        """What the backbone computes in: ``"float32"``, ``"bf16"`` or ``"fp16"`` (fixed at construction)."""
+        return self._precision
 
     @property
     def backbone(self) -> nn.Module:
@@ -243,12 +262,15 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         """Buffers ``mean``/``std`` in the units of ``input_range``, so forward is one ``(x - mean) / std``.
 
         They start with the backbone's dtype and device (a user's module may be float64 or on a GPU already)
-        and follow ``.to()`` from then on: forward casts images to their dtype and checks their device.
+        and follow ``.to()`` from then on: forward casts images to their dtype and checks their device. Under
+        ``precision="bf16"``/``"fp16"`` they are float32 whatever the module's dtype, and stay so (``_apply``).
         With ``normalize=False`` they are 0 and 1: images reach the backbone as they are.
         """
         low, high = self.input_range if self.normalizes else (0.0, 1.0)
         channels = len(pre.mean) if pre.mean is not None else (self.in_channels or 1)
         like = _floating_tensor(self._model)
+        if self._precision != "float32":
+            like = like.float()
         mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels).to(like)
         std = torch.tensor(pre.std if pre.std is not None else [1.0] * channels).to(like)
         self.register_buffer("mean", (low + mean * (high - low)).view(1, -1, 1, 1), persistent=False)
@@ -276,8 +298,8 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         self._model.to(memory_format=TORCH_FORMATS[weights])
 
     def _settle_precision(self) -> None:
-        """Store the backbone's floating parameters and buffers in the precision's dtype, once: at construction and
-        after every ``.to()``/``.half()``/``.float()``, which would otherwise change what runs. Nothing for float32."""
+        """Store the backbone's floating parameters and buffers in the precision's dtype, once, at construction
+        (``.to()``/``.half()``/``.float()`` later leave it: ``_apply``). Nothing for float32."""
         if self.precision != "float32":
             self._model.to(COMPUTE_DTYPES[self.precision])
 
@@ -459,12 +481,17 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
     # -- end of what input pipelines ask ------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
+        """``.to()``, ``.half()``, ``.cuda()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply:
+        the backbone keeps its dtype and the normalization float32, never rounded through another dtype."""
+        fixed = getattr(self, "_precision", "float32") != "float32"
+        kept = (self.mean, self.std) if fixed else ()
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        if fixed:
+            self.mean, self.std = (value.to(self.mean.device) for value in kept)
         if recurse:
-            self._model._apply(fn)  # type: ignore[no-untyped-call]
+            self._model._apply(_moving_only(fn) if fixed else fn)  # type: ignore[no-untyped-call]
             if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
                 self._settle_format()
-                self._settle_precision()  # nor a .float()/.half() the precision
         return self
 
     def _check_input(self, images: Tensor) -> None:

@@ -191,7 +191,8 @@ def add_precision_option(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bf16", "fp16"),
         default="float32",
         help="what the backbone computes in (default: float32); bf16 or fp16 run faster where the device has them "
-        "(bf16 on AVX512 CPUs and recent GPUs, fp16 on GPUs), with values that differ from float32's",
+        "(bf16 on CPUs with AVX512-BF16 or AMX and on recent GPUs, fp16 on GPUs), with values that differ from "
+        "float32's",
     )
 
 

@@ -221,6 +221,8 @@ class FeatureLoss(nn.Module):
     def features(self, images: Tensor) -> dict[str, Tensor]:
         """Features of ``images`` (resized first if ``resize`` is set) for every layer of the extractor."""
         if self.resize is not None and tuple(images.shape[-2:]) != self.resize:
+            if images.dtype in (torch.float16, torch.bfloat16):  # resized in float32, as the extractor takes them
+                images = images.float()  # (torch's antialiased resize has no half kernels on the CPU)
             images = F.interpolate(images, size=self.resize, mode="bilinear", align_corners=False, antialias=True)
         return self.extractor(images)
 

@@ -124,3 +124,67 @@ def test_a_users_module_is_copied_not_cast(images: torch.Tensor) -> None:
     copied = ext.backbone.state_dict()
     assert copied["1.running_var"].dtype == torch.bfloat16 and copied["1.num_batches_tracked"].dtype == torch.int64
     torch.testing.assert_close(ext(images)["2"].float(), model(images), rtol=0.02, atol=0.02)
+
+
+@needs_cpu_bf16
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_tap_before_an_in_place_activation_builds_in_any_precision(images: torch.Tensor, precision: str) -> None:
+    """conv1_1 feeds an in-place ReLU, which the extractor runs out of place (found on its float32 trace, before
+    the backbone is stored in the precision); Real-ESRGAN's layers are all such."""
+    layers = ["conv1_1", "relu2_2"]
+    torch.manual_seed(0)
+    ext = fh.FeatureExtractor("vgg16", layers, weights=None, precision=precision)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    reference = fh.FeatureExtractor("vgg16", layers, weights=None)
+    assert all(p.dtype == ext.compute_dtype for p in ext.backbone.parameters())
+    if precision == "fp16":  # refused at the forward on CPUs without float16 kernels
+        return
+    found = ext(images)
+    for name, expected in reference(images).items():
+        assert found[name].dtype == torch.bfloat16
+        assert (found[name].float() - expected).abs().max() / expected.abs().max() < 0.05, name
+
+
+CASTS = {
+    ".half()": lambda m: m.half(),
+    ".to(torch.bfloat16)": lambda m: m.to(torch.bfloat16),
+    ".half().float()": lambda m: m.half().float(),
+    ".double()": lambda m: m.double(),
+}
+
+
+@needs_cpu_bf16
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_bf16_casts_change_neither_the_stored_weights_nor_the_normalization(images: torch.Tensor, cast: str) -> None:
+    """A cast of a bf16 extractor (or of a model holding one) leaves what runs bitwise as it was: weights are not
+    rounded through float16 (whose range ends at 65504) and the normalization stays float32."""
+    ext = tiny_extractor(precision="bf16")
+    with torch.no_grad():
+        ext.backbone[0].weight[0, 0, 0, 0] = 1e5  # past float16's range
+    weights = {k: v.clone() for k, v in ext.backbone.state_dict().items()}
+    mean, std, before = ext.mean.clone(), ext.std.clone(), ext(images)
+    CASTS[cast](ext)
+    assert ext.mean.dtype == ext.std.dtype == torch.float32
+    assert torch.equal(ext.mean, mean) and torch.equal(ext.std, std)
+    after = ext.backbone.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in weights.items())
+    for name, value in ext(images).items():
+        assert torch.equal(value, before[name]), name
+
+
+@needs_cpu_bf16
+def test_a_bf16_users_module_is_normalized_in_float32(images: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).to(torch.bfloat16)
+    ext = fh.FeatureExtractor(model, ["1"], precision="bf16", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    assert ext.mean.dtype == ext.std.dtype == torch.float32
+    with torch.no_grad():
+        expected = model(((images - 0.5) / 0.25).to(torch.bfloat16))
+    assert torch.equal(ext(images)["1"], expected)
+
+
+def test_precision_is_fixed_at_construction() -> None:
+    ext = tiny_extractor()
+    with pytest.raises(AttributeError):
+        ext.precision = "bf16"  # type: ignore[misc]
+    assert ext.precision == "float32"

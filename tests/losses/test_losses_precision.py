@@ -79,3 +79,54 @@ def test_the_option_is_forwarded_and_statistics_of_bf16_features_are_float32(pai
     assert loss.extractor.precision == "bf16" and "precision='bf16'" in repr(loss)
     loss.set_target(y)
     assert loss(x).dtype == torch.float32 and set(seen) == {torch.float32}
+
+
+def test_real_esrgans_preset_runs_in_bf16(pair) -> None:
+    """Real-ESRGAN's layers are the convolutions before each in-place ReLU: built and run in bf16 as in float32."""
+    x, y = pair
+    weights = {"conv1_2": 0.1, "conv2_2": 0.1, "conv3_4": 1.0, "conv4_4": 1.0, "conv5_4": 1.0}
+    values = {}
+    for precision in ("float32", "bf16"):
+        torch.manual_seed(0)
+        loss = fl.presets.basicsr(weights, weights=None, precision=precision)
+        values[precision] = float(loss(x, y))
+    assert values["bf16"] == pytest.approx(values["float32"], rel=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_resize_takes_half_precision_images(pair, extractors, precision: str, dtype: torch.dtype) -> None:
+    """``resize=`` resizes half-precision images in float32, as the extractor takes them (torch's antialiased
+    resize has no half kernels on the CPU): the loss of the float32 copies, bitwise, gradients in their dtype."""
+    x, y = (t[:, :, :40, :44] for t in pair)
+    loss = fl.PerceptualLoss(extractors[precision], LAYERS, resize=32)
+    half = x.to(dtype).requires_grad_()
+    value = loss(half, y.to(dtype))
+    assert torch.equal(value, loss(half.detach().float(), y.to(dtype).float()))
+    value.backward()
+    assert half.grad is not None and half.grad.dtype == dtype
+
+
+def fp16_input_gradient(loss: FeatureLoss, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    leaf = x.clone().requires_grad_(True)
+    (loss(leaf, y) * scale).backward()
+    assert leaf.grad is not None
+    return leaf.grad.flatten() / scale
+
+
+def test_fp16_gradients_underflow_unless_the_loss_is_scaled(pair, extractors, monkeypatch) -> None:
+    """What docs/performance.md says of fp16 (emulated here, where the CPU has no float16 kernels: the device check
+    is bypassed; the rounding is a GPU's): a perceptual loss's input gradients lose entries to float16's range, the
+    loss times 2^10 brings them back; a Gram loss's are all 0."""
+    monkeypatch.setattr("featurehooks._precision._unsupported", lambda *args: "")
+    x, y = pair
+    torch.manual_seed(0)
+    fp16 = FeatureExtractor("vgg16", LAYERS[:2], mode="grad", weights=None, precision="fp16")  # emulated: slow
+    perceptual, reference = fl.PerceptualLoss(fp16, ["relu2_2"]), fl.PerceptualLoss(extractors["float32"], ["relu2_2"])
+    expected = fp16_input_gradient(reference, x, y, 1.0)
+    plain, scaled = (fp16_input_gradient(perceptual, x, y, scale) for scale in (1.0, 2.0**10))
+    cosine = torch.nn.functional.cosine_similarity
+    zeros = [float((gradient == 0).float().mean()) for gradient in (expected, plain, scaled)]
+    assert zeros[0] == 0 and zeros[1] > 0.01 and zeros[2] < zeros[1] / 100, zeros
+    assert cosine(plain, expected, dim=0) < cosine(scaled, expected, dim=0) and cosine(scaled, expected, dim=0) > 0.999
+    assert (fp16_input_gradient(fl.StyleLoss(fp16, LAYERS[:2]), x, y, 2.0**10) == 0).all()
