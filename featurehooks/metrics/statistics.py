@@ -83,7 +83,9 @@ class FeatureOrigin:
     ``backbone``, ``layer``, ``pool`` (``None``: the layer returns vectors and was not pooled) and
     ``weights`` (the weights name, ``None`` for random init) must be equal; ``weights_sha256`` (a
     digest of the backbone's state dict) differing only warns, since the same weights in another
-    dtype have other bytes. ``preprocessing`` (resize, crop, interpolation) is kept for the record.
+    dtype have other bytes; so does ``precision`` (what the backbone computed in, ``None`` in files written
+    before it was recorded), named in the warning. ``preprocessing`` (resize, crop, interpolation) is kept for
+    the record.
 
     Examples:
         >>> from featurehooks.metrics import FeatureOrigin
@@ -101,6 +103,7 @@ class FeatureOrigin:
     weights: str | None
     weights_sha256: str | None = None
     preprocessing: dict[str, Any] | None = field(default=None, hash=False)
+    precision: str | None = None
 
     def check_matches(self, other: FeatureOrigin, what: str = "the two statistics") -> None:
         """Raise ``InvalidValueError`` naming each field in which ``other`` differs (warn for the digest)."""
@@ -114,7 +117,13 @@ class FeatureOrigin:
                 f"{what} come from different features ({'; '.join(differences)}): distances between them mean "
                 "nothing; compute both with the same backbone, weights, layer and pool"
             )
-        if self.weights_sha256 and other.weights_sha256 and self.weights_sha256 != other.weights_sha256:
+        if self.precision and other.precision and self.precision != other.precision:
+            warnings.warn(  # the digest differs too (another dtype): this says why
+                f"{what} were computed in precision {self.precision!r} and {other.precision!r}: their features "
+                "differ by the rounding of the lower precision (docs/performance.md#precision)",
+                stacklevel=3,
+            )
+        elif self.weights_sha256 and other.weights_sha256 and self.weights_sha256 != other.weights_sha256:
             warnings.warn(
                 f"{what} were computed with weights {self.weights!r} of different bytes (another checkpoint, "
                 "seed or dtype): their features may not be comparable",
@@ -614,7 +623,9 @@ def _origins(
     digest = extractor.weights_sha256()  # hashed once for all layers
     preprocessing = _preprocessing(transform)
     return {
-        layer: FeatureOrigin(extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing)
+        layer: FeatureOrigin(
+            extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing, extractor.precision
+        )
         for layer in layers
     }
 
@@ -886,6 +897,7 @@ def statistics_from_dump(
         weights=manifest.get("weights"),
         weights_sha256=manifest.get("weights_sha256"),
         preprocessing=preprocessing,
+        precision=manifest.get("precision", "float32"),  # written only when not float32
     )
     stats = FeatureStatistics(array.shape[1], keep=keep, seed=seed, origin=origin)
     for start in range(0, array.shape[0], chunk_rows):

@@ -309,6 +309,28 @@ def test_statistics_of_other_features_refuse_to_be_compared(tmp_path: Path) -> N
         )
 
 
+def test_statistics_of_another_precision_warn_naming_it(tmp_path: Path) -> None:
+    """bf16 and float32 statistics of the same backbone: comparable, with one warning that says why they differ
+    (not the digest's "different bytes"); the precision survives save and load, and files without it are unknown."""
+    rng = np.random.default_rng(13)
+    origins = {p: FeatureOrigin("vgg16", "relu3_3", "avg", None, p * 32) for p in ("ab", "cd")}
+    bf16 = FeatureStatistics(origin=FeatureOrigin("vgg16", "relu3_3", "avg", None, "ab" * 32, None, "bf16"))
+    float32 = FeatureStatistics(origin=FeatureOrigin("vgg16", "relu3_3", "avg", None, "cd" * 32, None, "float32"))
+    bf16.update(sample(rng, 40, 6)).save(tmp_path / "bf16.npz")
+    loaded = FeatureStatistics.load(tmp_path / "bf16.npz")
+    assert loaded.origin == bf16.origin and loaded.origin is not None and loaded.origin.precision == "bf16"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert frechet_distance(loaded, float32.update(sample(rng, 40, 6))) > 0
+    assert [str(w.message) for w in caught if "precision" in str(w.message) or "bytes" in str(w.message)] == [
+        "the two statistics were computed in precision 'bf16' and 'float32': their features differ by the rounding "
+        "of the lower precision (docs/performance.md#precision)"
+    ]
+    unknown = FeatureStatistics(origin=origins["ab"]).update(sample(rng, 40, 6))  # the digest decides
+    with pytest.warns(UserWarning, match="of different bytes"):
+        frechet_distance(unknown, FeatureStatistics(origin=origins["cd"]).update(sample(rng, 40, 6)))
+
+
 def test_load_refuses_pickles_and_foreign_files(tmp_path: Path) -> None:
     pickled = tmp_path / "stats.pkl"
     pickled.write_bytes(pickle.dumps({"mu": np.zeros(3), "sigma": np.eye(3)}))

@@ -45,6 +45,8 @@ def test_statistics_of_a_bf16_extractor_are_pooled_in_float32() -> None:
     low = feature_statistics(tiny_extractor(precision="bf16"), images, layer="conv2", pool="avg", keep=4)
     full = feature_statistics(tiny_extractor(), images, layer="conv2", pool="avg", keep=4)
     assert low.mean.dtype == torch.float64 and low.count == 4
+    assert low.origin is not None and full.origin is not None
+    assert (low.origin.precision, full.origin.precision) == ("bf16", "float32")  # named when the two are compared
     torch.testing.assert_close(low.mean, full.mean, rtol=0.02, atol=0.02 * float(full.mean.abs().max()))
     feature = PooledFeatures(tiny_extractor(precision="bf16"), "conv2")
     assert feature(images).dtype == torch.float32
