@@ -20,7 +20,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
-from ._gradscale import GradScale, narrow, widen
 from ._hooks import ClosedOnExit, TapSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
 from ._precision import COMPUTE_DTYPES, Precision, autocast_off, check_device, check_precision
@@ -128,15 +127,15 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             backbone is stored once in that dtype (its parameters and buffers; ``compute_dtype``)
             and runs with any enclosing autocast off; normalization and the cast of the images stay
             in float32 (a later ``.to()``/``.half()``/``.float()`` moves the extractor between devices
-            but changes neither dtype). Features come back in that dtype (fp16 in a graph: float32, their
-            gradients scaled by a power of two through the backbone, which float16's range would lose:
-            ``featurehooks._gradscale``); losses and metrics reduce them in float32; gradients reach the
-            images in the images' dtype. Faster where the device has the
+            but changes neither dtype). Features come back in that dtype; losses and metrics reduce them in float32;
+            gradients reach the images in the images' dtype. Faster where the device has the
             kernels (bf16 on an AVX512-BF16 CPU: VGG16 relu3_3 at 4x224 1.9x in inference, 2.5x
             in a loss step), with values that round differently (losses and metrics within
             0.25% of float32 on photos: ``docs/performance.md``); a device
             without them is refused at the first forward (fp16 on a CPU without AVX512-FP16/AMX-FP16,
-            where it is emulated and slower; bf16 on a GPU older than compute capability 8.0).
+            where it is emulated and slower; bf16 on a GPU older than compute capability 8.0). fp16
+            gradients below 6e-8 become 0: scale the loss as ``torch.amp.GradScaler`` does, or use bf16
+            (``docs/performance.md``).
 
     ``output_layouts`` tells the layout of each returned output.
 
@@ -564,18 +563,11 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
 
     def _run_in_precision(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
         """``_run`` of the normalized images cast to the precision's dtype (their gradient comes back in theirs),
-        on a device that can compute in it, with any enclosing autocast off: the precision says what runs. A
-        float16 forward that builds a graph returns float32 features whose gradients are scaled through the
-        backbone (``featurehooks._gradscale``: float16 would lose them)."""
+        on a device that can compute in it, with any enclosing autocast off: the precision says what runs."""
         if not torch.compiler.is_compiling():
             check_device(self.precision, x.device)
         with autocast_off(x.device.type):
-            if self.precision != "fp16" or not x.requires_grad:
-                return self._run(x.to(COMPUTE_DTYPES[self.precision]), chosen)
-            scale = GradScale()
-            features, ran = self._run(narrow(x, scale), chosen)
-        names = [name for name, value in features.items() if isinstance(value, Tensor) and value.requires_grad]
-        return {**features, **dict(zip(names, widen([features[name] for name in names], scale)))}, ran
+            return self._run(x.to(COMPUTE_DTYPES[self.precision]), chosen)
 
     def _run(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
         """The session's forward with the images in the ``chosen`` format (the weights are in it already:

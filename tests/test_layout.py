@@ -15,7 +15,7 @@ PACKAGE = REPO / "featurehooks"
 # README.md "Layout", bottom up: a unit may import its own floor and the floors before it
 FLOORS = [
     {"errors", "_atomic", "_version"},
-    {"_taps", "_layout", "_copy", "_precision", "_gradscale"},
+    {"_taps", "_layout", "_copy", "_precision"},
     {"_trace", "_hooks", "_formats"},
     {"backbones", "layers"},
     {"extractor", "images", "functional"},

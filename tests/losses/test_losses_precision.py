@@ -110,45 +110,23 @@ def test_resize_takes_half_precision_images(pair, extractors, precision: str, dt
 def fp16_input_gradient(loss: FeatureLoss, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
     leaf = x.clone().requires_grad_(True)
     (loss(leaf, y) * scale).backward()
-    assert leaf.grad is not None and leaf.grad.dtype == torch.float32
+    assert leaf.grad is not None
     return leaf.grad.flatten() / scale
 
 
-def test_fp16_gradients_are_scaled_through_the_backbone(pair, extractors, monkeypatch) -> None:
-    """float16 would lose a float32 loss's gradients (6e-8 is its smallest value; unscaled, 2% of a perceptual
-    loss's input-gradient entries became 0 here, every one of a style loss's): they cross the backbone scaled by a
-    power of two, the same gradients whatever the loss's own scale (a GradScaler's 2^16, or 2^40), none 0 or
-    infinite. Emulated here, where the CPU has no float16 kernels (the device check is bypassed)."""
+def test_fp16_gradients_underflow_unless_the_loss_is_scaled(pair, extractors, monkeypatch) -> None:
+    """What docs/performance.md says of fp16 (emulated here, where the CPU has no float16 kernels: the device check
+    is bypassed; the rounding is a GPU's): a perceptual loss's input gradients lose entries to float16's range, the
+    loss times 2^10 brings them back; a Gram loss's are all 0."""
     monkeypatch.setattr("featurehooks._precision._unsupported", lambda *args: "")
     x, y = pair
     torch.manual_seed(0)
     fp16 = FeatureExtractor("vgg16", LAYERS[:2], mode="grad", weights=None, precision="fp16")  # emulated: slow
-    assert fp16(x)["relu2_2"].dtype == torch.float16  # no graph: float16 features
+    perceptual, reference = fl.PerceptualLoss(fp16, ["relu2_2"]), fl.PerceptualLoss(extractors["float32"], ["relu2_2"])
+    expected = fp16_input_gradient(reference, x, y, 1.0)
+    plain, scaled = (fp16_input_gradient(perceptual, x, y, scale) for scale in (1.0, 2.0**10))
     cosine = torch.nn.functional.cosine_similarity
-    style_target = y.flip(0)  # the style of the other photo (the noisy copy's own is swamped by any rounding)
-    for build, target in (
-        (lambda e: fl.PerceptualLoss(e, ["relu2_2"]), y),
-        (lambda e: fl.StyleLoss(e, LAYERS[:2]), style_target),
-    ):
-        loss, reference = build(fp16), build(extractors["float32"])
-        expected = fp16_input_gradient(reference, x, target, 1.0)
-        found = {scale: fp16_input_gradient(loss, x, target, scale) for scale in (1.0, 2.0**16, 2.0**40)}
-        assert all(torch.equal(found[1.0], other) for other in found.values())
-        assert found[1.0].isfinite().all() and (found[1.0] != 0).all()
-        assert cosine(found[1.0], expected, dim=0) > 0.999
-
-
-@pytest.mark.slow  # compiles
-def test_fp16_gradient_scaling_holds_under_torch_compile(monkeypatch) -> None:
-    """The factor passes between two backward nodes outside the graph: compiled, the gradients are eager's."""
-    monkeypatch.setattr("featurehooks._precision._unsupported", lambda *args: "")
-    torch.manual_seed(0)
-    fp16 = FeatureExtractor("vgg16", ["relu2_2"], mode="grad", weights=None, precision="fp16")
-    loss = fl.PerceptualLoss(fp16, ["relu2_2"])
-    x, y = torch.rand(1, 3, 32, 32), torch.rand(1, 3, 32, 32)
-    grads = []
-    for run in (loss, torch.compile(loss, backend="aot_eager")):
-        leaf = x.clone().requires_grad_(True)
-        run(leaf, y).backward()
-        grads.append(leaf.grad)
-    assert torch.equal(grads[0], grads[1])
+    zeros = [float((gradient == 0).float().mean()) for gradient in (expected, plain, scaled)]
+    assert zeros[0] == 0 and zeros[1] > 0.01 and zeros[2] < zeros[1] / 100, zeros
+    assert cosine(plain, expected, dim=0) < cosine(scaled, expected, dim=0) and cosine(scaled, expected, dim=0) > 0.999
+    assert (fp16_input_gradient(fl.StyleLoss(fp16, LAYERS[:2]), x, y, 2.0**10) == 0).all()
