@@ -486,8 +486,11 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         fixed = getattr(self, "_precision", "float32") != "float32"
         kept = (self.mean, self.std) if fixed else ()
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        if fixed:
-            self.mean, self.std = (value.to(self.mean.device) for value in kept)
+        if fixed:  # the float32 values kept aside, on the new device (after .to("meta"), to_empty's new ones)
+            self.mean, self.std = (
+                new.float() if value.is_meta else value.to(new.device)
+                for value, new in zip(kept, (self.mean, self.std))
+            )
         if recurse:
             self._model._apply(_moving_only(fn) if fixed else fn)  # type: ignore[no-untyped-call]
             if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format

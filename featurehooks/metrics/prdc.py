@@ -22,7 +22,7 @@ import json
 import os
 import warnings
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Union
 
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from .statistics import FeatureOrigin, FeatureStatistics, write_npz
+from .statistics import FeatureOrigin, FeatureStatistics, origin_fields, write_npz
 
 __all__ = ["PRDC", "Manifold", "precision_recall"]
 
@@ -298,7 +298,7 @@ class Manifold:
             "k": self.k,
             "count": self.count,
             "dim": self.dim,
-            "origin": asdict(self.origin) if self.origin is not None else None,
+            "origin": origin_fields(self.origin),
         }
         return write_npz(path, meta, features=self.features.cpu().numpy(), radii=self.radii.cpu().numpy())
 

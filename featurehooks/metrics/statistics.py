@@ -405,7 +405,7 @@ class FeatureStatistics:
             "keep": self._keep,
             "seed": self._seed,
             "rng_state": self._rng.bit_generator.state,
-            "origin": asdict(self.origin) if self.origin is not None else None,
+            "origin": origin_fields(self.origin),
         }
         mean = self._mean if self._count else torch.zeros(self._dim, dtype=torch.float64)
         sigma = self.covariance if self._count >= 2 else torch.zeros(self._dim, self._dim, dtype=torch.float64)
@@ -480,6 +480,17 @@ class FeatureStatistics:
             self.origin.check_matches(other.origin, what)
         if self._dim is not None and other._dim is not None and self._dim != other._dim:
             raise InvalidValueError(f"{what} have different feature dimensions: {self._dim} vs {other._dim}")
+
+
+def origin_fields(origin: FeatureOrigin | None) -> dict[str, Any] | None:
+    """``origin`` as saved: its precision only when another than float32, so that versions which did not record it
+    still read the file (absent, it reads back as unknown)."""
+    if origin is None:
+        return None
+    fields = asdict(origin)
+    if fields["precision"] in (None, "float32"):
+        del fields["precision"]
+    return fields
 
 
 def write_npz(path: str | os.PathLike[str], meta: dict[str, Any], **arrays: np.ndarray) -> Path:

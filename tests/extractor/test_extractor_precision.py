@@ -173,6 +173,13 @@ def test_bf16_casts_change_neither_the_stored_weights_nor_the_normalization(imag
 
 
 @needs_cpu_bf16
+def test_a_bf16_extractor_can_be_made_on_the_meta_device_and_materialized() -> None:
+    ext = tiny_extractor(precision="bf16").to("meta").to_empty(device="cpu")
+    assert ext.mean.device.type == "cpu" and ext.mean.dtype == ext.std.dtype == torch.float32
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in ext.backbone.parameters())
+
+
+@needs_cpu_bf16
 def test_a_bf16_users_module_is_normalized_in_float32(images: torch.Tensor) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).to(torch.bfloat16)
