@@ -635,12 +635,19 @@ def _in_format(images: Tensor, memory_format: str) -> Tensor:
 
 class _AsFormat(torch.autograd.Function):
     """Images in another memory layout whose gradient comes back in the images' own layout: code that
-    ``.view``s an input gradient (gradient penalties) must not see the backbone's format."""
+    ``.view``s an input gradient (gradient penalties) must not see the backbone's format. The context is set
+    apart from the forward, so ``torch.func.grad`` takes it too."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, images: Tensor, layout: torch.memory_format) -> Tensor:
-        ctx.own = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else None
+    def forward(images: Tensor, layout: torch.memory_format) -> Tensor:
         return images.contiguous(memory_format=layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, torch.memory_format], output: Tensor) -> None:
+        images = inputs[0]
+        ctx.own = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else None
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

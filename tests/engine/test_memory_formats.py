@@ -26,7 +26,7 @@ from featurehooks.losses import PerceptualLoss, StyleLoss
 from featurehooks.stream import forward as stream_forward
 from featurehooks.stream import tiling
 
-from helpers import FlattensWithView
+from helpers import FlattensWithView, photos, tiny_extractor
 
 SEED = 0
 
@@ -512,3 +512,16 @@ def test_without_early_exit_the_layers_after_the_tap_count_too() -> None:
     whole = fh.FeatureExtractor(widening, ["0"], weights=None, early_exit=False)
     assert early.activation_bytes(32, 32) == 4 * 32 * 32 * 4
     assert whole.activation_bytes(32, 32) == 64 * 32 * 32 * 4
+
+
+def test_torch_func_grad_takes_a_channels_last_forward() -> None:
+    """The format change's autograd Function sets its context apart from its forward, as ``torch.func`` needs."""
+    ext = tiny_extractor(mode="grad", memory_format="channels_last")
+    images = photos(32, 2)
+
+    def loss(x: Tensor) -> Tensor:
+        return ext(x)["conv2"].square().sum()
+
+    leaf = images.clone().requires_grad_(True)
+    loss(leaf).backward()
+    assert torch.equal(torch.func.grad(loss)(images), leaf.grad)
