@@ -76,4 +76,10 @@ def _worker(rank: int, init_file: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_losses_train_under_ddp_with_two_cpu_processes(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD_SIZE, join=True)
+    """A rank killed by a signal is retried once: gloo aborted a rank once ("terminate called without an active
+    exception", SIGABRT) on the 2-core machine while other jobs loaded it, and passed alone; an assertion or error
+    inside a rank (ProcessRaisedException) fails at once."""
+    try:
+        mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD_SIZE, join=True)
+    except mp.ProcessExitedException:
+        mp.spawn(_worker, args=(str(tmp_path / "rendezvous_again"),), nprocs=WORLD_SIZE, join=True)
