@@ -28,7 +28,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -83,9 +83,9 @@ class FeatureOrigin:
     ``backbone``, ``layer``, ``pool`` (``None``: the layer returns vectors and was not pooled) and
     ``weights`` (the weights name, ``None`` for random init) must be equal; ``weights_sha256`` (a
     digest of the backbone's state dict) differing only warns, since the same weights in another
-    dtype have other bytes; so does ``precision`` (what the backbone computed in, ``None`` in files written
-    before it was recorded), named in the warning. ``preprocessing`` (resize, crop, interpolation) is kept for
-    the record.
+    dtype have other bytes; so does ``precision`` (what the backbone computed in; ``None`` in files written
+    before it was recorded and in statistics merged from two precisions), named in the warning.
+    ``preprocessing`` (resize, crop, interpolation) is kept for the record.
 
     Examples:
         >>> from featurehooks.metrics import FeatureOrigin
@@ -370,6 +370,8 @@ class FeatureStatistics:
         self._check_dim(other._dim, "the other statistics")
         if self.origin is None:
             self.origin = other.origin
+        elif other.origin is not None and self.origin.precision != other.origin.precision:  # warned: now a mix
+            self.origin = replace(self.origin, precision=None, weights_sha256=None)
         mine, theirs = self._kept[: self._filled].copy(), other._kept[: other._filled].copy()
         before, count = self._count, other._count
         if count:

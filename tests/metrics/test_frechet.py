@@ -331,6 +331,9 @@ def test_statistics_of_another_precision_warn_naming_it(tmp_path: Path) -> None:
         "the two statistics were computed in precision 'bf16' and 'float32': their features differ by the rounding "
         "of the lower precision (docs/performance.md#precision)"
     ]
+    with pytest.warns(UserWarning, match="precision 'bf16' and 'float32'"):
+        mixed = FeatureStatistics.load(tmp_path / "bf16.npz").merge(float32)
+    assert mixed.origin is not None and (mixed.origin.precision, mixed.origin.weights_sha256) == (None, None)
     unknown = FeatureStatistics(origin=origins["ab"]).update(sample(rng, 40, 6))  # the digest decides
     with pytest.warns(UserWarning, match="of different bytes"):
         frechet_distance(unknown, FeatureStatistics(origin=origins["cd"]).update(sample(rng, 40, 6)))
