@@ -483,16 +483,11 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
         """``.to()``, ``.half()``, ``.cuda()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply:
         the backbone keeps its dtype and the normalization float32, never rounded through another dtype."""
-        fixed = getattr(self, "_precision", "float32") != "float32"
-        kept = (self.mean, self.std) if fixed else ()
+        if getattr(self, "_precision", "float32") != "float32":
+            fn = _moving_only(fn)
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        if fixed:  # the float32 values kept aside, on the new device (after .to("meta"), to_empty's new ones)
-            self.mean, self.std = (
-                new.float() if value.is_meta else value.to(new.device)
-                for value, new in zip(kept, (self.mean, self.std))
-            )
         if recurse:
-            self._model._apply(_moving_only(fn) if fixed else fn)  # type: ignore[no-untyped-call]
+            self._model._apply(fn)  # type: ignore[no-untyped-call]
             if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
                 self._settle_format()
         return self
