@@ -150,3 +150,18 @@ def images() -> torch.Tensor:
 
     generator = torch.Generator().manual_seed(SEED)
     return torch.rand(2, 3, 64, 64, generator=generator)
+
+
+@pytest.fixture
+def cpu_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lets ``precision="bf16"`` run on a CPU that featurehooks refuses it on (no native bfloat16): torch emulates
+    it there, slower but with bfloat16's rounding, so the option's logic is tested on every machine (its speed is
+    the benchmarks' business). Where the CPU has bfloat16, nothing changes."""
+    from featurehooks import _precision
+
+    refused = _precision._unsupported
+
+    def unsupported(precision: str, device_type: str, index: int | None) -> str:
+        return "" if (precision, device_type) == ("bf16", "cpu") else refused(precision, device_type, index)
+
+    monkeypatch.setattr(_precision, "_unsupported", unsupported)

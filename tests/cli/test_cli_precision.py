@@ -14,7 +14,7 @@ import torch
 from featurehooks import FeatureExtractor, dump_features
 from featurehooks.cli import main
 
-from helpers import needs_cpu_bf16
+from helpers import bf16_anywhere
 
 SIZES = ["--resize", "36", "--crop", "32", "--workers", "0", "--batch-size", "3", "-q"]
 MODEL = ["--backbone", "resnet18", "--layers", "layer1", "--weights", "none"]
@@ -27,7 +27,7 @@ def test_every_model_command_takes_precision(command: str, capsys: pytest.Captur
     assert "--precision {float32,bf16,fp16}" in capsys.readouterr().out
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_extract_in_bf16_equals_the_library(images: Path, tmp_path: Path) -> None:
     assert main(["extract", str(images), "--out", str(tmp_path / "cli"), *MODEL, *SIZES, "--precision", "bf16"]) == 0
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def test_extract_in_bf16_equals_the_library(images: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@needs_cpu_bf16
+@bf16_anywhere
 def test_stats_and_lpips_in_bf16_are_close_to_float32(
     images: Path, png_folder: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,7 +14,7 @@ from featurehooks import dump_features, read_manifest
 from featurehooks.dump.manifest import CorruptDumpError, Manifest
 from featurehooks.errors import InvalidValueError
 
-from helpers import needs_cpu_bf16, tiny_extractor
+from helpers import bf16_anywhere, tiny_extractor
 
 OPTIONS = {"batch_size": 2, "num_workers": 0, "progress": False, "resize_size": None, "crop_size": None}
 
@@ -24,7 +24,7 @@ def folder(png_folder: Callable[..., Path]) -> Path:
     return png_folder(5)
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 @pytest.mark.parametrize(("pool", "dtype"), [("avg", "float32"), (None, "float16")])
 def test_bf16_dump_stores_the_dtype_asked_for(folder: Path, tmp_path: Path, pool: str | None, dtype: str) -> None:
     low = dump_features(tiny_extractor(precision="bf16"), folder, tmp_path / "bf16", pool=pool, dtype=dtype, **OPTIONS)
@@ -39,7 +39,7 @@ def test_bf16_dump_stores_the_dtype_asked_for(folder: Path, tmp_path: Path, pool
         assert float(np.abs(ours.astype(np.float32) - theirs.astype(np.float32)).max()) < 0.02 * scale
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_a_resume_in_another_precision_is_refused(folder: Path, tmp_path: Path) -> None:
     dump_features(tiny_extractor(precision="bf16"), folder, tmp_path, pool="avg", **OPTIONS)
     with pytest.raises(InvalidValueError, match="precision"):

@@ -11,7 +11,7 @@ import featurehooks as fh
 from featurehooks import _precision
 from featurehooks.errors import InvalidValueError
 
-from helpers import needs_cpu_bf16, photos, tiny_extractor
+from helpers import bf16_anywhere, needs_cpu_bf16, photos, tiny_extractor
 
 LAYERS = ["relu2_2", "relu3_3"]
 
@@ -60,7 +60,7 @@ def test_bf16_stores_the_backbone_once_and_returns_bf16_features(images: torch.T
     assert ext.activation_bytes(64, 64) * 2 == reference.activation_bytes(64, 64)
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_bf16_outranks_an_enclosing_autocast_and_survives_casts(images: torch.Tensor) -> None:
     ext = tiny_extractor(precision="bf16")
     with torch.autocast("cpu", dtype=torch.float16):
@@ -70,7 +70,7 @@ def test_bf16_outranks_an_enclosing_autocast_and_survives_casts(images: torch.Te
     assert ext(images)["conv2"].dtype == torch.bfloat16
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_bf16_input_gradients_come_back_in_the_inputs_dtype(images: torch.Tensor, dtype: torch.dtype) -> None:
     ext, reference = tiny_extractor(mode="grad", precision="bf16"), tiny_extractor(mode="grad")
@@ -82,7 +82,7 @@ def test_bf16_input_gradients_come_back_in_the_inputs_dtype(images: torch.Tensor
     assert cosine > 0.99
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_repr_says_what_runs() -> None:
     text = repr(tiny_extractor(precision="bf16"))
     assert "precision='bf16'" in text
@@ -115,7 +115,7 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) ->
         _precision._unsupported.cache_clear()
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_a_users_module_is_copied_not_cast(images: torch.Tensor) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
@@ -153,7 +153,7 @@ CASTS = {
 }
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 @pytest.mark.parametrize("cast", list(CASTS))
 def test_bf16_casts_change_neither_the_stored_weights_nor_the_normalization(images: torch.Tensor, cast: str) -> None:
     """A cast of a bf16 extractor (or of a model holding one) leaves what runs bitwise as it was: weights are not
@@ -172,14 +172,14 @@ def test_bf16_casts_change_neither_the_stored_weights_nor_the_normalization(imag
         assert torch.equal(value, before[name]), name
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_a_bf16_extractor_can_be_made_on_the_meta_device_and_materialized() -> None:
     ext = tiny_extractor(precision="bf16").to("meta").to_empty(device="cpu")
     assert ext.mean.device.type == "cpu" and ext.mean.dtype == ext.std.dtype == torch.float32
     assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in ext.backbone.parameters())
 
 
-@needs_cpu_bf16
+@bf16_anywhere
 def test_a_bf16_users_module_is_normalized_in_float32(images: torch.Tensor) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).to(torch.bfloat16)

@@ -12,9 +12,7 @@ from featurehooks import DISTS, LPIPS, feature_statistics
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import PooledFeatures, fid_extractor, fid_statistics
 
-from helpers import degraded_photos, needs_cpu_bf16, photos, tiny_extractor, value_and_grad
-
-pytestmark = needs_cpu_bf16
+from helpers import bf16_anywhere, degraded_photos, needs_cpu_bf16, photos, tiny_extractor, value_and_grad
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +24,11 @@ def pair() -> tuple[torch.Tensor, torch.Tensor]:
     "build",
     [
         pytest.param(lambda **o: LPIPS("alex", reduction="none", **o), id="lpips-alex"),
-        pytest.param(lambda **o: LPIPS("vgg", reduction="none", **o), id="lpips-vgg"),
-        pytest.param(lambda **o: DISTS(reduction="none", **o), id="dists"),
+        pytest.param(lambda **o: LPIPS("vgg", reduction="none", **o), id="lpips-vgg", marks=needs_cpu_bf16),
+        pytest.param(lambda **o: DISTS(reduction="none", **o), id="dists", marks=needs_cpu_bf16),
     ],
 )
+@bf16_anywhere
 def test_bf16_metrics_are_finite_and_close(lpips_trunks: None, pair, build: Callable[..., torch.nn.Module]) -> None:
     x, y = pair
     low, full = build(precision="bf16"), build()
@@ -40,6 +39,7 @@ def test_bf16_metrics_are_finite_and_close(lpips_trunks: None, pair, build: Call
     assert torch.nn.functional.cosine_similarity(grad.flatten(), expected_grad.flatten(), dim=0) > 0.98
 
 
+@bf16_anywhere
 def test_statistics_of_a_bf16_extractor_are_pooled_in_float32() -> None:
     images = photos(32, 4)
     low = feature_statistics(tiny_extractor(precision="bf16"), images, layer="conv2", pool="avg", keep=4)
