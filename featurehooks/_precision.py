@@ -28,13 +28,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from .errors import InvalidValueError
 
-__all__ = ["COMPUTE_DTYPES", "PRECISIONS", "Precision", "autocast_off", "check_device", "check_precision"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "PRECISIONS",
+    "Precision",
+    "applied_under",
+    "autocast_off",
+    "check_device",
+    "check_precision",
+]
 
 Precision = Literal["float32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("float32", "bf16", "fp16")
@@ -52,9 +62,16 @@ def check_device(precision: str, device: torch.device) -> None:
     """Raise ``InvalidValueError`` if ``device`` cannot run ``precision`` (or runs it slower than float32)."""
     if precision == "float32":
         return
-    reason = _unsupported(precision, device.type, device.index)
+    reason = _refusal(precision, device.type, device.index)
     if reason:
         raise InvalidValueError(f"precision={precision!r} cannot run on {device}: {reason}")
+
+
+@torch.compiler.assume_constant_result
+def _refusal(precision: str, device_type: str, index: int | None) -> str:
+    """``_unsupported``, which ``torch.compile`` calls while it traces and keeps as a constant (a device's kernels do
+    not change while a process runs): a compiled forward is refused as an eager one is, without a graph break."""
+    return _unsupported(precision, device_type, index)
 
 
 @functools.cache
@@ -94,3 +111,18 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def applied_under(precision: str, fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``fn`` (a ``Module._apply`` function: ``.to()``, ``.half()``, ...) as a module computing in ``precision``
+    takes it: whole under float32; under bf16/fp16 without its change of dtype, a tensor it would convert moved
+    to where ``fn`` puts it instead, from its own values (a bf16 weight never goes through float16 and back, the
+    float32 normalization and a metric's float32 calibration stay float32)."""
+    if precision == "float32":
+        return fn
+
+    def apply(tensor: Tensor) -> Tensor:
+        applied = fn(tensor)
+        return applied if applied.dtype == tensor.dtype else tensor.to(applied.device)
+
+    return apply

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
 from ._hooks import ClosedOnExit, TapSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
-from ._precision import COMPUTE_DTYPES, Precision, autocast_off, check_device, check_precision
+from ._precision import COMPUTE_DTYPES, Precision, applied_under, autocast_off, check_device, check_precision
 from ._taps import Site
 from ._trace import Trace, fixed_input_size, trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
@@ -66,17 +66,6 @@ def _floating_tensor(model: nn.Module) -> Tensor:
     """The model's first floating-point parameter or buffer (an empty float tensor for none): its dtype and device."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
-
-
-def _moving_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """``fn`` (a ``Module._apply`` function) without its change of dtype: a tensor it would convert is moved to
-    where ``fn`` puts it instead, from its own values (a bf16 weight never goes through float16 and back)."""
-
-    def apply(tensor: Tensor) -> Tensor:
-        applied = fn(tensor)
-        return applied if applied.dtype == tensor.dtype else tensor.to(applied.device)
-
-    return apply
 
 
 class FeatureExtractor(nn.Module, ClosedOnExit):
@@ -483,8 +472,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
         """``.to()``, ``.half()``, ``.cuda()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply:
         the backbone keeps its dtype and the normalization float32, never rounded through another dtype."""
-        if getattr(self, "_precision", "float32") != "float32":
-            fn = _moving_only(fn)
+        fn = applied_under(getattr(self, "_precision", "float32"), fn)
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         if recurse:
             self._model._apply(fn)  # type: ignore[no-untyped-call]
@@ -562,8 +550,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
     def _run_in_precision(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
         """``_run`` of the normalized images cast to the precision's dtype (their gradient comes back in theirs),
         on a device that can compute in it, with any enclosing autocast off: the precision says what runs."""
-        if not torch.compiler.is_compiling():
-            check_device(self.precision, x.device)
+        check_device(self.precision, x.device)
         with autocast_off(x.device.type):
             return self._run(x.to(COMPUTE_DTYPES[self.precision]), chosen)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Union
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._precision import autocast_off
+from .._precision import applied_under, autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
@@ -330,6 +330,11 @@ class DISTS(nn.Module):
     def train(self, mode: bool = True) -> DISTS:
         """Stay in eval mode: DISTS is frozen."""
         return super().train(False)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DISTS:
+        """``.to()``, ``.half()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply, to alpha and
+        beta as to the extractor: the distances stay float32, alpha and beta never rounded through another dtype."""
+        return super()._apply(applied_under(self.extractor.precision, fn), recurse)  # type: ignore[no-untyped-call]
 
     def _check_pair(self, input: Tensor, target: Tensor) -> None:
         check_rgb_pair(input, target, "DISTS")

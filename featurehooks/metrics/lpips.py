@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._precision import applied_under
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
@@ -322,6 +323,11 @@ class LPIPS(nn.Module):
     def train(self, mode: bool = True) -> LPIPS:
         """Stay in eval mode: LPIPS is frozen (its heads are fixed and it has no dropout)."""
         return super().train(False)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> LPIPS:
+        """``.to()``, ``.half()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply, to the heads
+        as to the extractor: the distances stay float32, the heads never rounded through another dtype."""
+        return super()._apply(applied_under(self.extractor.precision, fn), recurse)  # type: ignore[no-untyped-call]
 
     # -- features ----------------------------------------------------------------------------------
 

@@ -104,6 +104,29 @@ def test_fp16_on_a_cpu_without_float16_kernels_is_refused_at_the_forward(images:
         ext(images)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_compiled_forward_is_refused_as_an_eager_one(
+    monkeypatch: pytest.MonkeyPatch, images: torch.Tensor, precision: str
+) -> None:
+    """The device check runs while torch.compile traces (its answer a constant there): a compiled extractor on a
+    device that cannot run the precision raises the eager error, not a silently emulated forward."""
+    monkeypatch.setattr(_precision, "_unsupported", lambda *args: "no kernels for it here")
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_extractor(precision=precision), backend="eager")
+    with pytest.raises(InvalidValueError, match=rf"precision='{precision}' cannot run on cpu: no kernels for it here"):
+        compiled(images)
+
+
+@bf16_anywhere
+def test_a_bf16_forward_compiles_to_one_graph(images: torch.Tensor) -> None:
+    """Where the device runs it, the check costs a compiled forward no graph break: fullgraph=True compiles."""
+    torch._dynamo.reset()
+    ext = tiny_extractor(mode="grad", precision="bf16")
+    found = torch.compile(ext, fullgraph=True, backend="eager")(images)
+    for name, expected in ext(images).items():
+        assert found[name].dtype == torch.bfloat16 and torch.equal(found[name], expected), name
+
+
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     _precision._unsupported.cache_clear()
