@@ -522,6 +522,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_isa() -> str:
+    """The vector instructions torch's CPU kernels use (``AVX2``, ``AVX512``, ...), ``+BF16`` where featurehooks
+    runs ``precision="bf16"`` on this CPU: two EPYCs of one name differ there, and so do their timings."""
+    from featurehooks._precision import _unsupported
+
+    native_bf16 = not _unsupported("bf16", "cpu", None)
+    return torch.backends.cpu.get_cpu_capability() + ("+BF16" if native_bf16 else "")
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     """Hardware, threads and library versions, for the JSON and the Markdown header."""
     info: dict[str, Any] = {
@@ -529,6 +538,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": _cpu_name(),
+        "cpu_isa": _cpu_isa(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -546,7 +556,8 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 def machine_line(info: dict[str, Any]) -> str:
-    hw = info.get("gpu") or f"{info['cpu']} ({info['cpu_count']} cores, {info['torch_threads']} torch threads)"
+    isa = f"{info['cpu_isa']}, " if "cpu_isa" in info else ""  # results saved before it was recorded lack it
+    hw = info.get("gpu") or f"{info['cpu']} ({isa}{info['cpu_count']} cores, {info['torch_threads']} torch threads)"
     v = info["versions"]
     libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "torchvision", "timm", "lpips", "piq") if v.get(k))
     return f"{hw}; {libs}; featurehooks {v.get('featurehooks')} @ {info.get('git_commit')}; {info['date_utc']}"

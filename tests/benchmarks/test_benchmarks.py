@@ -39,7 +39,7 @@ def _check_files(tmp_path: Path, name: str, payload: dict) -> None:
     saved = json.loads((tmp_path / f"{name}.json").read_text())
     assert saved["benchmark"] == name and saved["quick"] is True and saved["partial"] is False
     assert saved["machine"]["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
-    assert {"cpu", "cpu_count", "torch_threads", "device", "versions", "date_utc"} <= set(saved["machine"])
+    assert {"cpu", "cpu_isa", "cpu_count", "torch_threads", "device", "versions", "date_utc"} <= set(saved["machine"])
     assert saved["groups"] == json.loads(json.dumps(payload["groups"]))
     markdown = (tmp_path / f"{name}.md").read_text()
     assert "| contender | median ms | IQR ms | ratio |" in markdown and "Command: `python" in markdown
