@@ -3,6 +3,8 @@ refused, and ``repr`` says what runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -104,6 +106,15 @@ def test_fp16_on_a_cpu_without_float16_kernels_is_refused_at_the_forward(images:
         ext(images)
 
 
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """torch.compile's caches emptied before and after: a compiled check's answer (a constant) stays in them."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_compiled_forward_is_refused_as_an_eager_one(
     monkeypatch: pytest.MonkeyPatch, images: torch.Tensor, precision: str
@@ -111,6 +122,9 @@ def test_a_compiled_forward_is_refused_as_an_eager_one(
     """The device check runs while torch.compile traces (its answer a constant there): a compiled extractor on a
     device that cannot run the precision raises the eager error, not a silently emulated forward."""
     monkeypatch.setattr(_precision, "_unsupported", lambda *args: "no kernels for it here")
+    whole = torch.compile(tiny_extractor(precision=precision), backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="no kernels for it here"):  # torch's error, our reason
+        whole(images)
     torch._dynamo.reset()
     compiled = torch.compile(tiny_extractor(precision=precision), backend="eager")
     with pytest.raises(InvalidValueError, match=rf"precision='{precision}' cannot run on cpu: no kernels for it here"):
@@ -118,9 +132,9 @@ def test_a_compiled_forward_is_refused_as_an_eager_one(
 
 
 @bf16_anywhere
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_a_bf16_forward_compiles_to_one_graph(images: torch.Tensor) -> None:
     """Where the device runs it, the check costs a compiled forward no graph break: fullgraph=True compiles."""
-    torch._dynamo.reset()
     ext = tiny_extractor(mode="grad", precision="bf16")
     found = torch.compile(ext, fullgraph=True, backend="eager")(images)
     for name, expected in ext(images).items():
