@@ -4,6 +4,9 @@ gradients underflow as docs/performance.md says."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +15,7 @@ import featurehooks.losses as fl
 from featurehooks import FeatureExtractor
 from featurehooks.losses import FeatureLoss
 
-from helpers import bf16_anywhere, degraded_photos, needs_cpu_bf16, value_and_grad
+from helpers import bf16_anywhere, degraded_photos, needs_cpu_bf16, tiny_extractor, value_and_grad
 
 LAYERS = ["relu1_2", "relu2_2", "relu3_3"]
 
@@ -23,13 +26,16 @@ def pair() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def extractors() -> dict[str, FeatureExtractor]:
-    """One VGG16 extractor per precision, shared by the losses (building VGG16 costs more than these forwards)."""
-    built = {}
-    for precision in ("float32", "bf16"):
+def extractors() -> Callable[[str], FeatureExtractor]:
+    """VGG16 extractors by precision, each built once when first asked for and shared by the losses (building VGG16
+    costs more than these forwards)."""
+
+    @functools.cache
+    def build(precision: str) -> FeatureExtractor:
         torch.manual_seed(0)
-        built[precision] = FeatureExtractor("vgg16", LAYERS, mode="grad", weights=None, precision=precision)
-    return built
+        return FeatureExtractor("vgg16", LAYERS, mode="grad", weights=None, precision=precision)  # type: ignore[arg-type]
+
+    return build
 
 
 def build(kind: str, extractor: FeatureExtractor) -> FeatureLoss:
@@ -44,7 +50,7 @@ def test_bf16_losses_are_within_2_percent_of_float32(pair, extractors, kind: str
     x, y = pair
     if kind == "style":  # style transfer: the style of other photos (a noisy copy has nearly the same Grams)
         y = y.flip(0)
-    low, full = build(kind, extractors["bf16"]), build(kind, extractors["float32"])
+    low, full = build(kind, extractors("bf16")), build(kind, extractors("float32"))
     assert low.extractor.compute_dtype == torch.bfloat16
     value, grad = value_and_grad(low, x, y)
     expected, expected_grad = value_and_grad(full, x, y)
@@ -98,11 +104,11 @@ def test_real_esrgans_preset_runs_in_bf16(pair) -> None:
 @bf16_anywhere
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_resize_takes_half_precision_images(pair, extractors, precision: str, dtype: torch.dtype) -> None:
+def test_resize_takes_half_precision_images(pair, precision: str, dtype: torch.dtype) -> None:
     """``resize=`` resizes half-precision images in float32, as the extractor takes them (torch's antialiased
     resize has no half kernels on the CPU): the loss of the float32 copies, bitwise, gradients in their dtype."""
     x, y = (t[:, :, :40, :44] for t in pair)
-    loss = fl.PerceptualLoss(extractors[precision], LAYERS, resize=32)
+    loss = fl.PerceptualLoss(tiny_extractor(mode="grad", precision=precision), ["relu1", "conv2"], resize=32)
     half = x.to(dtype).requires_grad_()
     value = loss(half, y.to(dtype))
     assert torch.equal(value, loss(half.detach().float(), y.to(dtype).float()))
@@ -125,7 +131,7 @@ def test_fp16_gradients_underflow_unless_the_loss_is_scaled(pair, extractors, mo
     x, y = pair
     torch.manual_seed(0)
     fp16 = FeatureExtractor("vgg16", LAYERS[:2], mode="grad", weights=None, precision="fp16")  # emulated: slow
-    perceptual, reference = fl.PerceptualLoss(fp16, ["relu2_2"]), fl.PerceptualLoss(extractors["float32"], ["relu2_2"])
+    perceptual, reference = fl.PerceptualLoss(fp16, ["relu2_2"]), fl.PerceptualLoss(extractors("float32"), ["relu2_2"])
     expected = fp16_input_gradient(reference, x, y, 1.0)
     plain, scaled = (fp16_input_gradient(perceptual, x, y, scale) for scale in (1.0, 2.0**10))
     cosine = torch.nn.functional.cosine_similarity
