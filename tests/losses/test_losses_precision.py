@@ -123,6 +123,7 @@ def fp16_input_gradient(loss: FeatureLoss, x: torch.Tensor, y: torch.Tensor, sca
     return leaf.grad.flatten() / scale
 
 
+@pytest.mark.slow  # emulated float16 VGG16 steps (no CPU here has float16 kernels)
 def test_fp16_gradients_underflow_unless_the_loss_is_scaled(pair, extractors, monkeypatch) -> None:
     """What docs/performance.md says of fp16 (emulated here, where the CPU has no float16 kernels: the device check
     is bypassed; the rounding is a GPU's): a perceptual loss's input gradients lose entries to float16's range, the
