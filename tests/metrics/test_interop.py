@@ -15,8 +15,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torchmetrics.image.fid import FrechetInceptionDistance
-from torchmetrics.image.kid import KernelInceptionDistance
 
 from featurehooks import FeatureExtractor, InvalidTypeError, InvalidValueError, LayerNotFoundError
 from featurehooks.metrics import PooledFeatures, feature_statistics, frechet_distance, kernel_inception_distance
@@ -74,6 +72,8 @@ def test_uint8_images_are_mapped_to_the_input_range(images: tuple[torch.Tensor, 
 def test_torchmetrics_fid_equals_frechet_distance(
     extractor: FeatureExtractor, images: tuple[torch.Tensor, ...], normalize: bool
 ) -> None:
+    from torchmetrics.image.fid import FrechetInceptionDistance  # 1.7 s: imported by the tests that use it
+
     real, fake = images
     feature = PooledFeatures(extractor, "conv2")
     calls: list[int] = []
@@ -100,6 +100,8 @@ def test_torchmetrics_fid_equals_frechet_distance(
 def test_torchmetrics_kid_equals_kernel_inception_distance(
     extractor: FeatureExtractor, images: tuple[torch.Tensor, ...], normalize: bool
 ) -> None:
+    from torchmetrics.image.kid import KernelInceptionDistance
+
     real, fake = images
     kid = KernelInceptionDistance(
         feature=PooledFeatures(extractor, "conv2"), subsets=2, subset_size=COUNT, normalize=normalize
@@ -114,6 +116,8 @@ def test_torchmetrics_kid_equals_kernel_inception_distance(
 
 
 def test_an_untraced_model_is_probed_once(images: tuple[torch.Tensor, ...]) -> None:
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
     class Untraceable(nn.Module):
         """A convolution whose forward reads a value (fails on the meta device: no layouts before a forward)."""
 
@@ -158,6 +162,8 @@ def test_refusals(extractor: FeatureExtractor) -> None:
 
 
 def test_the_metric_stays_small_and_copies(extractor: FeatureExtractor, images: tuple[torch.Tensor, ...]) -> None:
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
     fid = FrechetInceptionDistance(feature=PooledFeatures(extractor, "conv2"))
     assert not any(name.startswith("inception") for name in fid.state_dict())  # the backbone is not a state
     assert not any(parameter.requires_grad for parameter in fid.parameters())

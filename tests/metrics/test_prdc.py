@@ -13,10 +13,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import prdc
 import pytest
 import torch
-from prdc.prdc import compute_nearest_neighbour_distances
 
 from featurehooks import InputNotFoundError, InvalidTypeError, InvalidValueError
 from featurehooks.metrics import PRDC, FeatureOrigin, FeatureStatistics, Manifold, precision_recall
@@ -38,6 +36,8 @@ def sets(real: int = 300, fake: int = 260, dim: int = 12, seed: int = 0) -> tupl
 
 
 def oracle(real: np.ndarray, fake: np.ndarray, k: int) -> dict[str, float]:
+    import prdc  # 2 s with scikit-learn: imported by the tests that use it, not when the suite is collected
+
     with contextlib.redirect_stdout(io.StringIO()):  # it prints the set sizes
         return {name: float(value) for name, value in prdc.compute_prdc(real, fake, nearest_k=k).items()}
 
@@ -62,6 +62,8 @@ def test_equals_prdc_on_tensors_and_features_far_from_the_origin() -> None:
 
 
 def test_radii_equal_prdc() -> None:
+    from prdc.prdc import compute_nearest_neighbour_distances
+
     real, _ = sets()
     single = real.astype(np.float32)  # distances rounded to float32 as scikit-learn's: the same floats
     np.testing.assert_array_equal(
