@@ -523,12 +523,10 @@ def _cpu_name() -> str:
 
 
 def _cpu_isa() -> str:
-    """The vector instructions torch's CPU kernels use (``AVX2``, ``AVX512``, ...), ``+BF16`` where featurehooks
-    runs ``precision="bf16"`` on this CPU: two EPYCs of one name differ there, and so do their timings."""
-    from featurehooks._precision import _unsupported
-
-    native_bf16 = not _unsupported("bf16", "cpu", None)
-    return torch.backends.cpu.get_cpu_capability() + ("+BF16" if native_bf16 else "")
+    """The vector instructions torch's CPU kernels use (``AVX2``, ``AVX512``, ...), and ``+BF16``/``+FP16`` for each
+    precision featurehooks runs on this CPU: two EPYCs of one name differ there, and so do their timings."""
+    native = "".join(f"+{precision.upper()}" for precision in reduced_precisions(torch.device("cpu")))
+    return torch.backends.cpu.get_cpu_capability() + native
 
 
 def machine(device: torch.device) -> dict[str, Any]:

@@ -88,6 +88,15 @@ needs_cpu_bf16 = pytest.mark.skipif(
 """Marks a test of ``precision="bf16"`` on the CPU too slow to run emulated: it runs where featurehooks lets bf16
 run (AVX512-BF16, AMX-BF16, Arm BF16). Emulated (an AVX2 EPYC), a VGG16 step in bf16 took 36x float32's time."""
 
+CASTS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    ".half()": lambda m: m.half(),
+    ".to(torch.bfloat16)": lambda m: m.to(torch.bfloat16),
+    ".half().float()": lambda m: m.half().float(),
+    ".double()": lambda m: m.double(),
+}
+"""Casts a user applies to a model holding an extractor, loss or metric: under ``precision="bf16"``/``"fp16"`` each
+must leave what runs bitwise as it was (float16 ends at 65504; float32 normalization and calibration stay)."""
+
 bf16_anywhere = pytest.mark.usefixtures("cpu_bf16")
 """Marks a test of ``precision="bf16"`` on the CPU that runs on every machine: natively where the CPU has bfloat16,
 emulated elsewhere (the ``cpu_bf16`` fixture), so CI on any CPU tests the option's logic."""

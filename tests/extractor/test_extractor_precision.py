@@ -13,7 +13,7 @@ import featurehooks as fh
 from featurehooks import _precision
 from featurehooks.errors import InvalidValueError
 
-from helpers import bf16_anywhere, needs_cpu_bf16, photos, tiny_extractor
+from helpers import CASTS, bf16_anywhere, needs_cpu_bf16, photos, tiny_extractor
 
 LAYERS = ["relu2_2", "relu3_3"]
 
@@ -180,14 +180,6 @@ def test_a_tap_before_an_in_place_activation_builds_in_any_precision(images: tor
     for name, expected in reference(images).items():
         assert found[name].dtype == torch.bfloat16
         assert (found[name].float() - expected).abs().max() / expected.abs().max() < 0.05, name
-
-
-CASTS = {
-    ".half()": lambda m: m.half(),
-    ".to(torch.bfloat16)": lambda m: m.to(torch.bfloat16),
-    ".half().float()": lambda m: m.half().float(),
-    ".double()": lambda m: m.double(),
-}
 
 
 @bf16_anywhere

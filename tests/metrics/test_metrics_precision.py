@@ -12,7 +12,7 @@ from featurehooks import DISTS, LPIPS, feature_statistics
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import PooledFeatures, fid_extractor, fid_statistics
 
-from helpers import bf16_anywhere, degraded_photos, needs_cpu_bf16, photos, tiny_extractor, value_and_grad
+from helpers import CASTS, bf16_anywhere, degraded_photos, needs_cpu_bf16, photos, tiny_extractor, value_and_grad
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,6 @@ def test_bf16_metrics_are_finite_and_close(lpips_trunks: None, pair, build: Call
     expected, expected_grad = value_and_grad(full, x, y)
     torch.testing.assert_close(value, expected, rtol=0.02, atol=0)
     assert torch.nn.functional.cosine_similarity(grad.flatten(), expected_grad.flatten(), dim=0) > 0.98
-
-
-CASTS = {
-    ".half().float()": lambda m: m.half().float(),
-    ".bfloat16()": lambda m: m.bfloat16(),
-    ".double()": torch.nn.Module.double,
-}
 
 
 @bf16_anywhere
