@@ -74,6 +74,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--tag", default="", help="suffix for the result file names (e.g. _cuda)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     p.add_argument(
+        "--autocast",
+        default=None,
+        help="comma-separated autocast groups, fp32 (none) and bf16 (default: fp32 on the CPU, fp32,bf16 on cuda)",
+    )
+    p.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
@@ -99,6 +104,7 @@ class Settings:
     command: str
     threads: int
     clock: str = "wall"
+    autocasts: tuple[str, ...] = ("fp32",)  # the groups' autocast: fp32 (none), bf16
 
     @property
     def cuda(self) -> bool:
@@ -141,7 +147,16 @@ def settings(args: argparse.Namespace, *, budget: float, quick_budget: float = 0
         command=" ".join(["python", *[_rel(a) for a in sys.argv]]),
         threads=torch.get_num_threads(),
         clock="wall" if device.type == "cuda" else args.clock,
+        autocasts=_autocasts(args.autocast, device),
     )
+
+
+def _autocasts(given: str | None, device: torch.device) -> tuple[str, ...]:
+    names = tuple(given.split(",")) if given else ("fp32", "bf16") if device.type == "cuda" else ("fp32",)
+    unknown = set(names) - {"fp32", "bf16"}
+    if unknown:
+        raise SystemExit(f"--autocast takes fp32 and bf16, not {', '.join(sorted(unknown))}")
+    return names
 
 
 def _rel(arg: str) -> str:
@@ -915,8 +930,8 @@ class Shapes:
 
 
 def precisions(cfg: Settings) -> list[str]:
-    """``fp32`` everywhere; on CUDA also ``bf16`` (autocast, with channels_last models and inputs)."""
-    return ["fp32", "bf16"] if cfg.cuda else ["fp32"]
+    """The groups' autocast (``--autocast``): ``fp32`` (none) everywhere by default, on CUDA also ``bf16``."""
+    return list(cfg.autocasts)
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -286,6 +286,7 @@ def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings
     shared = argparse.Namespace(
         device="cpu", quick=args.quick, threads=args.threads, budget=0.0, min_reps=args.rounds,
         max_reps=args.rounds, warmup=1, out=args.out, tag=args.tag, no_plot=True, clock="wall",
+        autocast=None,
     )  # fmt: skip
     cfg = H.settings(shared, budget=0.0)
     if argv is not None:  # called from Python (tests): say what the command line would have been

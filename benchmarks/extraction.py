@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(here: {', '.join(reduced) or 'none'}); their *max rel diff* is what the precision costs against the "
         "float32 loop. The group's *precision* is the autocast around every contender (fp32: none).",
     ]
-    if cfg.cuda:
+    if "bf16" in cfg.autocasts:
         notes.append(
             "bf16 groups: autocast to bfloat16; the images stay NCHW and every contender keeps its own "
             "memory format (nothing is converted for the whole group)."
