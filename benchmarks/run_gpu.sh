@@ -7,8 +7,8 @@
 #
 #   bash benchmarks/run_gpu.sh prepare [NAME ...]   # here, with the network: the peers' wheels into .whl/ (plus
 #                                                   # NAME..., e.g. scipy for an interpreter that lacks lpips' needs)
-#   bash benchmarks/run_gpu.sh run                  # on the GPU: extraction, losses, compile, hook overhead (< 7 min)
-#   bash benchmarks/run_gpu.sh rehearse             # the same steps on the CPU with the quick settings (seconds)
+#   bash benchmarks/run_gpu.sh run                  # on the GPU: extraction, losses, compile, hook overhead (~6 min)
+#   bash benchmarks/run_gpu.sh rehearse             # the same steps on the CPU with the quick settings (~1 min)
 #   bash benchmarks/run_gpu.sh unpack ARCHIVE       # here: the archive's results into benchmarks/results, charts drawn
 #
 # Environment: PYTHON (default .venv/bin/python if present, else python3); RESULTS (the folder for the .json/.md;
@@ -16,12 +16,14 @@
 # $OUT/gpu_results.tar.gz and $OUT/run_gpu.log; otherwise the charts are drawn beside the results);
 # BENCH_TORCH_HOME (a folder for the seeded weights; default a temporary one).
 #
-# run: each script has its own time limit (they add up to 6:45 on one H200, so that the run and the start-up fit a
-# 15-minute lease); extraction and losses save after every group, so a script cut short keeps what it measured.
+# run: each script has its own time limit (they add up to 7:25 on one H200; the machine started in about 30 s on
+# 2026-12-04, so the run fits a 15-minute lease); extraction and losses save after every group, so a script cut
+# short keeps what it measured.
 # extraction's headline (VGG16 relu3_3: hooks vs the hand-written loop vs torchvision FX) runs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's featurehooks, not an installed one
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 BENCHMARKS=(extraction losses compile hook_overhead)
 PEERS=(lpips==0.1.4 piq==0.8.0)  # what the scripts import beyond the GPU machine's image (torch, timm, scipy, ...)
@@ -35,13 +37,16 @@ prepare() {
   ls -l .whl
 }
 
-unpack() {
-  local archive=$1 results=${RESULTS:-benchmarks/results}
-  tar -xzf "$archive" -C "$results" --wildcards '*_cuda.json' '*_cuda.md'
-  for name in "${BENCHMARKS[@]}"; do
-    if [ -f "$results/${name}_cuda.json" ]; then "$PYTHON" benchmarks/_harness.py "$results/${name}_cuda.json"; fi
+unpack() {  # ARCHIVE: its .json and .md into RESULTS (default benchmarks/results), a chart drawn for each .json
+  local archive=$1 results=${RESULTS:-benchmarks/results} names charts=()
+  names=$(tar -tzf "$archive" | grep -E '^[A-Za-z0-9_]+[.](json|md)$')
+  mkdir -p "$results"
+  tar -xzf "$archive" -C "$results" $names
+  for name in $names; do
+    case $name in *.json) charts+=("$results/$name") ;; esac
   done
-  ls -l "$results"/*_cuda.*
+  "$PYTHON" benchmarks/_harness.py "${charts[@]}"  # one process draws them all
+  printf '%s\n' "${charts[@]}"
 }
 
 benchmark() {  # NAME LIMIT_S ARGS...: one script under its own limit, its output to its own log
@@ -64,11 +69,11 @@ run() {  # run | rehearse
   mkdir -p "$LOGS"
   trap 'rm -rf "$SITE"; [ -n "${BENCH_TORCH_HOME:-}" ] || rm -rf "$HUB"' EXIT
 
-  # the checkout first on the path, then the carried peers (an installed featurehooks is not the code under test)
+  # the carried peers, right after the checkout on the path
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --target "$SITE/peers" .whl/*.whl
   fi
-  export PYTHONPATH="$ROOT:$SITE/peers${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$ROOT:$SITE/peers:$PYTHONPATH"
   "$PYTHON" - "$ROOT" <<'EOF'
 import importlib, sys
 from importlib.metadata import version
@@ -90,13 +95,15 @@ EOF
     "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
     TAG=_cuda
     COMMON=(--device cuda --tag $TAG --out "$RESULTS" --torch-home "$HUB" --no-plot)
-    # extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 64x224} x {fp32, bf16 autocast} = 40
-    # groups of 10-12 contenders, 4 of them FeatureExtractor (auto, contiguous) x precision {bf16, fp16}
-    benchmark extraction 170 --budget 0.7
-    # loss step: 3 groups x {8x224, 32x224} x {fp32, bf16 autocast}, time and peak memory (content group first)
-    benchmark losses 85 --budget 1.2
-    # torch.compile (inductor), bf16 + channels_last, 32x224 (saves only at the end: keep its limit)
-    benchmark compile 130 --budget 2.5
+    # extraction: 5 cases (the ViT one included) x {no-grad, grad} x {1x224, 32x224} x {fp32, bf16 autocast} = 40
+    # groups of 10-12 contenders, 4 of them FeatureExtractor (auto, contiguous) x precision {bf16, fp16}; the first
+    # run (2026-12-04, 64x224) took 270 s, most of it in the fp32 groups at batch 64 (TF32 off)
+    benchmark extraction 200 --budget 0.6
+    # loss step: 3 groups x {8x224, 16x224} x {fp32, bf16 autocast}, time and peak memory (content group first); at
+    # 32x224 the first run's fp32 groups took 28 s each
+    benchmark losses 150 --budget 0.8
+    # torch.compile (inductor), bf16 + channels_last, 32x224 (saves only at the end; the first run took 42 s)
+    benchmark compile 75 --budget 2.5
     # per-call hook overhead on a tiny model (launch-bound on a GPU)
     benchmark hook_overhead 20
   else
@@ -128,9 +135,7 @@ EOF
     (cd "$RESULTS" && shopt -s nullglob && tar -czf "$OUT/gpu_results.tar.gz" -- *"$TAG".json *"$TAG".md)
     echo "packed: $(tar -tzf "$OUT/gpu_results.tar.gz" | tr '\n' ' ')"
   else
-    for name in "${BENCHMARKS[@]}"; do
-      if [ -f "$RESULTS/$name$TAG.json" ]; then "$PYTHON" benchmarks/_harness.py "$RESULTS/$name$TAG.json"; fi
-    done
+    if [ ${#results[@]} -gt 0 ]; then "$PYTHON" benchmarks/_harness.py "${results[@]}"; fi
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     echo "no results from: ${missing[*]}" >&2
