@@ -46,7 +46,7 @@ import contextlib
 import copy
 import gc
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -150,53 +150,63 @@ class Floor(nn.Module):
         return total
 
 
-def featurehooks_losses(precision: str) -> dict[str, nn.Module]:
+def featurehooks_losses(precision: str) -> dict[str, Callable[[], nn.Module]]:
     """featurehooks' losses of the three groups, auto and contiguous, computing in ``precision`` (rows named with it
-    unless float32)."""
-    made: dict[str, nn.Module] = {
-        PL: PerceptualLoss("vgg16", ["relu3_3"], precision=precision),
-        PL_CONTIGUOUS: PerceptualLoss("vgg16", ["relu3_3"], memory_format="contiguous", precision=precision),
-        FH_LPIPS: FeatureHooksLPIPS(net="vgg", calibrated=False, precision=precision),
-        FH_LPIPS_CONTIGUOUS: FeatureHooksLPIPS(
+    unless float32), each made when called."""
+    made: dict[str, Callable[[], nn.Module]] = {
+        PL: lambda: PerceptualLoss("vgg16", ["relu3_3"], precision=precision),
+        PL_CONTIGUOUS: lambda: PerceptualLoss("vgg16", ["relu3_3"], memory_format="contiguous", precision=precision),
+        FH_LPIPS: lambda: FeatureHooksLPIPS(net="vgg", calibrated=False, precision=precision),
+        FH_LPIPS_CONTIGUOUS: lambda: FeatureHooksLPIPS(
             net="vgg", calibrated=False, memory_format="contiguous", precision=precision
         ),
-        FH_STYLE: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none", precision=precision),
-        FH_STYLE_CONTIGUOUS: StyleLoss(
+        FH_STYLE: lambda: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none", precision=precision),
+        FH_STYLE_CONTIGUOUS: lambda: StyleLoss(
             "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous", precision=precision
         ),
     }
     return made if precision == "float32" else {H.with_precision(name, precision): m for name, m in made.items()}
 
 
-def build(cfg: H.Settings, precisions: Sequence[str]) -> dict[str, nn.Module]:
-    """Every loss module (featurehooks' also in each of ``precisions``), on the device, all reading the one seeded
-    VGG16 checkpoint."""
+def build(cfg: H.Settings, precisions: Sequence[str], names: Collection[str]) -> dict[str, nn.Module]:
+    """The loss modules ``names`` (featurehooks' also in each of ``precisions``), on the device, all reading the one
+    seeded VGG16 checkpoint; only those the chosen groups run are built."""
     import lpips
     import piq
+
+    def lpips_vgg(**kwargs: Any) -> nn.Module:
+        with _quiet():
+            return lpips.LPIPS(net="vgg", verbose=False, **kwargs)
 
     H.seeded_hub_weights("vgg16")
     plain = H.load_seeded("vgg16")
     ours = featurehooks_losses("float32")
     for precision in precisions:
         ours.update(featurehooks_losses(precision))
-    mean, std = ours[PL].extractor.mean, ours[PL].extractor.std
-    features_cl = copy.deepcopy(plain.features).to(memory_format=torch.channels_last)
-    with _quiet():
-        lp = lpips.LPIPS(net="vgg", verbose=False)
-        lp_base = lpips.LPIPS(net="vgg", lpips=False, verbose=False)
-    modules: dict[str, nn.Module] = {
-        FLOOR: Floor(plain.features, ("relu3_3",), mean, std),
-        FLOOR_CL: Floor(features_cl, ("relu3_3",), mean, std, channels_last=True),
-        FLOOR_CAT: Floor(plain.features, ("relu3_3",), mean, std, concatenate=True),
-        LPIPS_FLOOR: Floor(plain.features, tuple(VGG16_INDEX), mean, std, lpips=True),
-        PIQ: piq.ContentLoss(feature_extractor="vgg16", layers=("relu3_3",)),
-        LPIPS: lp,
-        LPIPS_BASE: lp_base,
-        STYLE_FLOOR: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
+    perceptual = ours.pop(PL)()  # its mean and std normalize the floors' images too
+    mean, std = perceptual.extractor.mean, perceptual.extractor.std
+    factories: dict[str, Callable[[], nn.Module]] = {
+        FLOOR: lambda: Floor(plain.features, ("relu3_3",), mean, std),
+        FLOOR_CL: lambda: Floor(
+            copy.deepcopy(plain.features).to(memory_format=torch.channels_last),
+            ("relu3_3",),
+            mean,
+            std,
+            channels_last=True,
+        ),
+        FLOOR_CAT: lambda: Floor(plain.features, ("relu3_3",), mean, std, concatenate=True),
+        LPIPS_FLOOR: lambda: Floor(plain.features, tuple(VGG16_INDEX), mean, std, lpips=True),
+        PIQ: lambda: piq.ContentLoss(feature_extractor="vgg16", layers=("relu3_3",)),
+        LPIPS: lambda: lpips_vgg(),
+        LPIPS_BASE: lambda: lpips_vgg(lpips=False),
+        STYLE_FLOOR: lambda: Floor(plain.features, STYLE_LAYERS, mean, std, gram=True),
         **ours,
-        FH_STYLE_FIXED: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
-        PIQ_STYLE: piq.StyleLoss(feature_extractor="vgg16", layers=STYLE_LAYERS, weights=[1.0] * len(STYLE_LAYERS)),
+        FH_STYLE_FIXED: lambda: StyleLoss("vgg16", list(STYLE_LAYERS), gram_normalization="none"),
+        PIQ_STYLE: lambda: piq.StyleLoss(
+            feature_extractor="vgg16", layers=STYLE_LAYERS, weights=[1.0] * len(STYLE_LAYERS)
+        ),
     }
+    modules = {PL: perceptual} | {name: make() for name, make in factories.items() if name in names}
     for module in modules.values():
         module.eval().requires_grad_(False).to(cfg.device)
     return modules
@@ -405,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     with H.seeded_torch_home(args.torch_home):
         H.log("building losses")
-        modules = build(cfg, reduced)
+        modules = build(cfg, reduced, {name for title in wanted for name in contenders(title, reduced)})
         try:
             for precision in H.precisions(cfg):
                 for batch, size in shapes:
