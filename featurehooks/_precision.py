@@ -107,8 +107,9 @@ def _native_cpu_bf16() -> bool:
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
-    """Autocast disabled on ``device_type``; nothing to disable on devices autocast does not know (meta)."""
-    if torch.amp.is_autocast_available(device_type):
+    """Autocast disabled on ``device_type``; nothing to disable on devices autocast does not know (meta). A compiled
+    forward runs on a device autocast knows, and asks nothing: torch 2.11's dynamo cannot trace the question."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
