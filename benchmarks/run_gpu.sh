@@ -146,7 +146,7 @@ EOF
 
 case "${1:-run}" in
   prepare) shift; prepare "$@" ;;
-  unpack) unpack "$2" ;;
+  unpack) unpack "${2:?usage: bash benchmarks/run_gpu.sh unpack ARCHIVE}" ;;
   run | rehearse) run "$1" ;;
   *) echo "usage: bash benchmarks/run_gpu.sh [prepare [NAME ...] | run | rehearse | unpack ARCHIVE]" >&2; exit 2 ;;
 esac
