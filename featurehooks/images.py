@@ -226,7 +226,7 @@ def read_image(path: str | os.PathLike[str]) -> Tensor:
     such an array without copying it again.
 
     Pillow reads the header of every file (format, size, orientation) and decodes all of them but
-    RGB and grayscale JPEGs: torchvision's ``decode_jpeg`` decodes those faster (up to 2.8 times), to the
+    RGB and grayscale JPEGs: torchvision's ``decode_jpeg`` decodes those faster, to the
     same pixels (both are libjpeg-turbo with its defaults, checked once per process; grayscale is
     repeated into three channels as ``convert("RGB")`` does). A JPEG it refuses (a truncated one)
     goes to Pillow, which decides as before. CMYK and YCCK JPEGs, like every other file, are Pillow's.

@@ -53,8 +53,8 @@ class PerceptualLoss(FeatureLoss):
             (not with a shared extractor, whose own settings apply).
 
     Input and target run in two forwards (the target's without a graph): one forward of the
-    concatenated batch measured 0.61–0.75x as fast on the CPU, because the backward then runs over
-    the target's rows too (``benchmarks/losses.py``).
+    concatenated batch is slower, because the backward then runs over the target's rows too
+    (measured in docs/performance.md).
 
     Shape:
         input: ``(B, 3, H, W)``; target: ``(B, 3, H, W)`` or ``(1, 3, H, W)``; output: scalar, or

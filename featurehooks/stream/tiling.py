@@ -1,15 +1,11 @@
 """Micro-batches for the pipeline's CPU forwards: few enough images that the largest activation stays in the cache.
 
-One forward of a whole batch of 32 images at 224 px streams every activation through main memory;
-split so that the largest activation of a micro-batch fits in half the last-level cache, the same
-forwards measured 1.17–1.23x faster (ResNet-18/50 in channels-last) and 1.22x (VGG16 relu3_3 in NCHW,
-one image per forward) on a 2-core EPYC with 32 MiB of L3, and a whole ResNet-18 dump of 128 JPEGs
-1.08x. Cache-sized only while no DataLoader worker shares the cores (``num_workers=0``): with one decoding
-worker on those 2 cores the cache-sized dump gained 1.02x on a quiet machine and ran at 0.37x on a busy
-one, the many short OpenMP regions waiting on cores the worker holds. With workers, micro-batches bound
-memory instead (``WORKERS_BUDGET`` for the largest activation): a batch of 50 through the FID Inception
-ran in 9-image forwards 1.28x faster than in one, bitwise equal, at 0.18x the peak allocation.
-On accelerators the whole batch runs at once: there, large batches are what keeps the device busy.
+One forward of a whole batch streams every activation through main memory; micro-batches whose largest
+activation fits in half the last-level cache keep it there. Cache-sized only while no DataLoader worker shares
+the cores (``num_workers=0``): a worker holding a core makes the many short OpenMP regions wait. With workers,
+micro-batches bound memory instead (``WORKERS_BUDGET`` for the largest activation). Rows are bitwise those of one
+forward. On accelerators the whole batch runs at once: there, large batches keep the device busy. Measurements:
+docs/performance.md.
 """
 
 from __future__ import annotations
