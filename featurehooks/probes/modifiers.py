@@ -1,46 +1,10 @@
 """Gradient modifiers: scale, clip or reverse gradients in backward, leaving the forward values untouched.
 
-Each modifier acts on one of two targets:
-
-- a **module**: the gradient that flows back through its output into the module (and so into its
-  parameters and everything before it). It is exactly as if an identity layer whose backward makes
-  the change were written into the forward right after the module: a forward hook passes the
-  output's tensor leaves through one autograd function, which returns them unchanged (aliases of
-  the same memory, no copy; the module returns new tensor objects) and changes their gradients in
-  backward. So:
-
-  - for outputs with several tensors (a tuple, a list of multi-scale maps, a dict) each gradient is
-    changed once where it enters the module, also when one output is computed from another inside
-    the module (a tensor hook on each output would change the gradient of the earlier output twice);
-  - in-place ops after the module (an in-place ReLU after a convolution) work as before;
-  - an output that is a view, a leaf, or one of the module's inputs (an in-place activation or
-    ``nn.Identity`` returns its input) is copied instead of aliased, so that a later in-place change
-    cannot reach a tensor that autograd would not know was changed. (Caveat: a caller that ignores
-    the return value of an in-place module bypasses the modifier.)
-  - Tensors inside containers that ``torch.utils._pytree`` does not know (your own classes) are not
-    modified; tuples, lists, dicts and namedtuples are.
-
-- **parameters** (an iterable such as ``module.parameters()``, or one tensor): the gradient of each
-  backward before it is accumulated into ``.grad`` (``Tensor.register_hook``), so ``.grad`` grows
-  by exactly ``factor * grad`` per backward. A hook run after accumulation
-  (``register_post_accumulate_grad_hook``) would scale what earlier backwards left in ``.grad`` too.
-
-Lifetime: a modifier acts while it is in place, in the forward (for modules) and in the backward.
-After ``remove()`` or the end of its ``with`` block it changes nothing, also for graphs recorded
-while it was in place: put the backward inside the block too. A copy of the model (``copy.deepcopy``,
-pickling, ``torch.save``) made while a modifier is in place is not modified (the copy's hook is inert),
-and parameters copied or pickled carry no gradient hook.
-
-Composition (module targets): forward hooks run in the order they were put on the module, each on
-the output the previous one returned, so modifiers stack like layers after the module: the one put on
-last is the outermost and acts first in backward. ``scale_grad(m, 2)`` and ``scale_grad(m, 3)`` make
-a factor of 6; ``clip_grad(m, v)`` put on before ``scale_grad(m, 10)`` clips the already scaled
-gradient (clip(10 g)). A probe reading gradients of the module's output (``capture(..., grads=True)``,
-``watch``) sees the output as the hooks before it left it: put on *before* a modifier, it reads the
-gradient after the modifier changed it (what enters the module); put on *after*, the gradient as it
-arrives from the layers downstream. The module's own backward hooks (``register_full_backward_hook``)
-see ``grad_output`` before any modifier of that module, and ``grad_input`` after. Parameter
-modifiers on one tensor act in the order they were put on.
+A modifier acts either on a **module**, on the gradient flowing back through its output (as if an identity layer
+whose backward makes the change were written into the forward right after the module), or on **parameters**, on
+each backward's gradient before it accumulates into ``.grad``. Modifiers return removable handles, work as context
+managers and stack like layers (the last one put on acts first in backward); docs/probes.md has the rules for
+outputs with several tensors, in-place modules, lifetime, copies and the order among modifiers and probes.
 
 Examples:
     >>> import torch
@@ -67,10 +31,10 @@ from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .._hooks import Hooks, InertInCopies
 from ..errors import InvalidTypeError, InvalidValueError
+from ._torch import is_view, pytree_flatten, pytree_leaves, pytree_unflatten
 
 __all__ = ["GradModifier", "GradTarget", "clip_grad", "reverse_grad", "scale_grad"]
 
@@ -195,16 +159,16 @@ class _OnOutput(InertInCopies):
     def __call__(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not self.modifier.active:
             return None
-        leaves, spec = tree_flatten(output)
+        leaves, spec = pytree_flatten(output)
         picked = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not picked:  # no graph (torch.no_grad, a meta trace) or no floating tensor
             return None
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(t) for t in pytree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         tensors = [leaves[i] for i in picked]
-        copy = tuple(t.is_leaf or t._is_view() or id(t) in inputs for t in tensors)
+        copy = tuple(t.is_leaf or is_view(t) or id(t) in inputs for t in tensors)
         for i, passed in zip(picked, _ChangeGrad.apply(self.change, copy, *tensors)):
             leaves[i] = passed
-        return tree_unflatten(leaves, spec)
+        return pytree_unflatten(leaves, spec)
 
 
 def _install(target: GradTarget, transform: Callable[[Tensor], Tensor], description: str) -> GradModifier:
@@ -245,7 +209,7 @@ def scale_grad(target: GradTarget, factor: float) -> GradModifier:
 
     With parameters, ``.grad`` grows by exactly ``factor * grad`` per backward (per-layer learning
     rates without optimizer groups); with a module, everything before its output gets gradients
-    as if the loss were scaled for that branch alone. See the module docstring for lifetime and order.
+    as if the loss were scaled for that branch alone. docs/probes.md has the rules for lifetime and order.
 
     Args:
         target: an ``nn.Module``, one parameter, or an iterable of parameters (``module.parameters()``;

@@ -1,60 +1,11 @@
 """``detect_nonfinite``: name the module call where a NaN or an infinity starts, in forward or in backward.
 
-Forward: every checked module call records whether its inputs (before it runs) and its outputs hold a
-NaN or an infinity: on the CPU at once (a summing pass), on another device as their minimum and maximum,
-left there. A tensor is read once per version, and on the CPU not at all where it cannot hold one: the output
-of an activation that keeps finite values finite (``ReLU``, ``GELU``, ``SiLU``, ``Sigmoid``, ``Tanh``, ...,
-exactly those types; dropout only in eval mode) called on inputs already found finite, with no forward of its own
-set on the instance and no forward hook but featurehooks' own (another may change what it takes or returns): 13% of a
-ResNet50 training step's reads. When the model's forward returns, the device's flags are read in one transfer. A
-forward is reported only when the model's input (masks aside) or its output holds a NaN or an infinity: non-finite
-values a model uses on purpose and that never reach its output (``-inf`` attention masks,
-``masked_fill(-inf)`` before a softmax, a module that builds such a mask, ``-inf`` padding before a max pool)
-are not errors. The origin is, in this order:
-
-- the model's input (path ``"<input>"``) when one of its tensors, masks aside, is non-finite;
-- the first module call, in the order calls finish, whose output is non-finite and leads on to the
-  model's output while its inputs, masks aside, were finite: the module that made the value, not the
-  ones it then flowed through (a child finishes before its parent, so the innermost module is named);
-- the model itself, path ``""``: code of its own ``forward`` outside the checked modules.
-
-A *mask* is a tensor whose only non-finite values are ``-inf`` and which the model or a checked module
-receives as an argument other than its first (``attn_mask``, ``key_padding_mask``, ``src_mask``), never
-as its first. A non-finite output *leads on* when the model returns it, when a module that received it
-later returned a non-finite output that leads on, or, where no checked module received it later, when
-the call it was made in has a non-finite output that leads on (that call's code used it).
-
-Backward: hooks record whether the gradient with respect to each checked output and input is finite, the
-same way: on the autograd node that made the tensor (so a tensor changed in place later is checked as it was
-when the module saw it), on the tensor itself for a leaf. They are put on when the forward is over, all in one
-go: one at a time between the model's kernels, each cost several times more (caches cold). On the CPU a gradient
-is not read where it is known finite already: where autograd hands the tensor just found finite on unchanged to the
-next checked one (through an addition), and where a node that keeps finite gradients finite made it from one found
-finite (the gradient with respect to the input of ``relu``, ``relu6``/``hardtanh``, ``threshold``, ``hardsigmoid``,
-or ``leaky_relu`` with a slope of at most 1 in size: exactly those autograd nodes, and only where no post-hook
-registered on the node before the detector's could have changed it). That is 40% of the values of a ResNet50
-training step's checked gradients, the ReLUs' inputs and what the residual additions hand on from them. A tensor
-changed in place is told by its version: a write autograd does not count (through ``.data`` or numpy) into a
-gradient known finite goes unseen.
-When the backward pass ends (a callback queued on the autograd engine by the first of those hooks), the device's
-flags are read in one transfer; any non-finite gradient is reported. The origin is the first module call,
-in backward order, whose gradient with respect to an input is non-finite while the gradient with respect
-to its output was finite. A gradient already non-finite when it reaches the model's output (from the loss)
-is reported with path ``"<output>"``. A gradient checked in several forwards (an image being optimized,
-fed to every step) has one hook, which answers for the last forward that checked it. A forward cut short by
-a ``BaseException`` that is not an ``Exception`` (a KeyboardInterrupt, a FeatureExtractor stopping after its
-deepest layer) is checked in neither pass.
-
-Limits: modules are seen from outside. A NaN a module makes from one of its masks (a row masked
-entirely) is blamed on that module, which is where it appears. A ``-inf`` mask passed as the model's
-first argument is reported as a non-finite input; a tensor that overflowed to ``-inf`` only and is
-passed only as a later argument (cross-attention memory) is taken for a mask. A non-finite value the
-model absorbs before its output (``tanh`` of an overflow, ``nan_to_num``) is not reported in forward;
-its gradient may be. In backward, a tensor feeding several modules has one gradient, the sum over
-them, so when it turns non-finite every consumer qualifies; the one reported is a leaf module if any,
-else the first to run, and the message lists the others. A module whose inputs need no gradient (the
-first layer) can only be blamed through its output. Gradients of parameters are not checked. Nested
-tensors (the fast path of ``nn.TransformerEncoder``) are checked through their packed values.
+Each checked module call records whether its inputs and outputs are finite (once per tensor version; read at once
+on the CPU, left on the device elsewhere and read in one transfer when the model returns); hooks on the autograd
+nodes that made those tensors do the same for their gradients, read when the backward pass ends. The error names
+the call whose output (or input gradient) turned non-finite while what it received was finite, so a value that
+spread is traced back to where it started. The rules (masks, origins, what is not read) and the limits are in
+docs/probes.md.
 """
 
 from __future__ import annotations
@@ -69,13 +20,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._hooks import ClosedOnExit, Observer, ObserverSession, runs_as_defined
 from .._taps import Selection, call_name
 from ..errors import InvalidTypeError, NonFiniteError
 from ..layers import select_modules
+from ._torch import at_backward_end, backward_id, grad_passes_finite, pytree_leaves, tensor_version
 
 __all__ = ["INPUT", "OUTPUT", "NonFiniteDetector", "detect_nonfinite"]
 
@@ -149,7 +100,7 @@ class _NodeGradFlag(_GradFlag):
 
 class _PassingGradFlag(_NodeGradFlag):
     """Post-hook on a node whose gradient with respect to its input is finite wherever the one with respect to its
-    output is (``_passes_finite``): checks the latter and, found finite, hands the former on as known finite, so the
+    output is (``grad_passes_finite``): checks the latter and, found finite, hands the former on as known finite, so the
     hook it reaches next does not read it (the gradient with respect to a ReLU's input). ``passes``: whether this
     hook runs first among the node's post-hooks (another, run before, may have changed the former)."""
 
@@ -275,7 +226,7 @@ def _leaves(value: Any) -> Sequence[Any]:
         return (value,)
     if type(value) in (tuple, list) and all(isinstance(item, _PLAIN) for item in value):
         return value  # type: ignore[no-any-return]
-    return tree_leaves(value)
+    return pytree_leaves(value)
 
 
 def _float_leaves(value: Any) -> list[Tensor]:
@@ -305,8 +256,8 @@ def _flag(tensor: Tensor) -> int | tuple[Tensor, Tensor]:
 
 
 def _cpu_kind(values: Tensor) -> int:
-    """The kind of a CPU tensor's values from one summing pass (1.6x faster than ``aminmax``, which runs only when
-    the sum is not finite: a NaN or infinity makes it so, and so does a sum past the dtype's range, told apart)."""
+    """The kind of a CPU tensor's values from one summing pass (cheaper than ``aminmax``, which runs only when the
+    sum is not finite: a NaN or infinity makes it so, and so does a sum past the dtype's range, told apart)."""
     if math.isfinite(values.sum().item()):
         return FINITE
     low, high = torch.aminmax(values)
@@ -331,24 +282,8 @@ def _keeps_finite(module: nn.Module) -> bool:
     return type(module) in _KEEPS_FINITE or (type(module) in _KEEPS_FINITE_IN_EVAL and not module.training)
 
 
-# torch's autograd nodes whose gradient with respect to their input holds, value by value, the gradient with respect
-# to their output, 0, or that scaled by at most 1 (Hardsigmoid's 1/6, LeakyReLU's slope, checked), whatever the
-# forward's values: finite wherever the output's is. Exact names: a custom Function's node is named after its class
-# ("LeakyReluBackward" for a class LeakyRelu) and computes anything.
-_PASSES_FINITE = frozenset(
-    {"ReluBackward0", "HardtanhBackward0", "ThresholdBackward0", "ThresholdBackward1", "HardsigmoidBackward0"}
-)
-_LEAKY_RELU = frozenset({"LeakyReluBackward0", "LeakyReluBackward1"})
 # backward passes followed at once: one that raised never ends, and is let go when this many newer ones have begun
 _BACKWARDS_KEPT = 64
-
-
-def _passes_finite(node: Any) -> bool:
-    """Whether an autograd node's gradient with respect to its input is finite wherever the one it takes is."""
-    name = node.name()
-    if name in _LEAKY_RELU:
-        return bool(abs(getattr(node, "_saved_negative_slope", math.nan)) <= 1)  # False for NaN
-    return name in _PASSES_FINITE
 
 
 def _labels(kind: str, count: int) -> list[str]:
@@ -468,7 +403,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
 
     def _seen(self, forward: _Forward, tensor: Tensor, known: int | None = None) -> _Seen:
         """This tensor's flag, checked once per version (a module's input is mostly the last one's output)."""
-        version = None if tensor.is_inference() else tensor._version
+        version = None if tensor.is_inference() else tensor_version(tensor)
         seen = forward.seen.get(id(tensor))
         if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
             return seen
@@ -498,7 +433,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             else:
                 metadata = maker.metadata
                 grad = metadata.get((self, output_nr))
-                if grad is None and _passes_finite(maker):
+                if grad is None and grad_passes_finite(maker):
                     grad = metadata[(self, output_nr)] = _PassingGradFlag(self)
                     # a post-hook registered before this one (in the model's forward) runs first and may change
                     # the gradient the node made: then it is read where it arrives, as any other
@@ -553,7 +488,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             self._hook_grads(state)
 
     def _check_forward(self, forward: _Forward, kinds: list[int]) -> None:
-        """Raise at the origin of a NaN or inf in the model's input or output (the rules: the module docstring)."""
+        """Raise at the origin of a NaN or inf in the model's input or output (the rules: docs/probes.md)."""
         root = forward.root
         masks = _masks(forward, kinds)
 
@@ -607,7 +542,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         ``keep``: whether a later checked gradient may be this one (or ``passed``)."""
         if not self._session.active or not hook.roles or grad.numel() == 0:
             return
-        task = torch._C._current_graph_task_id()
+        task = backward_id()
         with self._lock:
             backward = self._backwards.get(task)
             if backward is None:
@@ -617,13 +552,13 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
                     del self._backwards[next(iter(self._backwards))]
                 backward = self._backwards[task] = _Backward()
                 # check once, when this backward pass ends
-                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, task))
+                at_backward_end(functools.partial(self._end_backward, task))
         # the tensor known finite is held until the next checked gradient: holding it, autograd never adds another
         # gradient into it in place; anything else changing it in place (a custom backward) bumps its version
-        known = grad is backward.finite and grad._version == backward.version
+        known = grad is backward.finite and tensor_version(grad) == backward.version
         flag = FINITE if known else _flag(grad)
         kept = (grad if passed is None else passed) if keep and flag == FINITE else None
-        backward.finite, backward.version = kept, -1 if kept is None else kept._version
+        backward.finite, backward.version = kept, -1 if kept is None else tensor_version(kept)
         with self._lock:
             backward.events.append((hook.roles, backward.flags.add(flag)))
 
@@ -722,7 +657,7 @@ def detect_nonfinite(model: nn.Module, layers: str | Sequence[str] | None = None
     checked gradient does: ``-inf`` masks and fills that never reach the output are no errors. The
     error's ``path``, ``call``, ``phase`` (``"forward"``/``"backward"``) and ``tensor``
     (``"output"``, ``"grad_input"``, ...) name the origin, not the modules the value then flowed
-    through; see the module docstring for the rules and limits.
+    through; docs/probes.md gives the rules and limits.
 
     Args:
         model: the model to check.

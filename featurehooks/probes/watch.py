@@ -1,35 +1,10 @@
 """``watch``: activation and gradient statistics of a model you train, cheap enough to leave on.
 
-Every call of every watched module adds its output's statistics (and, in backward, those of the
-gradient flowing out of it) to running sums kept on the device, with no host sync on an accelerator: the
-numbers are read once, by ``Watch.summary()``. On the CPU, where reading a value waits for nothing, each call's
-sums are read at once and added on the host, and a float32, bfloat16 or float16 call whose values are all
-finite takes a fast path (float32: four float32 passes instead of float64 ones, about 3x faster; bfloat16 and
-float16: three passes over the values as they are, no float32 copy; up to 16k values, a few float64 operations at
-once); the exact path below decides everything else.
-
-Definitions (per layer, call and kind; ``n`` counts the finite values):
-
-- ``count``: values seen, finite or not; ``nonfinite``: how many of them were NaN or ±inf;
-- ``mean``, ``std``, ``min``, ``max``, ``absmax``: over the finite values only, so one NaN does
-  not hide the rest; ``std`` is the population standard deviation ``sqrt(max(S2/n - (S1/n - K)**2, 0))``
-  from the sum ``S1`` and the sum of squares ``S2`` of the values shifted by ``K``, the first value of
-  the layer's first call (each call summed in float64 with pairwise summation, or on the CPU's fast path
-  as float32 sums of rows of 1024 values added in float64, about 1e-8 of the sum of the magnitudes off, and for
-  bfloat16 and float16 as each row's float32 mean and variance added in float64, about 1e-8 of the std off;
-  accumulated across calls in float64); the shift (on the float32 fast path, a second pass around the call's own
-  mean) keeps a large mean from cancelling the variance (``1000 ± 0.01`` keeps its std);
-- ``zeros``: the fraction of values that are exactly 0.
-
-Tensors of every floating dtype are summed in float64, so every finite input gives finite, correct
-statistics, up to the largest float32 values (``3e38``: squares up to ``1.2e77``); on MPS, which has
-no float64, in float32, where values beyond about ``1e19`` overflow the sums of squares.
-The statistics of a call with non-finite values are those of its finite values (the non-finite
-ones stand in as the finite mean for ``min``/``max``, which leaves both unchanged).
-
-Cost: on a ResNet50 training step (CPU, one thread, batch 8, 112 to 320 px), the statistics of the 16 blocks'
-outputs and gradients take 2.2-2.7% of the step's time in float32 and 4.5-6.2% under bf16 autocast; with
-``fused=True`` (one compiled pass a call) 1.0-2.4% and 1.9-4.9% (``benchmarks/probes.py``; docs/probes.md).
+Every call of a watched module adds its output's statistics (and, in backward, its gradient's) to running sums:
+on an accelerator kept on the device with no host sync and read once by ``Watch.summary()``; on the CPU, where a
+read waits for nothing, read at once and added on the host, through a fast path when every value is finite.
+Moments are over the finite values only, summed about a shift so that a large mean cannot cancel the variance;
+docs/probes.md has the exact definitions, each path's accuracy and its cost.
 """
 
 from __future__ import annotations
@@ -44,7 +19,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._hooks import ClosedOnExit, Observer, ObserverSession
@@ -52,6 +26,7 @@ from .._taps import call_name
 from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
 from ..layers import select_modules
 from ._fused import ROW, fused_moments
+from ._torch import pytree_leaves, row_mean_var
 
 __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
@@ -162,8 +137,7 @@ def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Ten
     of the finite values (NaN: none).
     Computed in float64 (float32 on MPS, which has no float64) over the elements in memory order. On the
     CPU the tensor is taken in chunks of ``_CHUNK`` values through small scratch buffers, so the
-    passes after the first read it from the cache instead of memory (half the time of whole-tensor
-    passes on ResNet50's activations).
+    passes after the first read it from the cache instead of memory.
     """
     # float64 wherever the device has it: the squares of finite float32 values (up to 1.2e77), their sums and
     # differences (3e38 - -3e38) are all finite there, so every finite input gives finite statistics
@@ -215,11 +189,11 @@ def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, 
     """``_call_stats`` of a CPU tensor whose values are all finite, read on the host; ``None`` (the exact path
     decides) when a value is not finite or a float32 sum overflows.
 
-    float32: four passes, sums of rows of ``ROW`` values in float32 (vectorized) added in float64, about 1e-8 of
-    the sum of the magnitudes off the float64 sums; where the mean is large against the spread, the squares are
-    summed again around the mean, so ``1000 ± 0.01`` keeps its std. bfloat16 and float16: ``_reduced_call_stats``.
-    ``fused``: one compiled pass for every dtype. Few operations a call: in a training step each costs tens of
-    microseconds (the step's large operations have emptied the caches), several times what it costs in a loop.
+    float32: four passes, sums of rows of ``ROW`` values in float32 (vectorized) added in float64; where the mean is
+    large against the spread, the squares are summed again around the mean, so ``1000 ± 0.01`` keeps its std.
+    bfloat16 and float16: ``_reduced_call_stats``. ``fused``: one compiled pass for every dtype. Few operations a
+    call: in a training step each costs several times what it costs in a loop (the step's large operations have
+    emptied the caches).
     """
     source = _flat(x)
     if source.numel() <= _SMALL:
@@ -253,20 +227,13 @@ def _reduced_call_stats(source: Tensor, need: _Need, scratch: _Scratch, shift: f
     statistics kernel, which reads a row from memory once (two passes while it is in the cache, so no large mean
     cancels a row's variance) and writes no output. The rows' sums of squares about ``shift``,
     ``ROW * (variance + (mean - shift) ** 2)``, are added in float64, the last ``len % ROW`` values taken in
-    float64.
-
-    About 1e-8 of the std off the float64 statistics (on a bf16 ResNet50 step 6e-9, where four float32 passes
-    after a float32 copy were 1e-7 off), and 8-24% less time in the statistics of that step than those passes.
+    float64 (accuracy and cost against four float32 passes after a float32 copy: docs/probes.md).
     """
     n = source.numel()
     body = n - n % ROW
     rows = body // ROW
-    # float32 running statistics make the kernel compute in float32 (bfloat16 ones would round every row's
-    # moments); with momentum 0 they are only written back as they were: per-thread scratch, never read
-    (running,) = scratch.host(2 * rows, torch.float32, 1)
-    mean, variance = torch.batch_norm_update_stats(
-        source[:body].view(1, rows, ROW), running[:rows], running[rows:], 0.0
-    )
+    (running,) = scratch.host(2 * rows, torch.float32, 1)  # per-thread scratch for the kernel, never read
+    mean, variance = row_mean_var(source[:body].view(1, rows, ROW), running)
     low, high = (value.item() for value in torch.aminmax(source))
     mean_sum, variance_sum = torch.stack([mean, variance]).sum(1, dtype=torch.float64).tolist()
     mean_squares = torch.linalg.vector_norm(mean, dtype=torch.float64).item() ** 2
@@ -307,8 +274,7 @@ def _moments(flat: Tensor, zeros_of: Tensor | None, scratch: _Scratch) -> list[f
 
 def _small_call_stats(source: Tensor, need: _Need, shift: float) -> list[float] | None:
     """``_finite_call_stats`` of a tensor of at most ``_SMALL`` values: everything in float64 at once, a handful of
-    operations, each costing more than its arithmetic here: 20-40 us a call from 32 to 16k values, against 65-85 on
-    the row-sum passes (and more where the mean needs a second pass)."""
+    operations, each costing more than its arithmetic here (fewer than the row-sum passes take)."""
     wide = source.to(torch.float64, copy=True)  # changed in place below
     low, high = torch.aminmax(wide)
     total = wide.sum()
@@ -321,7 +287,7 @@ def _small_call_stats(source: Tensor, need: _Need, shift: float) -> list[float] 
     return [0.0, total, about_shift, nonzero, -low, high]
 
 
-# values up to which a call is summed in float64 at once (below ~50k values that beats float32 row sums)
+# values up to which a call is summed in float64 at once (where that beats float32 row sums: docs/probes.md)
 _SMALL = 1 << 14
 
 # the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
@@ -335,8 +301,8 @@ def _count_nonzero(flat: Tensor, scratch: _Scratch) -> Tensor:
 
     The values become bytes (1 where not 0) in a scratch buffer, read as int32 words of four byte counters;
     ``_LANE_ROW`` rows of words add up column by column in int32 without a counter overflowing into the next,
-    and the byte counters of the column sums are added (1 ms per 6.4M values on one thread; ``torch.count_nonzero``
-    30 ms, a bool ``sum`` 29 ms, a uint8 ``sum`` 6 ms).
+    and the byte counters of the column sums are added (much faster than ``torch.count_nonzero`` or a ``sum`` of
+    bools or bytes: docs/probes.md).
     """
     n = flat.numel()
     (buffer,) = scratch.host(n, torch.bool, 1)
@@ -438,7 +404,7 @@ def _first_float(value: Any) -> Tensor | None:
     if isinstance(value, Tensor):
         leaves: Iterable[Any] = (value,)
     else:
-        leaves = tree_leaves(value)
+        leaves = pytree_leaves(value)
     for leaf in leaves:
         if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
             return leaf
@@ -741,7 +707,7 @@ def watch(
     ``SummaryWriter``; ``Watch.to_csv()`` to a CSV file.
 
     A module whose output is a tuple, list or dict is summarized by its first floating-point tensor.
-    See the module docstring for the exact definitions.
+    docs/probes.md gives the exact definitions.
 
     Args:
         model: the model to watch.
@@ -751,11 +717,10 @@ def watch(
         grads: also watch the gradients with respect to the outputs.
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
         fused: on the CPU, take every statistic of a call of more than 16k values in one pass compiled by
-            TorchInductor instead of four eager ones (five for bfloat16 and float16, copied to float32 first):
-            0.3-0.7 of the time under bf16 autocast, the same statistics to about 1e-8 of the sum of the
-            magnitudes. The kernel is compiled once per process for each dtype (and thread count, and for
-            inference tensors), a few seconds at the first such call, and needs a C++ compiler: where it cannot be
-            built that call raises ``RunFailedError``, and every later one at once.
+            TorchInductor instead of several eager ones; the same statistics up to the summation order. The kernel
+            is compiled once per process for each dtype (and thread count, and for inference tensors), at the
+            first such call, and needs a C++ compiler: where it cannot be built that call raises
+            ``RunFailedError``, and every later one at once.
 
     Examples:
         >>> import torch
