@@ -28,7 +28,9 @@ import featurehooks as fh
 from featurehooks.losses import PerceptualLoss
 
 import _harness as H
+import _report as R
 import losses as L  # benchmarks/losses.py: the hand-written floor loss
+from _weights import load_seeded, seeded_hub_weights, seeded_torch_home
 
 EXTRACT = "Extraction VGG16 relu3_3, no-grad"
 LOSS = "PerceptualLoss relu3_3 step (forward + backward)"
@@ -81,11 +83,11 @@ def compiled_call(
     H.log(f"compiled {name}: {extras[name]}")
 
 
-def run(cfg: H.Settings, backend: str, batch: int, size: int, precision: str) -> list[H.Group]:
+def run(cfg: H.Settings, backend: str, batch: int, size: int, precision: str) -> list[R.Group]:
     from torchvision.models.feature_extraction import create_feature_extractor
 
-    H.seeded_hub_weights("vgg16")
-    plain = H.load_seeded("vgg16").to(cfg.device)
+    seeded_hub_weights("vgg16")
+    plain = load_seeded("vgg16").to(cfg.device)
     ext = fh.FeatureExtractor("vgg16", ["relu3_3"], mode="detach").to(cfg.device)
     pl = PerceptualLoss("vgg16", ["relu3_3"]).to(cfg.device)
     mean, std = ext.mean, ext.std
@@ -170,7 +172,7 @@ def run(cfg: H.Settings, backend: str, batch: int, size: int, precision: str) ->
         (LOSS, {**loss_steps, **compiled_steps}, "hand-written floor (eager)"),
     ):
         timing = H.time_interleaved(fns, cfg)
-        group = H.make_group(title, params, timing, floor, extras)
+        group = R.make_group(title, params, timing, floor, extras)
         H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows))
         groups.append(group)
     ext.close()
@@ -188,24 +190,24 @@ SPEED_TARGETS = (
 CONVS = {"FeatureExtractor (compiled)": 7, "PerceptualLoss (compiled)": 14}
 
 
-def targets(groups: list[H.Group]) -> list[H.Target]:
+def targets(groups: list[R.Group]) -> list[R.Target]:
     """Per group: compiled no slower than eager and FX, no graph break in the loss, every convolution compiled."""
     found = []
     for g in groups:
-        label = H.format_params(g.params)
+        label = R.format_params(g.params)
         for case, claim, contender, baseline in SPEED_TARGETS:
             if g.case == case:
-                found.append(H.Target(claim, label, H.ratio(g, contender, baseline), 1.05, "<="))
+                found.append(R.Target(claim, label, R.ratio(g, contender, baseline), 1.05, "<="))
         if g.case == LOSS:
             row = g.row("PerceptualLoss (compiled)").extra
             breaks = float(row["graph_breaks"] + row["frames_skipped"])
             claim = "PerceptualLoss compiled: graph breaks + frames run eagerly"
-            found.append(H.Target(claim, label, breaks, 0, "<=", unit=""))
+            found.append(R.Target(claim, label, breaks, 0, "<=", unit=""))
         for name, convs in CONVS.items():
             if g.has(name):
                 compiled = float(g.row(name).extra["convs_compiled"])
                 found.append(
-                    H.Target(f"{name}: convolutions in compiled graphs", label, compiled, convs, ">=", unit="")
+                    R.Target(f"{name}: convolutions in compiled graphs", label, compiled, convs, ">=", unit="")
                 )
     return found
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = args.shape or ("1x32" if cfg.quick else ("32x224" if cfg.cuda else "1x224"))
     ((batch, size),) = H.parse_shapes(shape)
     precision = args.precision or ("bf16" if cfg.cuda else "fp32")
-    with H.seeded_torch_home(args.torch_home):
+    with seeded_torch_home(args.torch_home):
         groups = run(cfg, backend, batch, size, precision)
     notes = [
         "ratio = median / median of the eager floor; compiled rows were called 3 times before timing "
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gave up on, which it does not count as graph breaks) from dynamo's counters.",
     ]
     config = {"backend": backend, "shape": [batch, size], "precision": precision, "budget_s": cfg.budget}
-    payload = H.save(
+    payload = R.save(
         "compile",
         "torch.compile: time / eager floor",
         cfg,
@@ -244,11 +246,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("convs_compiled", "convs compiled", "d"),
             ("graph_breaks", "graph breaks", "d"),
             ("frames_skipped", "frames run eagerly", "d"),
-            H.ABS_DIFF_COLUMN,
+            R.ABS_DIFF_COLUMN,
             ("break_reason", "break reasons", ""),
         ],
     )
-    return H.publish(cfg, payload)
+    return R.publish(cfg, payload)
 
 
 if __name__ == "__main__":

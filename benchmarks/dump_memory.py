@@ -104,7 +104,7 @@ def main() -> None:
         )
     import torch
 
-    from _harness import machine, machine_line
+    from _machine import machine, machine_line
 
     info = machine(torch.device("cpu"))
     command = " ".join(["python", "benchmarks/dump_memory.py", *sys.argv[1:]])

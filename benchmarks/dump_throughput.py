@@ -59,6 +59,9 @@ from featurehooks.dump import dump_features
 from featurehooks.images import read_image, transform_for
 
 import _harness as H
+import _report as R
+from _machine import loadavg, reduced_precisions
+from _weights import load_seeded, seeded_hub_weights, seeded_torch_home
 
 NAME = "dump_throughput"
 TITLE = "Feature dump vs a hand-written loop: ResNet-18 layer4 avg-pooled, JPEG folder to .npy"
@@ -156,7 +159,7 @@ def extractors(precisions: Sequence[str]) -> dict[str, FeatureExtractor]:
         DEFAULT: FeatureExtractor("resnet18", ["layer4"], weights="DEFAULT"),
     }
     for precision in precisions:
-        made[H.with_precision(DEFAULT, precision)] = FeatureExtractor(
+        made[R.with_precision(DEFAULT, precision)] = FeatureExtractor(
             "resnet18", ["layer4"], weights="DEFAULT", precision=precision
         )
     return made
@@ -297,21 +300,21 @@ def settings(args: argparse.Namespace, argv: Sequence[str] | None) -> H.Settings
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = arguments(argv)
     cfg = settings(args, argv)
-    reduced = H.reduced_precisions(cfg.device)
-    load_at_start = H.loadavg()
+    reduced = reduced_precisions(cfg.device)
+    load_at_start = loadavg()
     import torchvision.models as tvm
 
     weights = tvm.ResNet18_Weights.DEFAULT
     transform = weights.transforms()
-    with H.seeded_torch_home(args.torch_home), tempfile.TemporaryDirectory(prefix="fh_dump_bench_") as tmp:
+    with seeded_torch_home(args.torch_home), tempfile.TemporaryDirectory(prefix="fh_dump_bench_") as tmp:
         work = Path(tmp)
         root = work / "photos"
         H.log(f"writing {args.images} JPEGs")
         classes = len({path.parent.name for path in make_photos(root, args.images)})
         warm_root = work / "warm-up"  # the first images again: one full batch and one of the last batch's size
         make_photos(warm_root, min(args.images, args.batch_size + args.images % args.batch_size))
-        H.seeded_hub_weights("resnet18")
-        model = H.load_seeded("resnet18")
+        seeded_hub_weights("resnet18")
+        model = load_seeded("resnet18")
         dumpers = extractors(reduced)
         H.log("comparing the input tensors of both routes")
         pixels = input_diff(root, transform, dumpers[DEFAULT])
@@ -352,21 +355,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "samples_images_per_s": [count / s for s in timing.samples[name]], **checks[name],
         }  # fmt: skip
     params = {"images": count, "batch": batch, "workers": workers, "threads": cfg.threads}
-    group = H.make_group("resnet18 layer4 avg-pooled (512-d) to .npy", params, timing, HAND, extras)
+    group = R.make_group("resnet18 layer4 avg-pooled (512-d) to .npy", params, timing, HAND, extras)
     targets = [
-        H.Target(f"{DEFAULT} / {HAND} images/s", group.case, extras[DEFAULT]["speedup"], TARGET_SPEEDUP, ">="),
-        H.Target(
+        R.Target(f"{DEFAULT} / {HAND} images/s", group.case, extras[DEFAULT]["speedup"], TARGET_SPEEDUP, ">="),
+        R.Target(
             "input tensors: max abs diff, hand loop vs dump (pixels identical)", group.case, pixels, 0.0, "<=", unit=""
         ),
     ]
     for name in dumpers:
         limit = MAX_RELATIVE_DIFF if name in (CONTIGUOUS, DEFAULT) else MAX_RELATIVE_DIFF_REDUCED
         claim = f"{name}: max abs diff / max abs feature, vs hand loop"
-        targets.append(H.Target(claim, group.case, checks[name]["rel_diff"], limit, "<=", unit=""))
+        targets.append(R.Target(claim, group.case, checks[name]["rel_diff"], limit, "<=", unit=""))
     if "bf16" in reduced:
-        bf16 = H.with_precision(DEFAULT, "bf16")
+        bf16 = R.with_precision(DEFAULT, "bf16")
         speedup = extras[bf16]["speedup"] / extras[DEFAULT]["speedup"]
-        targets.append(H.Target(f"{bf16} / {DEFAULT} images/s", group.case, speedup, H.BF16_SPEEDUP, ">="))
+        targets.append(R.Target(f"{bf16} / {DEFAULT} images/s", group.case, speedup, R.BF16_SPEEDUP, ">="))
     notes = [
         f"images/s = {count} images / seconds of one whole call (median and best of {timing.rounds} interleaved "
         "rounds, after one untimed warm-up call each on the first images); *× hand loop* = images/s over the "
@@ -400,9 +403,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     columns = [
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
         ("speedup", "× hand loop", ".2f"), ("best_speedup", "× hand loop (best)", ".2f"),
-        H.ABS_DIFF_COLUMN, ("rel_diff", "diff / max abs", ".1e"),
+        R.ABS_DIFF_COLUMN, ("rel_diff", "diff / max abs", ".1e"),
     ]  # fmt: skip
-    return H.publish(cfg, H.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns))
+    return R.publish(cfg, R.save(NAME, TITLE, cfg, [group], targets, config, notes, extra_columns=columns))
 
 
 if __name__ == "__main__":

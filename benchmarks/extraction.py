@@ -78,6 +78,9 @@ from torch import Tensor, nn
 import featurehooks as fh
 
 import _harness as H
+import _report as R
+from _machine import reduced_precisions
+from _weights import load_seeded, seeded_hub_weights, seeded_torch_home
 
 FLOOR = "hand-written NCHW loop (floor)"
 FLOOR_CL = "hand-written channels_last loop"
@@ -158,7 +161,7 @@ class Models:
 def precision_variants(precisions: Sequence[str]) -> dict[str, dict[str, Any]]:
     """FeatureExtractor (auto) and contiguous in each of ``precisions``: what auto chooses there is measured too."""
     return {
-        H.with_precision(name, precision): {**options, "precision": precision}
+        R.with_precision(name, precision): {**options, "precision": precision}
         for precision in precisions
         for name, options in PRECISION_FORMATS.items()
     }
@@ -197,9 +200,9 @@ def _tv_fx(plain: nn.Module, paths: list[str], tracer_kwargs: dict[str, Any] | N
 
 
 def build_vgg(layers: list[str], precisions: Sequence[str] = (), headline: bool = False) -> Models:
-    H.seeded_hub_weights("vgg16")
+    seeded_hub_weights("vgg16")
     extractors = _extractors("vgg16", layers, headline=headline, precisions=precisions, weights="DEFAULT")
-    plain = H.load_seeded("vgg16")
+    plain = load_seeded("vgg16")
     paths = extractors[FE][0].taps.paths
     positions = {int(p.split(".")[1]) for p in paths}
 
@@ -211,9 +214,9 @@ def build_vgg(layers: list[str], precisions: Sequence[str] = (), headline: bool 
 
 
 def build_resnet(layers: list[str], precisions: Sequence[str] = ()) -> Models:
-    H.seeded_hub_weights("resnet50")
+    seeded_hub_weights("resnet50")
     extractors = _extractors("resnet50", layers, headline=False, precisions=precisions, weights="DEFAULT")
-    plain = H.load_seeded("resnet50")
+    plain = load_seeded("resnet50")
     paths = extractors[FE][0].taps.paths
     wanted = set(paths)
     stages = ["layer1", "layer2", "layer3", "layer4"]
@@ -426,7 +429,7 @@ def compared_with(m: Models, mode: str, names: list[str]) -> dict[str, str]:
 
 def run_group(
     case: str, title: str, m: Models, batch: int, size: int, mode: str, precision: str, cfg: H.Settings, budget: float
-) -> H.Group:
+) -> R.Group:
     # NCHW images under bf16 too: each contender converts them (or not) to its own memory format
     x = H.images(batch, size, cfg, precision).contiguous()
     fns = contenders(m, x, mode, precision, cfg.device)
@@ -449,51 +452,51 @@ def run_group(
         for name in fns
     }
     params = {"mode": mode, "batch": batch, "size": size, "precision": precision}
-    group = H.make_group(title, params, timing, FLOOR, extras)
+    group = R.make_group(title, params, timing, FLOOR, extras)
     H.log(f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows))
     return group
 
 
-def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
+def targets(groups: list[R.Group], device_type: str = "cpu") -> list[R.Target]:
     """The issues' extraction targets, checked in every group where they apply.
 
     Every group: ``auto`` at most 3% slower than NCHW (than FeatureExtractor contiguous and than the NCHW
     loop). VGG16 relu3_3: hook overhead and early exit; on the CPU at batch >= 2 without a graph, ``auto``
     >= 1.1x faster than the NCHW loop and than torchvision FX.
     """
-    found: list[H.Target] = []
+    found: list[R.Target] = []
     for g in groups:
         where = g.label
-        found.append(H.Target(f"{FE} / {FE_CONTIGUOUS}", where, H.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
-        found.append(H.Target(f"{FE} / {FLOOR}", where, H.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
+        found.append(R.Target(f"{FE} / {FE_CONTIGUOUS}", where, R.ratio(g, FE, FE_CONTIGUOUS), AUTO_SLACK, "<="))
+        found.append(R.Target(f"{FE} / {FLOOR}", where, R.ratio(g, FE, FLOOR), AUTO_SLACK, "<="))
         speedup = device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad"
-        found += H.precision_targets(g, FE, FE_CONTIGUOUS, AUTO_SLACK, speedup and g.case == CASES[HEADLINE][0])
+        found += R.precision_targets(g, FE, FE_CONTIGUOUS, AUTO_SLACK, speedup and g.case == CASES[HEADLINE][0])
         if g.case == CASES[HEADLINE][0]:
             found.append(
-                H.Target(
-                    f"{FE_CONTIGUOUS} / {FLOOR} (hook overhead)", where, H.ratio(g, FE_CONTIGUOUS, FLOOR), 1.05, "<="
+                R.Target(
+                    f"{FE_CONTIGUOUS} / {FLOOR} (hook overhead)", where, R.ratio(g, FE_CONTIGUOUS, FLOOR), 1.05, "<="
                 )
             )
             if g.has(FX):
                 found.append(
-                    H.Target(
-                        f"{FE_CONTIGUOUS} / {FX} (hook overhead)", where, H.ratio(g, FE_CONTIGUOUS, FX), 1.05, "<="
+                    R.Target(
+                        f"{FE_CONTIGUOUS} / {FX} (hook overhead)", where, R.ratio(g, FE_CONTIGUOUS, FX), 1.05, "<="
                     )
                 )
             if device_type == "cpu" and g.params["batch"] >= 2 and g.params["mode"] == "no-grad":
-                found.append(H.Target(f"{FLOOR} / {FE} (speed-up)", where, H.ratio(g, FLOOR, FE), SPEEDUP, ">="))
+                found.append(R.Target(f"{FLOOR} / {FE} (speed-up)", where, R.ratio(g, FLOOR, FE), SPEEDUP, ">="))
                 if g.has(FX):
-                    found.append(H.Target(f"{FX} / {FE} (speed-up)", where, H.ratio(g, FX, FE), SPEEDUP, ">="))
+                    found.append(R.Target(f"{FX} / {FE} (speed-up)", where, R.ratio(g, FX, FE), SPEEDUP, ">="))
             if g.params["mode"] == "no-grad":  # FLOPs cap: 1 / 0.60 = 1.66x
-                found.append(H.Target(f"{NO_EE} / {FE}", where, H.ratio(g, NO_EE, FE), 1.4, ">="))
+                found.append(R.Target(f"{NO_EE} / {FE}", where, R.ratio(g, NO_EE, FE), 1.4, ">="))
             else:  # frozen weights: backward ~ forward FLOPs up to relu3_3, so the cap is (1 + .6) / (2 * .6) = 1.33x
                 found.append(
-                    H.Target(f"{NO_EE} / {FE} (grad: FLOPs cap 1.33x)", where, H.ratio(g, NO_EE, FE), 1.0, ">=")
+                    R.Target(f"{NO_EE} / {FE} (grad: FLOPs cap 1.33x)", where, R.ratio(g, NO_EE, FE), 1.0, ">=")
                 )
         if g.has(TIMM):
-            found.append(H.Target(f"{FE} / {TIMM}", where, H.ratio(g, FE, TIMM), 1.05, "<="))
+            found.append(R.Target(f"{FE} / {TIMM}", where, R.ratio(g, FE, TIMM), 1.05, "<="))
         if g.has(TIMM) and g.has(FE_NCHW):  # the same (B, C, H, W) maps from a token model
-            found.append(H.Target(f"{FE_NCHW} / {TIMM}", where, H.ratio(g, FE_NCHW, TIMM), 1.03, "<="))
+            found.append(R.Target(f"{FE_NCHW} / {TIMM}", where, R.ratio(g, FE_NCHW, TIMM), 1.03, "<="))
     return found
 
 
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = SHAPES.parse(args.shapes, cfg)
     modes = args.modes.split(",")
     precisions = H.precisions(cfg)
-    reduced = H.reduced_precisions(cfg.device)
+    reduced = reduced_precisions(cfg.device)
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -562,16 +565,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reduced_precisions": reduced,
         **cfg.timing_config(),
     }
-    results = H.Results(
+    results = R.Results(
         "extraction",
         "Feature extraction: time / hand-written NCHW loop",
         cfg,
         config,
         lambda groups: targets(groups, cfg.device.type),
         notes,
-        [H.FORMAT_COLUMN, ("compared_with", "compared with", ""), H.ABS_DIFF_COLUMN, H.REL_DIFF_COLUMN],
+        [R.FORMAT_COLUMN, ("compared_with", "compared with", ""), R.ABS_DIFF_COLUMN, R.REL_DIFF_COLUMN],
     )
-    with H.seeded_torch_home(args.torch_home):
+    with seeded_torch_home(args.torch_home):
         for key in cases:
             title, build = CASES[key]
             H.log(f"building {title}")

@@ -25,6 +25,7 @@ from torch import nn
 import featurehooks as fh
 
 import _harness as H
+import _report as R
 
 FLOOR = "bare forward"
 ONE = "FeatureExtractor, 1 tap"
@@ -41,7 +42,7 @@ def tiny() -> nn.Sequential:
     return nn.Sequential(*layers).eval().requires_grad_(False)
 
 
-def run(cfg: H.Settings) -> H.Group:
+def run(cfg: H.Settings) -> R.Group:
     model = tiny().to(cfg.device)
     watched = copy.deepcopy(model)  # the capture's hooks must not slow the floor down
     convs = [path for path, module in model.named_modules() if isinstance(module, nn.Conv2d)]
@@ -64,7 +65,7 @@ def run(cfg: H.Settings) -> H.Group:
     }
     one.close()
     every.close()
-    return H.make_group(CASE, {"mode": "no-grad", "batch": 1, "size": 16}, timing, FLOOR, extras)
+    return R.make_group(CASE, {"mode": "no-grad", "batch": 1, "size": 16}, timing, FLOOR, extras)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,11 +75,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     group = run(cfg)
     H.log(", ".join(f"{row.name}={row.median_ms * 1e3:.1f}us" for row in group.rows))
     targets = [
-        H.Target(f"{name}: µs per tap", CASE, group.row(name).extra["us_per_tap"], 20.0, "<=", unit="µs")
+        R.Target(f"{name}: µs per tap", CASE, group.row(name).extra["us_per_tap"], 20.0, "<=", unit="µs")
         for name in (ALL, CAPTURE)
     ]
     notes = ["*µs per tap* = (median - median of the bare forward) / number of taps, in microseconds."]
-    payload = H.save(
+    payload = R.save(
         "hook_overhead",
         "Hook overhead on a tiny model: time / bare forward",
         cfg,
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes,
         extra_columns=[("us_per_tap", "µs per tap", ".1f")],
     )
-    return H.publish(cfg, payload)
+    return R.publish(cfg, payload)
 
 
 if __name__ == "__main__":

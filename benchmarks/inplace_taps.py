@@ -27,6 +27,8 @@ import featurehooks as fh
 from featurehooks import _hooks
 
 import _harness as H
+import _report as R
+from _weights import seeded_hub_weights, seeded_torch_home
 
 CLONE = "clone (before)"
 OUT_OF_PLACE = "out of place"
@@ -59,7 +61,7 @@ def step(extractor: fh.FeatureExtractor, images: torch.Tensor) -> Callable[[], A
     return run
 
 
-def run_case(cfg: H.Settings, mode: str, batch: int, size: int) -> H.Group:
+def run_case(cfg: H.Settings, mode: str, batch: int, size: int) -> R.Group:
     contenders = extractors(mode, cfg.device)
     images = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
     if mode == "grad":
@@ -72,19 +74,19 @@ def run_case(cfg: H.Settings, mode: str, batch: int, size: int) -> H.Group:
         raise SystemExit(f"contenders disagree by {diff} ({mode}, {batch}x{size})")
     timing = H.time_interleaved(calls, cfg)
     params = {"mode": mode, "batch": batch, "size": size}
-    group = H.make_group(f"VGG16 conv3_3+relu3_3, {mode}, {batch}x{size}", params, timing, CLONE)
+    group = R.make_group(f"VGG16 conv3_3+relu3_3, {mode}, {batch}x{size}", params, timing, CLONE)
     for ext in contenders.values():
         ext.close()
     return group
 
 
-def run_ops(cfg: H.Settings, batch: int, size: int, shape: tuple[int, ...]) -> H.Group:
+def run_ops(cfg: H.Settings, batch: int, size: int, shape: tuple[int, ...]) -> R.Group:
     """The clone plus in-place ReLU against the out-of-place ReLU, on a map shaped like the conv3_3 tap."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
     calls = {CLONE: lambda: (x.clone(), x.relu_()), OUT_OF_PLACE: lambda: x.relu()}
     timing = H.time_interleaved(calls, cfg, min_sample_s=0.01)
     params = {"mode": "op alone", "batch": batch, "size": size}
-    return H.make_group(f"conv3_3 map alone, {batch}x{size}", params, timing, CLONE)
+    return R.make_group(f"conv3_3 map alone, {batch}x{size}", params, timing, CLONE)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,19 +95,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = H.settings(args, budget=20.0)
     shapes = [(1, 32)] if cfg.quick else [(2, 64), (8, 112)]
     groups = []
-    with H.seeded_torch_home(args.torch_home):
-        H.seeded_hub_weights("vgg16")
+    with seeded_torch_home(args.torch_home):
+        seeded_hub_weights("vgg16")
         for batch, size in shapes:
             for mode in ("detach", "grad"):
                 groups.append(run_case(cfg, mode, batch, size))
-                H.log(f"{groups[-1].case}: out of place / clone = {H.ratio(groups[-1], OUT_OF_PLACE, CLONE):.3f}")
+                H.log(f"{groups[-1].case}: out of place / clone = {R.ratio(groups[-1], OUT_OF_PLACE, CLONE):.3f}")
             groups.append(run_ops(cfg, batch, size, (batch, 256, size // 4, size // 4)))
-            H.log(f"{groups[-1].case}: out of place / clone = {H.ratio(groups[-1], OUT_OF_PLACE, CLONE):.3f}")
+            H.log(f"{groups[-1].case}: out of place / clone = {R.ratio(groups[-1], OUT_OF_PLACE, CLONE):.3f}")
     notes = ["ratio: median / median of the clone contender in the same group (below 1: out of place is faster)."]
-    payload = H.save(
+    payload = R.save(
         "inplace_taps", "In-place ReLU after a conv tap: out of place vs clone", cfg, groups, [], {}, notes
     )
-    return H.publish(cfg, payload)
+    return R.publish(cfg, payload)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ from featurehooks import LPIPS as FeatureHooksLPIPS
 from featurehooks.losses import PerceptualLoss, StyleLoss
 
 import _harness as H
+import _report as R
+from _machine import reduced_precisions
+from _weights import load_seeded, seeded_hub_weights, seeded_torch_home
 
 STYLE_LAYERS = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 VGG16_INDEX = {"relu1_2": 3, "relu2_2": 8, "relu3_3": 15, "relu4_3": 22, "relu5_3": 29}
@@ -165,7 +168,7 @@ def featurehooks_losses(precision: str) -> dict[str, Callable[[], nn.Module]]:
             "vgg16", list(STYLE_LAYERS), gram_normalization="none", memory_format="contiguous", precision=precision
         ),
     }
-    return made if precision == "float32" else {H.with_precision(name, precision): m for name, m in made.items()}
+    return made if precision == "float32" else {R.with_precision(name, precision): m for name, m in made.items()}
 
 
 def build(cfg: H.Settings, precisions: Sequence[str], names: Collection[str]) -> dict[str, nn.Module]:
@@ -178,8 +181,8 @@ def build(cfg: H.Settings, precisions: Sequence[str], names: Collection[str]) ->
         with _quiet():
             return lpips.LPIPS(net="vgg", verbose=False, **kwargs)
 
-    H.seeded_hub_weights("vgg16")
-    plain = H.load_seeded("vgg16")
+    seeded_hub_weights("vgg16")
+    plain = load_seeded("vgg16")
     ours = featurehooks_losses("float32")
     for precision in precisions:
         ours.update(featurehooks_losses(precision))
@@ -270,7 +273,7 @@ def run_group(
     precision: str,
     cfg: H.Settings,
     notes: dict[str, str],
-) -> H.Group:
+) -> R.Group:
     # NCHW images under bf16 too: each contender converts them (or not) to its own memory format
     x = H.images(batch, size, cfg, precision, seed=1).contiguous()
     y = H.images(batch, size, cfg, precision, seed=2).contiguous()
@@ -290,7 +293,7 @@ def run_group(
         for name in names
     }
     params = {"batch": batch, "size": size, "precision": precision}
-    group = H.make_group(title, params, timing, names[0], extras)
+    group = R.make_group(title, params, timing, names[0], extras)
     H.log(
         f"{title} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)" for r in group.rows)
     )
@@ -314,7 +317,7 @@ def contenders(title: str, precisions: Sequence[str]) -> list[str]:
     for auto, contiguous, _ in FORMAT_PAIRS:
         if contiguous in names:
             at = names.index(contiguous) + 1
-            names[at:at] = [H.with_precision(name, p) for p in precisions for name in (auto, contiguous)]
+            names[at:at] = [R.with_precision(name, p) for p in precisions for name in (auto, contiguous)]
     return names
 
 
@@ -333,7 +336,7 @@ NOTES = {
 }
 
 
-def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
+def targets(groups: list[R.Group], device_type: str = "cpu") -> list[R.Target]:
     """The issues' loss targets, checked in every group where they apply (the 1.3x ones: CPU, batch >= 2)."""
     found = []
     for g in groups:
@@ -343,9 +346,9 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
             pl = g.row(PL)
             for other in (PIQ, LPIPS):
                 limit = SPEEDUP if speedup and other == PIQ else 1.0
-                found.append(H.Target(f"{other} time / {PL} time", where, H.ratio(g, other, PL), limit, ">="))
+                found.append(R.Target(f"{other} time / {PL} time", where, R.ratio(g, other, PL), limit, ">="))
                 found.append(
-                    H.Target(
+                    R.Target(
                         f"{PL} peak / {other} peak",
                         where,
                         pl.extra["peak_mib"] / max(g.row(other).extra["peak_mib"], 1e-9),
@@ -354,16 +357,16 @@ def targets(groups: list[H.Group], device_type: str = "cpu") -> list[H.Target]:
                     )
                 )
             found.append(
-                H.Target(f"{FLOOR_CAT} / {FLOOR} (two forwards stay)", where, H.ratio(g, FLOOR_CAT, FLOOR), 1.0, ">=")
+                R.Target(f"{FLOOR_CAT} / {FLOOR} (two forwards stay)", where, R.ratio(g, FLOOR_CAT, FLOOR), 1.0, ">=")
             )
         for auto, contiguous, floor in FORMAT_PAIRS:
             if g.has(auto) and g.has(contiguous):
-                found.append(H.Target(f"{auto} / {contiguous}", where, H.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
-                found.append(H.Target(f"{auto} / {floor}", where, H.ratio(g, auto, floor), AUTO_SLACK, "<="))
-                found += H.precision_targets(g, auto, contiguous, AUTO_SLACK, speedup and auto == PL)
+                found.append(R.Target(f"{auto} / {contiguous}", where, R.ratio(g, auto, contiguous), AUTO_SLACK, "<="))
+                found.append(R.Target(f"{auto} / {floor}", where, R.ratio(g, auto, floor), AUTO_SLACK, "<="))
+                found += R.precision_targets(g, auto, contiguous, AUTO_SLACK, speedup and auto == PL)
         if g.case == STYLE:
             found.append(
-                H.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where, H.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">=")
+                R.Target(f"{PIQ_STYLE} time / {FH_STYLE} time", where, R.ratio(g, PIQ_STYLE, FH_STYLE), 1.0, ">=")
             )
     return found
 
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = SHAPES.parse(args.shapes, cfg)
     chosen = {"content": CONTENT, "lpips": LPIPS_CASE, "style": STYLE}
     wanted = [chosen[k] for k in args.groups.split(",")]
-    reduced = H.reduced_precisions(cfg.device)
+    reduced = reduced_precisions(cfg.device)
     notes = [
         "ratio = median / median of the group's first row (the hand-written NCHW floor); *loss* is each library's "
         "value for the same images (piq ContentLoss = 256 x PerceptualLoss on relu3_3; the LPIPS baselines agree).",
@@ -404,16 +407,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reduced_precisions": reduced,
         **cfg.timing_config(),
     }
-    results = H.Results(
+    results = R.Results(
         "losses",
         "Loss step (loss + gradient to the input): time / hand-written NCHW floor",
         cfg,
         config,
         lambda groups: targets(groups, cfg.device.type),
         notes,
-        [H.FORMAT_COLUMN, ("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")],
+        [R.FORMAT_COLUMN, ("peak_mib", "peak MiB", ".0f"), ("loss", "loss", ".4g"), ("note", "note", "")],
     )
-    with H.seeded_torch_home(args.torch_home):
+    with seeded_torch_home(args.torch_home):
         H.log("building losses")
         modules = build(cfg, reduced, {name for title in wanted for name in contenders(title, reduced)})
         try:

@@ -53,6 +53,8 @@ import featurehooks as fh
 from featurehooks._formats import MIN_REUSE, ConvWork
 
 import _harness as H
+import _report as R
+from _weights import seeded_torch_home
 
 CONTIGUOUS = "contiguous (NCHW)"
 CHANNELS_LAST = "channels_last"
@@ -182,7 +184,7 @@ def _keeping_first(fn: Callable[[], Any], kept: dict[str, Any], name: str) -> Ca
     return call
 
 
-def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cfg: H.Settings) -> H.Group:
+def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cfg: H.Settings) -> R.Group:
     # NCHW images under bf16 too: each extractor converts them to its own memory format
     x = H.images(batch, size, cfg, precision).contiguous()
     kept: dict[str, Any] = {}
@@ -210,7 +212,7 @@ def run_group(built: Built, batch: int, size: int, mode: str, precision: str, cf
         "precision": precision,
         "auto ran": by_mode_format(built, mode),
     }
-    group = H.make_group(built.title(), params, timing, CONTIGUOUS, extras)
+    group = R.make_group(built.title(), params, timing, CONTIGUOUS, extras)
     H.log(
         f"{group.case} {params}: "
         + ", ".join(f"{r.name}={r.ratio:.3f}" for r in group.rows)
@@ -224,25 +226,25 @@ def by_mode_format(built: Built, mode: str) -> str:
     return built.extractors[AUTO][mode].memory_format_in_use
 
 
-def best_ratio(group: H.Group) -> float:
+def best_ratio(group: R.Group) -> float:
     """median(auto) / the smaller median of the two explicit formats."""
     best = min(group.row(CONTIGUOUS).median_ms, group.row(CHANNELS_LAST).median_ms)
     return group.row(AUTO).median_ms / best
 
 
-def targets(groups: list[H.Group]) -> list[H.Target]:
+def targets(groups: list[R.Group]) -> list[R.Target]:
     """Every group: auto at most 3% slower than NCHW, and than the better of the two formats."""
     found = []
     for g in groups:
         where = g.label
-        found.append(H.Target(f"{AUTO} / {CONTIGUOUS}", where, H.ratio(g, AUTO, CONTIGUOUS), SLACK, "<="))
-        found.append(H.Target(f"{AUTO} / best of {CONTIGUOUS} and {CHANNELS_LAST}", where, best_ratio(g), SLACK, "<="))
+        found.append(R.Target(f"{AUTO} / {CONTIGUOUS}", where, R.ratio(g, AUTO, CONTIGUOUS), SLACK, "<="))
+        found.append(R.Target(f"{AUTO} / best of {CONTIGUOUS} and {CHANNELS_LAST}", where, best_ratio(g), SLACK, "<="))
     return found
 
 
-def overview(groups: list[H.Group]) -> list[str]:
+def overview(groups: list[R.Group]) -> list[str]:
     """One line per model: its conv share, auto's choice, the range of channels_last / NCHW, the worst auto."""
-    by_case: dict[str, list[H.Group]] = {}
+    by_case: dict[str, list[R.Group]] = {}
     for g in groups:
         by_case.setdefault(g.case, []).append(g)
     lines = []
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **cfg.timing_config(),
         "cases": cases,
     }
-    results = H.Results(
+    results = R.Results(
         "memory_formats",
         "Memory formats: time / FeatureExtractor contiguous (NCHW)",
         cfg,
@@ -324,15 +326,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         targets,
         notes,
         [
-            H.FORMAT_COLUMN,
+            R.FORMAT_COLUMN,
             ("conv_share", "conv share", ".2f"),
             ("reuse", "reuse", ".0f"),
-            H.ABS_DIFF_COLUMN,
-            H.REL_DIFF_COLUMN,
+            R.ABS_DIFF_COLUMN,
+            R.REL_DIFF_COLUMN,
         ],
         overview,
     )
-    with H.seeded_torch_home(args.torch_home):
+    with seeded_torch_home(args.torch_home):
         for key in keys:
             case = ALL[key]
             H.log(f"building {case.backbone} {case.layer}")

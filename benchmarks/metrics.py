@@ -52,6 +52,9 @@ from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
 import _harness as H
+import _report as R
+from _machine import reduced_precisions
+from _weights import seeded_fid_weights, seeded_hub_weights, seeded_torch_home
 
 FH = "featurehooks LPIPS"
 FH_ONE = "featurehooks LPIPS, one concatenated forward"
@@ -121,7 +124,7 @@ def lpips_contenders(net: str, cfg: H.Settings) -> Contenders:
     """featurehooks' LPIPS (and forced to each forward) and lpips.LPIPS, all reading one seeded checkpoint."""
     import lpips
 
-    H.seeded_hub_weights(LPIPS_NETS[net].backbone)
+    seeded_hub_weights(LPIPS_NETS[net].backbone)
     with contextlib.redirect_stdout(io.StringIO()):  # lpips prints on construction
         reference = lpips.LPIPS(net=net, version="0.1", verbose=False)
     modules: dict[str, nn.Module] = {
@@ -141,7 +144,7 @@ def dists_contenders(net: str, cfg: H.Settings) -> Contenders:
     """featurehooks' DISTS and DISTS_pytorch's, on one seeded VGG16 checkpoint and DISTS_pytorch's alpha/beta."""
     from DISTS_pytorch import DISTS as ReferenceDISTS
 
-    H.seeded_hub_weights("vgg16")
+    seeded_hub_weights("vgg16")
     modules: dict[str, nn.Module] = {
         FH_DISTS: DISTS(reduction="none"),
         **({FH_DISTS_BF16: DISTS(reduction="none", precision="bf16")} if bf16_runs(cfg.device) else {}),
@@ -166,7 +169,7 @@ def _ready(modules: dict[str, nn.Module], cfg: H.Settings) -> dict[str, nn.Modul
 
 def bf16_runs(device: torch.device) -> bool:
     """Whether ``precision="bf16"`` runs on the device (an opt-in contender where it does)."""
-    return "bf16" in H.reduced_precisions(device)
+    return "bf16" in reduced_precisions(device)
 
 
 def calls(
@@ -194,7 +197,7 @@ def calls(
     return fns
 
 
-def run_group(found: Contenders, mode: str, batch: int, size: int, precision: str, cfg: H.Settings) -> H.Group:
+def run_group(found: Contenders, mode: str, batch: int, size: int, precision: str, cfg: H.Settings) -> R.Group:
     x = H.images(batch, size, cfg, precision, seed=1)
     y = H.images(batch, size, cfg, precision, seed=2)
     fns = calls(found, mode, x, y, precision, cfg.device)
@@ -217,7 +220,7 @@ def run_group(found: Contenders, mode: str, batch: int, size: int, precision: st
         chosen = FH_ONE if mode == METRIC and found.modules[FH]._one_forward(x) else FH_TWO
         extras[FH]["forward"] = "one" if chosen == FH_ONE else "two"
     params = {"metric": found.metric, "net": found.net, "batch": batch, "size": size, "precision": precision}
-    group = H.make_group(mode, params, timing, found.reference, extras)
+    group = R.make_group(mode, params, timing, found.reference, extras)
     H.log(
         f"{mode} {params}: " + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_mib']:.0f} MiB)" for r in group.rows)
     )
@@ -292,10 +295,10 @@ def fid_commands(a: Path, b: Path, dims: int, batch: int, cfg: H.Settings) -> di
     }
 
 
-def run_fid(root: Path, cfg: H.Settings) -> H.Group:
+def run_fid(root: Path, cfg: H.Settings) -> R.Group:
     count, side, dims, batch = FID_SETS["quick" if cfg.quick else cfg.device.type]
     a, b = write_folders(root, count, side)
-    H.seeded_fid_weights()
+    seeded_fid_weights()
     processes = fid_commands(a, b, dims, batch, cfg)
     if cfg.quick:  # checks the script and that both print one FID: each command once
         timing = H.Timing({name: [H.timed(process)] for name, process in processes.items()}, 1, 1)
@@ -312,7 +315,7 @@ def run_fid(root: Path, cfg: H.Settings) -> H.Group:
         for name, process in processes.items()
     }
     params = {"metric": "fid", "images": f"{count}+{count}", "size": side, "dims": dims, "batch": batch}
-    group = H.make_group(FID, params, timing, REF_FID, extras)
+    group = R.make_group(FID, params, timing, REF_FID, extras)
     H.log(
         f"{FID} {params}: "
         + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_rss_mib']:.0f} MiB)" for r in group.rows)
@@ -323,18 +326,18 @@ def run_fid(root: Path, cfg: H.Settings) -> H.Group:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def targets(groups: list[H.Group]) -> list[H.Target]:
+def targets(groups: list[R.Group]) -> list[R.Target]:
     found = []
     for g in groups:
-        label = H.format_params(g.params)
+        label = R.format_params(g.params)
         if g.case == FID:
             rss = g.row(FH_FID).extra["peak_rss_mib"] / g.row(REF_FID).extra["peak_rss_mib"]
             found.append(
-                H.Target(
-                    "fid: pytorch_fid time / featurehooks time (faster)", label, H.ratio(g, REF_FID, FH_FID), 1.0, ">="
+                R.Target(
+                    "fid: pytorch_fid time / featurehooks time (faster)", label, R.ratio(g, REF_FID, FH_FID), 1.0, ">="
                 )
             )
-            found.append(H.Target("fid: featurehooks peak RSS / pytorch_fid peak RSS", label, rss, 1.0, "<="))
+            found.append(R.Target("fid: featurehooks peak RSS / pytorch_fid peak RSS", label, rss, 1.0, "<="))
             continue
         ours, reference = (FH, REF) if g.params["metric"] == "lpips" else (FH_DISTS, REF_DISTS)
         short = "LPIPS" if ours == FH else "DISTS"
@@ -343,40 +346,40 @@ def targets(groups: list[H.Group]) -> list[H.Target]:
         peak_limit = 0.8 if ours == FH else 1.0
         if g.case == METRIC:
             found.append(
-                H.Target(
+                R.Target(
                     f"metric: {reference} time / {short} time (no slower)",
                     label,
-                    H.ratio(g, reference, ours),
+                    R.ratio(g, reference, ours),
                     1.0,
                     ">=",
                 )
             )
-            found.append(H.Target(f"metric: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
+            found.append(R.Target(f"metric: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
             if ours == FH:
                 chosen, other = (FH_ONE, FH_TWO) if g.row(FH).extra.get("forward") == "one" else (FH_TWO, FH_ONE)
                 # two forwards trade a little time for memory: allowed up to 10% over one concatenated forward
                 found.append(
-                    H.Target(
+                    R.Target(
                         f"metric: the forward LPIPS chose ({g.row(FH).extra.get('forward')}) / the other",
                         label,
-                        H.ratio(g, chosen, other),
+                        R.ratio(g, chosen, other),
                         1.1,
                         "<=",
                     )
                 )
         else:
             found.append(
-                H.Target(
-                    f"loss: {reference} time / {short} time (faster)", label, H.ratio(g, reference, ours), 1.0, ">="
+                R.Target(
+                    f"loss: {reference} time / {short} time (faster)", label, R.ratio(g, reference, ours), 1.0, ">="
                 )
             )
-            found.append(H.Target(f"loss: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
+            found.append(R.Target(f"loss: {short} peak / {reference} peak", label, peak, peak_limit, "<="))
             if ours == FH:
                 found.append(
-                    H.Target(
+                    R.Target(
                         "loss: graph-free target forward / one concatenated forward",
                         label,
-                        H.ratio(g, FH, FH_ONE),
+                        R.ratio(g, FH, FH_ONE),
                         1.0,
                         "<=",
                     )
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fid_set": FID_SETS["quick" if cfg.quick else cfg.device.type],
         **cfg.timing_config(),
     }
-    results = H.Results(
+    results = R.Results(
         "metrics",
         "LPIPS, DISTS and FID: time / the reference implementation",
         cfg,
@@ -444,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("forward", "forward", ""),
         ],
     )
-    with H.seeded_torch_home(args.torch_home) as home:
+    with seeded_torch_home(args.torch_home) as home:
         for net, build in pair_metrics(metrics, nets):
             H.log(f"building {build.__name__.split('_')[0]} on {net!r}")
             found = build(net, cfg)

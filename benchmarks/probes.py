@@ -49,6 +49,8 @@ from featurehooks.probes.nonfinite import NonFiniteDetector, detect_nonfinite
 from featurehooks.probes.watch import Watch, WatchRow, watch
 
 import _harness as H
+import _report as R
+from _machine import reduced_precisions
 
 BASE = "no probes"
 WATCH = "watch, 16 blocks + grads"
@@ -159,10 +161,10 @@ def precisions(given: str | None, cfg: H.Settings) -> list[str]:
     """The precisions asked for; by default fp32, and bf16 where the device computes it natively (not --quick)."""
     if given is not None:
         return given.split(",")
-    return ["fp32", "bf16"] if "bf16" in H.reduced_precisions(cfg.device) and not cfg.quick else ["fp32"]
+    return ["fp32", "bf16"] if "bf16" in reduced_precisions(cfg.device) and not cfg.quick else ["fp32"]
 
 
-def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group, dict[str, Any]]:
+def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[R.Group, dict[str, Any]]:
     base = resnet50().to(cfg.device).train()
     x = H.images(batch, size, cfg, "fp32")
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(H.SEED)).to(cfg.device)
@@ -221,7 +223,7 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[H.Group
     }
     params = {"mode": "train step", "batch": batch, "size": size, "precision": precision}
     title = f"ResNet50 training step, batch {batch}, {size}x{size}" + (", bf16 autocast" if precision == "bf16" else "")
-    return H.make_group(title, params, timing, BASE, extras), facts
+    return R.make_group(title, params, timing, BASE, extras), facts
 
 
 def _session_hooks(probe: Watch | NonFiniteDetector) -> list[tuple[object, str]]:
@@ -277,9 +279,9 @@ def _largest_difference(fused: list[WatchRow], eager: list[WatchRow]) -> float:
     )
 
 
-def targets(groups: list[H.Group]) -> list[H.Target]:
+def targets(groups: list[R.Group]) -> list[R.Target]:
     return [
-        H.Target(f"{name} / {BASE}", g.case, g.row(name).ratio, 1.05, "<=")
+        R.Target(f"{name} / {BASE}", g.case, g.row(name).ratio, 1.05, "<=")
         for g in groups
         for name in (WATCH, FUSED, NONFINITE)
     ]
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copies, same batch): 0 means the probe changed nothing in the computation.",
     ]
     config = {"shapes": shapes, "precisions": wanted, "lr": LR, **cfg.timing_config(), **facts}
-    payload = H.save(
+    payload = R.save(
         "probes",
         "Probes during a ResNet50 training step: time / step without probes",
         cfg,
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("hooks_ms", "hooks ms / step", ".1f"),
         ],
     )
-    return H.publish(cfg, payload)
+    return R.publish(cfg, payload)
 
 
 if __name__ == "__main__":

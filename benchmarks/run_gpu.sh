@@ -45,7 +45,7 @@ unpack() {  # ARCHIVE: its .json and .md into RESULTS (default benchmarks/result
   for name in $names; do
     case $name in *.json) charts+=("$results/$name") ;; esac
   done
-  "$PYTHON" benchmarks/_harness.py "${charts[@]}"  # one process draws them all
+  "$PYTHON" benchmarks/_report.py "${charts[@]}"  # one process draws them all
   printf '%s\n' "${charts[@]}"
 }
 
@@ -135,7 +135,7 @@ EOF
     (cd "$RESULTS" && shopt -s nullglob && tar -czf "$OUT/gpu_results.tar.gz" -- *"$TAG".json *"$TAG".md)
     echo "packed: $(tar -tzf "$OUT/gpu_results.tar.gz" | tr '\n' ' ')"
   else
-    if [ ${#results[@]} -gt 0 ]; then "$PYTHON" benchmarks/_harness.py "${results[@]}"; fi
+    if [ ${#results[@]} -gt 0 ]; then "$PYTHON" benchmarks/_report.py "${results[@]}"; fi
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     echo "no results from: ${missing[*]}" >&2

@@ -114,7 +114,7 @@ def fid_weights(torch_home: Path) -> Path:
     fails on torchvision's init, which multiplies them by about 1e8)."""
     from helpers import load_script
 
-    return load_script("benchmarks/_harness.py").seeded_fid_weights()
+    return load_script("benchmarks/_weights.py").seeded_fid_weights()
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) 
     assert len(groups) == 2 * len(cases)
     formats = [e.FLOOR, e.FLOOR_CL, e.FE, e.FE_CONTIGUOUS, e.FE_CHANNELS_LAST]
     # FeatureExtractor (auto) and contiguous in bf16 where this CPU has native bfloat16 (fp16: AVX512-FP16 CPUs)
-    reduced = e.H.reduced_precisions(torch.device("cpu"))  # featurehooks' precisions below float32 on this CPU
+    reduced = e.reduced_precisions(torch.device("cpu"))  # featurehooks' precisions below float32 on this CPU
     in_precision = list(e.precision_variants(reduced))
     assert len(in_precision) == 2 * len(reduced)
     for group in groups:
@@ -112,10 +112,10 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) 
     assert set(speedups) == {(f"{other} / {e.FE} (speed-up)", "no-grad") for other in (e.FLOOR, e.FX)}
     assert all(t["limit"] == 1.1 and t["kind"] == ">=" for t in speedups.values())
     for precision in reduced:  # auto at most 3% slower than contiguous in every group; bf16 >= 1.5x float32
-        auto = e.H.with_precision(e.FE, precision)
-        found = [t for t in targets if t["claim"] == f"{auto} / {e.H.with_precision(e.FE_CONTIGUOUS, precision)}"]
+        auto = e.R.with_precision(e.FE, precision)
+        found = [t for t in targets if t["claim"] == f"{auto} / {e.R.with_precision(e.FE_CONTIGUOUS, precision)}"]
         assert len(found) == len(groups) and all(t["limit"] == 1.03 for t in found)
-    bf16 = [t for t in targets if t["claim"] == f"{e.FE} / {e.H.with_precision(e.FE, 'bf16')} (bf16 speed-up)"]
+    bf16 = [t for t in targets if t["claim"] == f"{e.FE} / {e.R.with_precision(e.FE, 'bf16')} (bf16 speed-up)"]
     assert len(bf16) == ("bf16" in reduced)  # VGG16 relu3_3 without a graph at batch 2 only
     assert all(t["group"].startswith(f"{vgg}: mode=no-grad") and t["limit"] == 1.5 for t in bf16)
     assert f"{e.FE_CONTIGUOUS} / {e.FLOOR} (hook overhead)" in claims and f"{e.FE} / {e.TIMM}" in claims
@@ -128,10 +128,10 @@ def test_extraction_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) 
 
 
 def _group(module: ModuleType, group: dict, **params: object) -> object:
-    """A saved group back as a harness Group, with some params replaced."""
-    H = module.H
-    rows = [H.Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"], {}) for r in group["rows"]]
-    return H.Group(
+    """A saved group back as a `_report` Group, with some params replaced."""
+    R = module.R
+    rows = [R.Row(r["name"], r["median_ms"], r["p25_ms"], r["p75_ms"], r["ratio"], {}) for r in group["rows"]]
+    return R.Group(
         group["case"],
         {**group["params"], **params},
         group["baseline"],
@@ -165,12 +165,12 @@ def test_losses_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> N
     losses, payload = _run_quick("losses", tmp_path, torch_home)
     L = losses
     # featurehooks' losses (auto, contiguous) also in bf16 where this CPU has native bfloat16, after their float32 rows
-    reduced = L.H.reduced_precisions(torch.device("cpu"))
-    in_precision = {L.H.with_precision(name, p) for p in reduced for pair in L.FORMAT_PAIRS for name in pair[:2]}
+    reduced = L.reduced_precisions(torch.device("cpu"))
+    in_precision = {L.R.with_precision(name, p) for p in reduced for pair in L.FORMAT_PAIRS for name in pair[:2]}
     assert len(in_precision) == 6 * len(reduced)
     rows_by_case = {g["case"]: [row["name"] for row in g["rows"]] for g in payload["groups"]}
     assert rows_by_case == {case: L.contenders(case, reduced) for case in L.GROUPS}
-    float32, bf16_rows = L.GROUPS[L.CONTENT], [L.H.with_precision(name, "bf16") for name in (L.PL, L.PL_CONTIGUOUS)]
+    float32, bf16_rows = L.GROUPS[L.CONTENT], [L.R.with_precision(name, "bf16") for name in (L.PL, L.PL_CONTIGUOUS)]
     assert L.contenders(L.CONTENT, ["bf16"]) == [*float32[:5], *bf16_rows, *float32[5:]]  # after PL contiguous
     assert all(g["params"]["batch"] == 2 for g in payload["groups"])  # --quick: 2x32, batch >= 2 for the targets
     by_case = {g["case"]: {row["name"]: row for row in g["rows"]} for g in payload["groups"]}
@@ -204,8 +204,8 @@ def test_losses_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> N
     for auto, contiguous, floor in L.FORMAT_PAIRS:
         assert claims[f"{auto} / {contiguous}"]["limit"] == claims[f"{auto} / {floor}"]["limit"] == 1.03
         for p in reduced:
-            assert claims[f"{L.H.with_precision(auto, p)} / {L.H.with_precision(contiguous, p)}"]["limit"] == 1.03
-    bf16 = claims.get(f"{L.PL} / {L.H.with_precision(L.PL, 'bf16')} (bf16 speed-up)")
+            assert claims[f"{L.R.with_precision(auto, p)} / {L.R.with_precision(contiguous, p)}"]["limit"] == 1.03
+    bf16 = claims.get(f"{L.PL} / {L.R.with_precision(L.PL, 'bf16')} (bf16 speed-up)")
     assert (bf16 is not None) == ("bf16" in reduced) and (bf16 is None or bf16["limit"] == 1.5)
 
 

@@ -35,8 +35,8 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path, resnet18_cached
     assert group["params"] == {"images": 18, "batch": 8, "workers": 1, "threads": 1}
     rows = {row["name"]: row for row in group["rows"]}
     # the default dump also in bf16 where this CPU has native bfloat16 (fp16: AVX512-FP16 CPUs), beside float32
-    reduced = bench.H.reduced_precisions(torch.device("cpu"))
-    in_precision = [bench.H.with_precision(bench.DEFAULT, precision) for precision in reduced]
+    reduced = bench.reduced_precisions(torch.device("cpu"))
+    in_precision = [bench.R.with_precision(bench.DEFAULT, precision) for precision in reduced]
     assert list(rows) == [bench.HAND, bench.CONTIGUOUS, bench.DEFAULT, *in_precision]
     assert config["reduced_precisions"] == reduced
     for row in rows.values():
@@ -57,7 +57,7 @@ def test_dump_throughput_quick(tmp_path: Path, torch_home: Path, resnet18_cached
     assert speed["measured"] == pytest.approx(rows[bench.DEFAULT]["speedup"])
     checks = [t for claim, t in targets.items() if "diff" in claim]
     assert len(checks) == 3 + len(reduced) and all(t["met"] for t in checks)
-    bf16 = targets.get(f"{bench.H.with_precision(bench.DEFAULT, 'bf16')} / {bench.DEFAULT} images/s")
+    bf16 = targets.get(f"{bench.R.with_precision(bench.DEFAULT, 'bf16')} / {bench.DEFAULT} images/s")
     assert (bf16 is not None) == ("bf16" in reduced)
     if bf16 is not None:  # images/s in bf16 over float32's, both dumps of the default extractor
         expected = rows[in_precision[0]]["images_per_s"] / rows[bench.DEFAULT]["images_per_s"]

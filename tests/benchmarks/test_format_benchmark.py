@@ -93,12 +93,12 @@ def test_memory_formats_quick(tmp_path: Path, torch_home: Path) -> None:
 
 def test_best_ratio_takes_the_faster_format() -> None:
     bench = load_script("benchmarks/memory_formats.py")
-    H = bench.H
+    R = bench.R
     rows = [
-        H.Row(name, ms, ms, ms, ms / 10.0)
+        R.Row(name, ms, ms, ms, ms / 10.0)
         for name, ms in ((bench.CONTIGUOUS, 10.0), (bench.CHANNELS_LAST, 8.0), (bench.AUTO, 8.4))
     ]
-    group = H.Group("case", {"mode": "no-grad"}, bench.CONTIGUOUS, 5, 1, rows)
+    group = R.Group("case", {"mode": "no-grad"}, bench.CONTIGUOUS, 5, 1, rows)
     assert bench.best_ratio(group) == pytest.approx(8.4 / 8.0)
     by_claim = {t.claim: t for t in bench.targets([group])}
     assert by_claim[f"{bench.AUTO} / {bench.CONTIGUOUS}"].met
