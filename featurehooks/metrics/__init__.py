@@ -12,6 +12,7 @@ Examples:
     >>> mean, std = metrics.kernel_inception_distance(real, fake, subsets=10, subset_size=100)
 """
 
+from .collect import feature_statistics, feature_statistics_by_layer, statistics_from_dump
 from .dists import DISTS
 from .fid import FID_LAYERS, fid_extractor, fid_statistics, load_mu_sigma
 from .frechet import frechet_distance, kernel_inception_distance
@@ -19,13 +20,7 @@ from .interop import PooledFeatures
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
-from .statistics import (
-    FeatureOrigin,
-    FeatureStatistics,
-    feature_statistics,
-    feature_statistics_by_layer,
-    statistics_from_dump,
-)
+from .statistics import FeatureOrigin, FeatureStatistics
 
 __all__ = [
     "BATCH_PIXELS",

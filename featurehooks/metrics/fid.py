@@ -35,7 +35,9 @@ from torch import Tensor
 
 from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InputNotFoundError, InvalidValueError
-from .statistics import FeatureStatistics, _member_header, _read_member, feature_statistics
+from ._npz import check_real, member_header, open_npz, read_member
+from .collect import PassSettings, collect
+from .statistics import FeatureStatistics
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor, Precision
@@ -201,19 +203,9 @@ def fid_statistics(
             "weights=/dims=/device=/precision="
         )
     layer = _layer_of(extractor)
-    return feature_statistics(
-        extractor,
-        source,
-        layer=layer,
-        pool="avg",
-        batch_size=batch_size,
-        num_workers=num_workers,
-        resize_size=None,
-        crop_size=None,
-        keep=keep,
-        seed=seed,
-        progress=progress,
-    )
+    # pooled by "avg", and no resize or crop outside the network (it resizes inside, as pytorch-fid does)
+    settings = PassSettings("avg", batch_size, num_workers, None, None, keep, seed, progress)
+    return collect(extractor, source, [layer], settings)[layer]
 
 
 def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
@@ -258,25 +250,22 @@ def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
 
 def _read_mu_sigma(where: str) -> tuple[np.ndarray, np.ndarray]:
     """``mu`` and ``sigma`` of the archive ``where`` as float64 arrays, their headers checked before reading."""
-    if not zipfile.is_zipfile(where):
-        raise InvalidValueError("it is not an .npz archive (a pickle, a single .npy array, or a damaged file)")
-    with zipfile.ZipFile(where) as archive:
+    with open_npz(where) as archive:
         members = {info.filename: info for info in archive.infolist()}
         missing = [name for name in ("mu", "sigma") if f"{name}.npy" not in members]
         if missing:
             raise InvalidValueError(f"no {' and '.join(missing)} array (found {', '.join(sorted(members)) or 'none'})")
         size = os.path.getsize(where)
-        headers = {name: _member_header(archive, members[f"{name}.npy"], size) for name in ("mu", "sigma")}
+        headers = {name: member_header(archive, members[f"{name}.npy"], size) for name in ("mu", "sigma")}
         (mu_shape, mu_dtype), (sigma_shape, sigma_dtype) = headers["mu"], headers["sigma"]
         if len(mu_shape) != 1 or not 0 < mu_shape[0] <= _MAX_DIMS or sigma_shape != (mu_shape[0],) * 2:
             raise InvalidValueError(
                 f"mu of shape {mu_shape} and sigma of shape {sigma_shape}: expected (D,) and (D, D)"
             )
-        for name, dtype in (("mu", mu_dtype), ("sigma", sigma_dtype)):
-            if dtype.kind not in "fiu":
-                raise InvalidValueError(f"its {name} holds {dtype}, not real numbers")
+        check_real("mu", mu_dtype)
+        check_real("sigma", sigma_dtype)
         mu, sigma = (
-            np.asarray(_read_member(archive, members[f"{name}.npy"]), dtype=np.float64) for name in ("mu", "sigma")
+            np.asarray(read_member(archive, members[f"{name}.npy"]), dtype=np.float64) for name in ("mu", "sigma")
         )
     if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
         raise InvalidValueError("it holds NaN or infinite values")

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidTypeError, InvalidValueError
-from .statistics import FeatureStatistics, _as_matrix
+from .statistics import FeatureStatistics, as_matrix
 
 __all__ = ["frechet_distance", "kernel_inception_distance"]
 
@@ -57,14 +57,14 @@ def _moments(value: Moments, side: str) -> tuple[Tensor, Tensor]:
         _warn_if_singular(value.count, value.dim, side)
         return value.mean, value.covariance
     if isinstance(value, (Tensor, np.ndarray)):
-        features = _as_matrix(value, side)
+        features = as_matrix(value, side)
         if features.shape[0] < 2:
             raise InvalidValueError(f"{side} holds {features.shape[0]} feature vectors; a covariance needs 2 or more")
         _warn_if_singular(features.shape[0], features.shape[1], side)
         return features.mean(dim=0), torch.cov(features.T).reshape(features.shape[1], features.shape[1])
     if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
-        mean = _as_matrix(_as_array(value[0], side)[None], f"the mean of {side}")[0]
-        covariance = _as_matrix(_as_array(value[1], side), f"the covariance of {side}")
+        mean = as_matrix(_as_array(value[0], side)[None], f"the mean of {side}")[0]
+        covariance = as_matrix(_as_array(value[1], side), f"the covariance of {side}")
         dim = mean.shape[0]
         if covariance.shape != (dim, dim):
             raise InvalidValueError(
@@ -174,7 +174,7 @@ def _features(value: Features, side: str) -> Tensor:
     if isinstance(value, FeatureStatistics):
         return value.features.to(torch.float64)
     if isinstance(value, (Tensor, np.ndarray)):
-        return _as_matrix(value, side)
+        return as_matrix(value, side)
     raise InvalidTypeError(
         f"{side} must be (N, D) features (Tensor or numpy array) or FeatureStatistics that kept features, "
         f"not {type(value).__name__}"

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from .statistics import FeatureOrigin, FeatureStatistics, origin_fields, write_npz
+from ._npz import write_npz
+from .statistics import FeatureOrigin, FeatureStatistics, origin_fields
 
 __all__ = ["PRDC", "Manifold", "precision_recall"]
 

@@ -9,71 +9,36 @@ of all of them to rounding. The kernel inception distance needs feature vectors,
 Statistics are saved as ``.npz`` (read back with ``allow_pickle=False``) together with where their
 features came from (backbone, layer, pool, weights), so comparing a reference set's statistics with
 statistics of other features is an error rather than a meaningless number. The file also holds
-``mu`` and ``sigma`` under the names pytorch-fid uses.
+``mu`` and ``sigma`` under the names pytorch-fid uses; ``_npz.py`` writes and reads the archive, as it does
+manifolds'.
 
-``feature_statistics`` streams images through a ``FeatureExtractor`` with the input pipeline dumps use
-(``featurehooks.stream``: listing, decoding, resize and crop, DataLoader workers, pooling) and writes no
-feature file;
-``statistics_from_dump`` reads the pooled features of a finished dump in memory-mapped chunks.
+Statistics of images and of dumps are collected in ``collect.py``.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import math
 import os
-import re
 import warnings
 import zipfile
 import zlib
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .._atomic import write_atomic
-from .._layout import Pool
-from ..dump import DumpResult, read_manifest
-from ..errors import (
-    InputNotFoundError,
-    InvalidTypeError,
-    InvalidValueError,
-    LayerNotFoundError,
-    RunFailedError,
-    did_you_mean,
-)
-from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
-from ..stream.sharding import Distributed, split_contiguous
+from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
+from ._npz import check_real, member_header, open_npz, read_member, read_meta, write_npz
 
-if TYPE_CHECKING:
-    from ..extractor import FeatureExtractor
-    from ..images import ImageTransform
-
-__all__ = [
-    "FORMAT",
-    "FeatureOrigin",
-    "FeatureStatistics",
-    "feature_statistics",
-    "feature_statistics_by_layer",
-    "statistics_from_dump",
-]
+__all__ = ["FORMAT", "FeatureOrigin", "FeatureStatistics"]
 
 FORMAT = "featurehooks.statistics/1"
 ArrayLike = Union[Tensor, np.ndarray]
 _STRICT = ("backbone", "layer", "pool", "weights")  # fields that must match for two statistics to be compared
-_NAMED_SKIPS = 3  # unreadable inputs named in the warning; the rest are counted
-_DUMP_CHUNK_ROWS = 8192
 _ARRAYS = ("mu", "sigma", "features", "meta")
-_MAX_META_BYTES = 1 << 20  # meta is a short JSON text (format, counts, sampling state, origin)
-_MAX_META_DEPTH = 32  # nesting of meta's lists and objects (what save writes is 4 deep)
 _MAX_COUNT = 2**53  # counts beyond this are not exact in float64, and overflow the moment arithmetic
-_MAX_DEFLATE_RATIO = 1100  # deflate cannot expand data more than ~1032 times: a member declaring more lies
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -131,7 +96,7 @@ class FeatureOrigin:
             )
 
 
-def _as_matrix(features: Any, name: str) -> Tensor:
+def as_matrix(features: Any, name: str) -> Tensor:
     """``features`` as an ``(N, D)`` float64 CPU tensor, refused unless 2-D, real and finite."""
     if isinstance(features, np.ndarray):
         if not (np.issubdtype(features.dtype, np.floating) or np.issubdtype(features.dtype, np.integer)):
@@ -154,7 +119,8 @@ def _as_matrix(features: Any, name: str) -> Tensor:
     return matrix
 
 
-def _check_count(value: Any, name: str, least: int = 0) -> int:
+def check_count(value: Any, name: str, least: int = 0) -> int:
+    """``value`` as an int, refused unless an int (not a bool) of at least ``least``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise InvalidValueError(f"{name} must be an int >= {least}, got {value!r}")
     return int(value)
@@ -205,9 +171,9 @@ class FeatureStatistics:
         self, dim: int | None = None, *, keep: int = 0, seed: int = 0, origin: FeatureOrigin | None = None
     ) -> None:
         if dim is not None:
-            _check_count(dim, "dim", least=1)
-        self._keep = _check_count(keep, "keep")
-        self._seed = _check_count(seed, "seed")
+            check_count(dim, "dim", least=1)
+        self._keep = check_count(keep, "keep")
+        self._seed = check_count(seed, "seed")
         if origin is not None and not isinstance(origin, FeatureOrigin):
             raise InvalidTypeError(f"origin must be a FeatureOrigin or None, not {type(origin).__name__}")
         self.origin = origin
@@ -295,7 +261,7 @@ class FeatureStatistics:
         Raises:
             InvalidValueError: not 2-D, another ``D`` than earlier batches, or NaN/infinite values.
         """
-        batch = _as_matrix(features, "features")
+        batch = as_matrix(features, "features")
         self._check_dim(batch.shape[1], "this batch")
         count = batch.shape[0]
         if count == 0:
@@ -462,7 +428,7 @@ class FeatureStatistics:
             stats = cls(
                 dim,
                 keep=keep,
-                seed=_check_count(meta.get("seed", 0), "seed"),
+                seed=check_count(meta.get("seed", 0), "seed"),
                 origin=FeatureOrigin(**origin) if origin is not None else None,
             )
             if "rng_state" in meta:
@@ -495,17 +461,6 @@ def origin_fields(origin: FeatureOrigin | None) -> dict[str, Any] | None:
     return fields
 
 
-def write_npz(path: str | os.PathLike[str], meta: dict[str, Any], **arrays: np.ndarray) -> Path:
-    """Write ``arrays`` and ``meta`` (a JSON string member) to an uncompressed ``.npz`` at exactly ``path``,
-    atomically: the file format of statistics and manifolds."""
-    buffer = io.BytesIO()
-    members: dict[str, Any] = {**arrays, "meta": np.array(json.dumps(meta))}
-    np.savez(buffer, **members)
-    target = Path(path)
-    write_atomic(target, buffer.getvalue())
-    return target
-
-
 def _read_archive(where: str) -> dict[str, Any]:
     """``meta`` (checked) and the arrays ``mu``, ``sigma`` and ``features`` of the statistics file ``where``.
 
@@ -514,16 +469,14 @@ def _read_archive(where: str) -> dict[str, Any]:
     against the member's, and the member's against the bytes stored for it. A small file declaring a huge
     array is refused without allocating it.
     """
-    if not zipfile.is_zipfile(where):
-        raise InvalidValueError("it is not an .npz archive (a pickle, a single .npy array, or a damaged file)")
-    with zipfile.ZipFile(where) as archive:
+    with open_npz(where) as archive:
         members = {info.filename: info for info in archive.infolist()}
         missing = [name for name in _ARRAYS if f"{name}.npy" not in members]
         if missing:
             raise InvalidValueError(f"no {', '.join(sorted(missing))} arrays")
         size = os.path.getsize(where)
-        headers = {name: _member_header(archive, members[f"{name}.npy"], size) for name in _ARRAYS}
-        meta = _read_meta(archive, members["meta.npy"], headers["meta"])
+        headers = {name: member_header(archive, members[f"{name}.npy"], size) for name in _ARRAYS}
+        meta = _check_meta(read_meta(archive, members["meta.npy"], headers["meta"], FORMAT))
         count, dim, keep = meta["count"], meta["dim"], meta["keep"]
         expected = {"mu": (dim,), "sigma": (dim, dim), "features": (min(keep, count), dim)}
         shapes = {name: headers[name][0] for name in expected}
@@ -533,387 +486,16 @@ def _read_archive(where: str) -> dict[str, Any]:
                 f"count {count}, dim {dim}, keep {keep}"
             )
         for name in expected:
-            if headers[name][1].kind not in "fiu":
-                raise InvalidValueError(f"its {name} holds {headers[name][1]}, not real numbers")
-        arrays: dict[str, Any] = {name: _read_member(archive, members[f"{name}.npy"]) for name in expected}
+            check_real(name, headers[name][1])
+        arrays: dict[str, Any] = {name: read_member(archive, members[f"{name}.npy"]) for name in expected}
     arrays["meta"] = meta
     return arrays
 
 
-def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
-    """The checked member ``info`` as an array (never a pickle)."""
-    with archive.open(info) as handle:
-        return np.lib.format.read_array(handle, allow_pickle=False)
-
-
-def _member_header(
-    archive: zipfile.ZipFile, info: zipfile.ZipInfo, archive_size: int
-) -> tuple[tuple[int, ...], np.dtype]:
-    """``(shape, dtype)`` from the ``.npy`` header of ``info``, once its sizes are known to be consistent."""
-    name = info.filename
-    if info.compress_type == zipfile.ZIP_STORED:
-        if info.file_size != info.compress_size or info.compress_size > archive_size:
-            raise InvalidValueError(f"its {name} declares {info.file_size:,} bytes but stores {info.compress_size:,}")
-    elif info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 4096:
-        raise InvalidValueError(
-            f"its {name} declares {info.file_size:,} bytes, more than {info.compress_size:,} compressed bytes can hold"
-        )
-    with archive.open(info) as handle:
-        version = np.lib.format.read_magic(handle)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
-        else:
-            raise InvalidValueError(f"its {name} is an .npy of version {version}, not 1.0 or 2.0")
-        header_size = handle.tell()
-    if dtype.hasobject:
-        raise InvalidValueError(f"its {name} holds Python objects (a pickle), which are never read")
-    declared = header_size + math.prod(shape) * dtype.itemsize
-    if declared != info.file_size:
-        raise InvalidValueError(
-            f"its {name} declares shape {shape} of {dtype} ({declared:,} bytes) in a member of {info.file_size:,}"
-        )
-    return tuple(shape), dtype
-
-
-def _read_meta(
-    archive: zipfile.ZipFile, info: zipfile.ZipInfo, header: tuple[tuple[int, ...], np.dtype]
-) -> dict[str, Any]:
-    """``meta`` parsed, its size, nesting and numbers bounded, its format, count, dim and keep checked."""
-    shape, dtype = header
-    if shape != () or dtype.kind != "U":
-        raise InvalidValueError("its meta is not a JSON string")
-    if info.file_size > _MAX_META_BYTES:
-        raise InvalidValueError(f"its meta is {info.file_size:,} bytes, more than {_MAX_META_BYTES:,}")
-    text = str(_read_member(archive, info)[()])
-    depth = _json_depth(text)
-    if depth > _MAX_META_DEPTH:
-        raise InvalidValueError(f"its meta nests {depth} levels deep, more than {_MAX_META_DEPTH}")
-    try:
-        meta = json.loads(text)
-    except ValueError as exc:
-        raise InvalidValueError(f"its meta is not JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise InvalidValueError(f"format {found!r}, expected {FORMAT!r}")
+def _check_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` once its count, dim, keep and seed are ints in range."""
     for name, least in (("count", 0), ("dim", 1), ("keep", 0), ("seed", 0)):
-        value = _check_count(meta.get(name, 0) if name == "seed" else meta.get(name), name, least)
+        value = check_count(meta.get(name, 0) if name == "seed" else meta.get(name), name, least)
         if value > _MAX_COUNT:
             raise InvalidValueError(f"its {name} {value} is out of range (at most 2**53)")
     return meta
-
-
-def _json_depth(text: str) -> int:
-    """How deep the lists and objects of JSON ``text`` nest (strings, whose brackets do not count, skipped)."""
-    depth = deepest = 0
-    for char in _JSON_STRING.sub('""', text):
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
-# -- from images ---------------------------------------------------------------------------------------
-def _output_names(extractor: FeatureExtractor) -> list[str]:
-    """The names an extractor returns (its ``.prefix`` outputs too, when the layouts are known)."""
-    try:
-        return list(extractor.output_layouts)
-    except RuntimeError:  # a model that cannot be traced: its requested names
-        return list(extractor.layers)
-
-
-def _preprocessing(transform: ImageTransform | None) -> dict[str, Any]:
-    described = transform.describe() if transform is not None else {}
-    return {key: described.get(key) for key in ("resize_size", "crop_size", "interpolation")}
-
-
-def _origins(
-    extractor: FeatureExtractor, layers: list[str], pool: str | None, transform: ImageTransform | None
-) -> dict[str, FeatureOrigin]:
-    digest = extractor.weights_sha256()  # hashed once for all layers
-    preprocessing = _preprocessing(transform)
-    return {
-        layer: FeatureOrigin(
-            extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing, extractor.precision
-        )
-        for layer in layers
-    }
-
-
-def _warn_skipped(skipped: list[tuple[str, str]], total: int) -> None:
-    if not skipped:
-        return
-    named = "; ".join(f"{path}: {reason}" for path, reason in skipped[:_NAMED_SKIPS])
-    more = f" and {len(skipped) - _NAMED_SKIPS} more" if len(skipped) > _NAMED_SKIPS else ""
-    warnings.warn(
-        f"{len(skipped)} of {total} inputs could not be read and are left out of the statistics ({named}{more})",
-        stacklevel=3,
-    )
-
-
-def _accumulate(
-    stats: dict[str, FeatureStatistics],
-    extractor: FeatureExtractor,
-    inputs: Inputs,
-    batches: list[list[int]],
-    pool: Pool | None,
-    num_workers: int | None,
-    progress: bool,
-    rank: int,
-) -> list[tuple[str, str]]:
-    """Add the pooled features of ``batches`` (this rank's share of the rows) to ``stats``; the rows skipped."""
-    skipped: list[tuple[str, str]] = []
-    label = "statistics" if rank == 0 else f"statistics rank {rank}"
-    with Progress(sum(map(len, batches)), progress, label=label, rank=rank) as bar:
-        found = extract_batches(
-            extractor, inputs, batches, pool=pool, dtype="float32", num_workers=num_workers, progress=bar
-        )
-        for batch in found:
-            skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
-            for name, into in stats.items():
-                vectors = batch.arrays[name]
-                if vectors.ndim != 2:
-                    raise InvalidValueError(
-                        f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, not "
-                        "vectors; pool them (pool='avg', 'max' or 'cls')"
-                    )
-                into.update(vectors[batch.valid])
-    return skipped
-
-
-def feature_statistics_by_layer(
-    extractor: FeatureExtractor,
-    source: SourceSpec,
-    *,
-    layers: Sequence[str] | None = None,
-    pool: Pool | None = "avg",
-    batch_size: int = 64,
-    num_workers: int | None = None,
-    resize_size: int | None | str = "weights",
-    crop_size: int | None | str = "weights",
-    keep: int = 0,
-    seed: int = 0,
-    progress: bool = False,
-) -> dict[str, FeatureStatistics]:
-    """``feature_statistics`` of several layers of one extractor in one pass over the images.
-
-    Args are those of ``feature_statistics``; ``layers`` (default: every output of the extractor)
-    replaces ``layer``.
-
-    Returns:
-        ``{layer: FeatureStatistics}`` in the order of ``layers``.
-
-    Examples:
-        >>> import torch
-        >>> from featurehooks import FeatureExtractor
-        >>> from featurehooks.metrics import feature_statistics_by_layer
-        >>> ext = FeatureExtractor("resnet18", ["layer3", "layer4"], weights=None)
-        >>> images = torch.rand(8, 3, 64, 64)  # or a folder, a glob, a list of files, a Dataset
-        >>> {name: stats.dim for name, stats in feature_statistics_by_layer(ext, images).items()}
-        {'layer3': 256, 'layer4': 512}
-    """
-    check_options(batch_size, num_workers, pool, "float32")
-    _check_count(keep, "keep")
-    _check_count(seed, "seed")
-    available = _output_names(extractor)
-    wanted = list(available if layers is None else ([layers] if isinstance(layers, str) else layers))
-    if not wanted:
-        raise InvalidValueError("no layers given")
-    for name in wanted:
-        if name not in available:
-            raise LayerNotFoundError(
-                f"the extractor returns no layer {name!r} (it returns {available}); {did_you_mean(name, available)}"
-            )
-    inputs = resolve_inputs(extractor, source, resize_size, crop_size, pool)
-    origins = _origins(extractor, wanted, pool, inputs.transform)
-    stats = {name: FeatureStatistics(keep=keep, seed=seed, origin=origins[name]) for name in wanted}
-    total = len(inputs.names)
-    batches = [list(range(start, min(start + batch_size, total))) for start in range(0, total, batch_size)]
-    ranks = Distributed.from_environment(extractor.device)
-    try:
-        try:
-            mine = split_contiguous(batches, ranks.world_size, ranks.rank)
-            skipped = _accumulate(stats, extractor, inputs, mine, pool, num_workers, progress, ranks.rank)
-        except Exception as exc:
-            if ranks.world_size > 1:  # the other ranks wait for this one's share: tell them why it is missing
-                ranks.all_gather(f"{type(exc).__name__}: {exc}")
-            raise
-        shares = ranks.all_gather((stats, skipped))  # in rank order: rank r holds the r-th run of rows
-    finally:
-        ranks.close()
-    failed = [f"rank {rank}: {share}" for rank, share in enumerate(shares) if isinstance(share, str)]
-    if failed:
-        raise RunFailedError(f"the statistics failed on {'; '.join(failed)}")
-    stats, skipped = shares[0]
-    for other, other_skipped in shares[1:]:
-        for name in wanted:
-            stats[name].merge(other[name])
-        skipped.extend(other_skipped)
-    if ranks.is_main:
-        _warn_skipped(skipped, total)
-    return stats
-
-
-def feature_statistics(
-    extractor: FeatureExtractor,
-    source: SourceSpec,
-    *,
-    layer: str | None = None,
-    pool: Pool | None = "avg",
-    batch_size: int = 64,
-    num_workers: int | None = None,
-    resize_size: int | None | str = "weights",
-    crop_size: int | None | str = "weights",
-    keep: int = 0,
-    seed: int = 0,
-    progress: bool = False,
-) -> FeatureStatistics:
-    """Statistics of one layer's pooled features over an image collection; no feature file is written.
-
-    Images are listed, decoded, resized, cropped and batched exactly as ``dump_features`` does (the
-    same functions, DataLoader workers included), each batch's output is pooled to vectors with the
-    extractor's ``output_layouts`` and added to a ``FeatureStatistics``, so memory does not grow with
-    the number of images. Inputs that cannot be decoded are left out, with a warning naming them.
-
-    Args:
-        extractor: a ``FeatureExtractor``.
-        source: a folder (searched recursively), a glob, an image path, a list of these, a
-            ``Dataset`` of prepared image tensors or an ``(N, C, H, W)`` tensor (as for ``dump_features``).
-        layer: the output to summarize; ``None`` for an extractor with a single output.
-        pool: ``"avg"`` or ``"max"`` over positions (spatial, or patch tokens), ``"cls"`` for the
-            class token, or ``None`` for outputs that already are ``(B, C)`` vectors.
-        batch_size: images per forward.
-        num_workers: DataLoader processes that decode while the model runs (default: up to 4).
-        resize_size: shorter-side resize; ``"weights"`` for the weights' own, ``None`` for none.
-        crop_size: center crop; ``"weights"`` for the weights' own, ``None`` for none.
-        keep: keep a uniform random sample of at most this many vectors (for the kernel inception distance).
-        seed: seed of that sample.
-        progress: show a tqdm bar on stderr.
-
-    Shape:
-        the statistics are of ``(N, C)`` vectors: ``C`` the layer's channels, ``N`` the readable inputs.
-
-    Raises:
-        LayerNotFoundError: ``layer`` is not an output of the extractor.
-        InvalidValueError: bad options, or ``pool=None`` for a layer that returns maps or tokens.
-        InputNotFoundError: ``source`` finds no inputs.
-
-    Examples:
-        >>> import torch
-        >>> from featurehooks import FeatureExtractor
-        >>> from featurehooks.metrics import feature_statistics
-        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
-        >>> images = torch.rand(8, 3, 64, 64)  # or a folder, a glob, a list of files, a Dataset
-        >>> stats = feature_statistics(ext, images, keep=1000)
-        >>> stats.count, tuple(stats.covariance.shape)
-        (8, (512, 512))
-
-    References:
-        Heusel, Ramsauer, Unterthiner, Nessler, Hochreiter (2017). GANs Trained by a Two Time-Scale
-        Update Rule Converge to a Local Nash Equilibrium. NeurIPS.
-    """
-    if layer is None:
-        names = _output_names(extractor)
-        if len(names) != 1:
-            raise InvalidValueError(f"the extractor returns {len(names)} outputs {names}: pass layer=<one of them>")
-        layer = names[0]
-    return feature_statistics_by_layer(
-        extractor,
-        source,
-        layers=[layer],
-        pool=pool,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        resize_size=resize_size,
-        crop_size=crop_size,
-        keep=keep,
-        seed=seed,
-        progress=progress,
-    )[layer]
-
-
-# -- from a dump ---------------------------------------------------------------------------------------
-def statistics_from_dump(
-    dump: str | os.PathLike[str] | DumpResult,
-    layer: str,
-    *,
-    keep: int = 0,
-    seed: int = 0,
-    chunk_rows: int = _DUMP_CHUNK_ROWS,
-) -> FeatureStatistics:
-    """Statistics of one layer of a finished dump of pooled features, read in memory-mapped chunks.
-
-    Rows the dump marked invalid (inputs that could not be decoded, zero-filled) are left out.
-    The origin (backbone, weights, pool, preprocessing) comes from the dump's manifest, so these
-    statistics compare with ``feature_statistics`` of the same extractor, layer and pool.
-
-    Args:
-        dump: the dump's folder, or the ``DumpResult`` that ``dump_features`` returned.
-        layer: the layer to summarize.
-        keep: keep a uniform random sample of at most this many vectors.
-        seed: seed of that sample.
-        chunk_rows: rows read per chunk (bounds the memory, not the result).
-
-    Shape:
-        the layer's array must be ``(N, C)`` (dumped with ``pool=``, or a layer of vectors).
-
-    Raises:
-        InputNotFoundError: no dump in the folder.
-        LayerNotFoundError: the dump has no such layer.
-        InvalidValueError: the dump is unfinished, or the layer holds maps or tokens rather than vectors.
-
-    Examples:
-        >>> import tempfile, torch
-        >>> from featurehooks import FeatureExtractor, dump_features
-        >>> from featurehooks.metrics import statistics_from_dump
-        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
-        >>> out = tempfile.mkdtemp()
-        >>> _ = dump_features(ext, torch.rand(8, 3, 64, 64), out, pool="avg", progress=False)
-        >>> stats = statistics_from_dump(out, "layer4")
-        >>> stats.count, stats.dim
-        (8, 512)
-    """
-    _check_count(chunk_rows, "chunk_rows", least=1)
-    if isinstance(dump, DumpResult):
-        result = dump
-    else:
-        manifest = read_manifest(dump)
-        if manifest is None:
-            raise InputNotFoundError(f"no featurehooks dump (manifest.json) in {os.fspath(dump)}")
-        result = DumpResult(Path(dump), manifest)
-    manifest = result.manifest
-    if manifest.get("status") != "complete":
-        raise InvalidValueError(
-            f"the dump in {result.out_dir} is unfinished (status {manifest.get('status')!r}); finish it with "
-            "dump_features(..., resume=True) first"
-        )
-    files = manifest["files"]
-    if layer not in files:
-        raise LayerNotFoundError(f"the dump in {result.out_dir} has no layer {layer!r}; {did_you_mean(layer, files)}")
-    array = result.load(layer)
-    if array.ndim != 2:
-        raise InvalidValueError(
-            f"layer {layer!r} of the dump in {result.out_dir} holds features of shape {array.shape}, not vectors; "
-            "dump it with pool='avg' (or 'max', 'cls')"
-        )
-    invalid = np.zeros(array.shape[0], dtype=bool)
-    invalid[[int(entry["row"]) for entry in manifest.get("skipped", [])]] = True
-    preprocessing = {key: manifest.get("preprocessing", {}).get(key) for key in ("resize_size", "crop_size")}
-    preprocessing["interpolation"] = manifest.get("preprocessing", {}).get("interpolation")
-    origin = FeatureOrigin(
-        backbone=manifest["backbone"],
-        layer=layer,
-        pool=manifest.get("pool"),
-        weights=manifest.get("weights"),
-        weights_sha256=manifest.get("weights_sha256"),
-        preprocessing=preprocessing,
-        precision=manifest.get("precision", "float32"),  # written only when not float32
-    )
-    stats = FeatureStatistics(array.shape[1], keep=keep, seed=seed, origin=origin)
-    for start in range(0, array.shape[0], chunk_rows):
-        stop = min(start + chunk_rows, array.shape[0])
-        stats.update(np.asarray(array[start:stop][~invalid[start:stop]]))
-    return stats

@@ -24,14 +24,9 @@ from pytorch_fid.fid_score import calculate_frechet_distance
 from featurehooks import FeatureExtractor, InvalidValueError, LayerNotFoundError, dump_features
 from featurehooks._layout import pool_positions
 from featurehooks.images import read_image, transform_for
+from featurehooks.metrics.collect import feature_statistics, feature_statistics_by_layer, statistics_from_dump
 from featurehooks.metrics.frechet import frechet_distance, kernel_inception_distance
-from featurehooks.metrics.statistics import (
-    FeatureOrigin,
-    FeatureStatistics,
-    feature_statistics,
-    feature_statistics_by_layer,
-    statistics_from_dump,
-)
+from featurehooks.metrics.statistics import FeatureOrigin, FeatureStatistics
 
 RESIZE, CROP = 72, 64
 # pytorch-fid 0.3 passes scipy's deprecated sqrtm(disp=False)
