@@ -1,6 +1,7 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
 from . import functional, losses, metrics, probes
+from ._capture import CapturedFeatures, capture
 from ._version import __version__ as __version__
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
@@ -19,7 +20,7 @@ from .errors import (
     TraceError,
     WeightsUnavailableError,
 )
-from .extractor import CapturedFeatures, FeatureExtractor, capture
+from .extractor import FeatureExtractor
 from .images import prepare_image, read_image
 from .layers import FeatureInfo, list_layers
 from .losses import FeatureMatchingLoss, LossGroup, PerceptualLoss, StyleLoss, TotalVariationLoss

@@ -26,9 +26,10 @@ formats there.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
+from torch import Tensor
 
 from ._trace import ConvWork
 from .errors import InvalidValueError
@@ -41,6 +42,7 @@ __all__ = [
     "auto_format",
     "channels_last_pays",
     "check_memory_format",
+    "in_format",
 ]
 
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
@@ -80,3 +82,34 @@ def channels_last_pays(work: ConvWork, shape: tuple[int, ...]) -> bool:
     resume cut the batches), and larger batches only favour channels-last more.
     """
     return work.reuse(shape[-2], shape[-1]) >= MIN_REUSE
+
+
+def in_format(images: Tensor, memory_format: str) -> Tensor:
+    """``images`` laid out in ``memory_format`` (no copy when they are), their gradient in their own layout."""
+    layout = TORCH_FORMATS[memory_format]
+    if images.is_contiguous(memory_format=layout):
+        return images
+    if images.requires_grad and torch.is_grad_enabled():
+        return cast(Tensor, _AsFormat.apply(images, layout))
+    return images.contiguous(memory_format=layout)
+
+
+class _AsFormat(torch.autograd.Function):
+    """Images in another memory layout whose gradient comes back in the images' own layout: code that
+    ``.view``s an input gradient (gradient penalties) must not see the backbone's format. The context is set
+    apart from the forward, so ``torch.func.grad`` takes it too."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(images: Tensor, layout: torch.memory_format) -> Tensor:
+        return images.contiguous(memory_format=layout)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, torch.memory_format], output: Tensor) -> None:
+        images = inputs[0]
+        ctx.own = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.contiguous(memory_format=ctx.own or torch.contiguous_format), None

@@ -28,7 +28,7 @@ session, feed the copied session instead.
 
 Two kinds of hook live elsewhere, on purpose: the meta trace (``_trace``) hooks its own throwaway meta copy of
 a model, and ``capture(..., grads=True)`` puts tensor hooks on captured outputs that live as long as the graph
-of their forward, so that a backward after the block still fills them (``extractor._GradSlots`` removes the
+of their forward, so that a backward after the block still fills them (``_capture._GradSlots`` removes the
 ones on leaf tensors itself).
 """
 

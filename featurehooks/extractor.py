@@ -1,4 +1,5 @@
-"""FeatureExtractor (a frozen backbone that returns named features) and capture (hooks on your own module)."""
+"""FeatureExtractor: a frozen backbone that returns the named features you ask for (``capture``, for your own
+module, is in ``featurehooks._capture``)."""
 
 from __future__ import annotations
 
@@ -7,39 +8,30 @@ import functools
 import hashlib
 import itertools
 import math
-import threading
 import warnings
-from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Literal, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
-from ._formats import TORCH_FORMATS, MemoryFormat, auto_format, check_memory_format
+from ._capture import Mode, check_mode
+from ._compute import ComputePolicy, KeepsPrecision
+from ._formats import MemoryFormat
 from ._hooks import ClosedOnExit, TapSession
 from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
-from ._precision import COMPUTE_DTYPES, Precision, applied_under, autocast_off, check_device, check_precision
+from ._precision import Precision
 from ._taps import Site
-from ._trace import Trace, fixed_input_size, trace, trace_images
+from ._trace import ConvWork, Trace, fixed_input_size, trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
-from .errors import FeatureHooksError, InvalidTypeError, InvalidValueError
+from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
-__all__ = ["FeatureExtractor", "LayerSpec", "MemoryFormat", "OutputFormat", "Precision", "capture"]
+__all__ = ["FeatureExtractor", "LayerSpec", "MemoryFormat", "OutputFormat", "Precision"]
 
-Mode = Literal["detach", "grad"]
 OutputFormat = Literal["native", "nchw"]
 # Values this far outside input_range (as a fraction of its width) are almost surely the wrong scale.
 _RANGE_SLACK = 0.1
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("detach", "grad"):
-        raise InvalidValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
 
 
 def _check_format(output_format: str, return_prefix_tokens: bool, prefix_tokens: int | None) -> None:
@@ -68,7 +60,7 @@ def _floating_tensor(model: nn.Module) -> Tensor:
     return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
-class FeatureExtractor(nn.Module, ClosedOnExit):
+class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     """A frozen pretrained backbone that returns the named intermediate features you ask for.
 
     The backbone is built (or deep-copied, for an ``nn.Module``), loaded, frozen and pinned to eval
@@ -171,10 +163,9 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         precision: Precision = "float32",
     ) -> None:
         super().__init__()
-        _check_mode(mode)
+        check_mode(mode)
         _check_format(output_format, return_prefix_tokens, prefix_tokens)
-        check_memory_format(memory_format)
-        check_precision(precision)
+        policy = ComputePolicy(memory_format, precision)
         low, high = (float(v) for v in input_range)
         if not low < high:
             raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
@@ -207,7 +198,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         self._untraced = ""
         # auto uses channels-last only without a graph (or in bf16/fp16), so only such an extractor under auto counts
         # the convolution work for it, in its one meta trace
-        count_conv = memory_format == "auto" and (mode == "detach" or precision != "float32")
+        count_conv = policy.counts_conv(graph=mode == "grad")
         try:
             found, self.in_channels = trace_images(
                 model, fixed_input_size(model) or size, loaded.in_channels, watch=self.taps.sites, count_conv=count_conv
@@ -221,26 +212,30 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             index.check_calls(self.taps, found)
             self._set_layouts({tap.name: found.outputs[tap.site].shape for tap in self.taps}, found.input_shape)
         self._trace: Trace | None = found
-        self._precision: Precision = precision
+        self._policy = policy
         self._register_normalization(self.preprocessing)
-        self.memory_format: MemoryFormat = memory_format
         # the convolution work of what the forward runs (None: not counted, or no evidence that channels-last runs)
-        self._conv_work = found.conv_work.get(self._stop_site) if found is not None else None
-        self._auto_failed = False  # a channels-last forward under auto raised: NCHW from then on
-        self._settle_format()
-        self._format: str = memory_format if memory_format != "auto" else "contiguous"
+        policy.conv_work = found.conv_work.get(self._stop_site) if found is not None else None
+        policy.settle_format(model)
+        self._format: str = policy.weights_format
         self._range_checked = False
         # the private copy: copies of the extractor copy its taps; in-place ReLUs after taps run out of place
         self._session: TapSession[None] = TapSession(
             model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True
         )
         self._session.prepare(found)  # may run the trace again, on the float32 model: cast after it
-        self._settle_precision()
+        policy.settle_precision(model)
 
     @property
     def precision(self) -> Precision:
         """What the backbone computes in: ``"float32"``, ``"bf16"`` or ``"fp16"`` (fixed at construction)."""
-        return self._precision
+        return self._policy.precision
+
+    @property
+    def memory_format(self) -> MemoryFormat:
+        """How the backbone's activations lie in memory: ``"auto"``, ``"channels_last"`` or ``"contiguous"``
+        (fixed at construction; ``memory_format_in_use`` says which format the latest forward ran in)."""
+        return self._policy.memory_format
 
     @property
     def backbone(self) -> nn.Module:
@@ -252,13 +247,14 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
 
         They start with the backbone's dtype and device (a user's module may be float64 or on a GPU already)
         and follow ``.to()`` from then on: forward casts images to their dtype and checks their device. Under
-        ``precision="bf16"``/``"fp16"`` they are float32 whatever the module's dtype, and stay so (``_apply``).
+        ``precision="bf16"``/``"fp16"`` they are float32 whatever the module's dtype, and stay so
+        (``KeepsPrecision``).
         With ``normalize=False`` they are 0 and 1: images reach the backbone as they are.
         """
         low, high = self.input_range if self.normalizes else (0.0, 1.0)
         channels = len(pre.mean) if pre.mean is not None else (self.in_channels or 1)
         like = _floating_tensor(self._model)
-        if self._precision != "float32":
+        if self.precision != "float32":
             like = like.float()
         mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels).to(like)
         std = torch.tensor(pre.std if pre.std is not None else [1.0] * channels).to(like)
@@ -275,28 +271,20 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         return self._trace.last(self.taps.sites)
 
     @property
+    def _conv_work(self) -> ConvWork | None:
+        """The convolution work ``"auto"`` decides by (None: not counted, or no evidence that channels-last runs)."""
+        return self._policy.conv_work
+
+    @property
     def _conv_share(self) -> float | None:
         """The share of convolution FLOPs in what the forward runs, as ``"auto"`` counted it (None: not counted)."""
         return self._conv_work.share if self._conv_work is not None else None
-
-    def _settle_format(self) -> None:
-        """Convert the backbone's weights to the forced memory format, NCHW under ``"auto"``: at construction
-        and after every ``.to()``/``.half()``, which could change it. Each forward hands the backbone its
-        images in the format chosen for them (under ``"auto"``, by ``memory_format_for``)."""
-        weights = "contiguous" if self.memory_format == "auto" else self.memory_format
-        self._model.to(memory_format=TORCH_FORMATS[weights])
-
-    def _settle_precision(self) -> None:
-        """Store the backbone's floating parameters and buffers in the precision's dtype, once, at construction
-        (``.to()``/``.half()``/``.float()`` later leave it: ``_apply``). Nothing for float32."""
-        if self.precision != "float32":
-            self._model.to(COMPUTE_DTYPES[self.precision])
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the backbone computes in, and that of the features it returns: ``bfloat16``/``float16`` for
         ``precision="bf16"``/``"fp16"``, else ``dtype`` (float32 unless the extractor was cast with ``.half()`` ...)."""
-        return COMPUTE_DTYPES[self.precision] if self.precision != "float32" else self.mean.dtype
+        return self._policy.compute_dtype(self.mean.dtype)
 
     def memory_format_for(self, shape: Sequence[int], *, graph: bool | None = None) -> str:
         """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in.
@@ -308,12 +296,8 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         this backbone, device and shape: in bf16 that made the VGG16 relu3_3 loss step at 4x224 1.24x
         faster than bf16 in NCHW on this project's CPU.
         """
-        if self.memory_format != "auto":
-            return self.memory_format
         graph = self.mode == "grad" if graph is None else graph
-        if (graph and self.precision == "float32") or self._auto_failed:
-            return "contiguous"
-        return auto_format(self._conv_work, self.mean.device.type, tuple(shape))
+        return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type)
 
     def activation_bytes(self, height: int, width: int) -> int | None:
         """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to
@@ -469,16 +453,16 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
 
     # -- end of what input pipelines ask ------------------------------------------------------------------------
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FeatureExtractor:
-        """``.to()``, ``.half()``, ``.cuda()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply:
-        the backbone keeps its dtype and the normalization float32, never rounded through another dtype."""
-        fn = applied_under(getattr(self, "_precision", "float32"), fn)
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-        if recurse:
-            self._model._apply(fn)  # type: ignore[no-untyped-call]
-            if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
-                self._settle_format()
-        return self
+    def _kept_precision(self) -> str:
+        """Under ``precision="bf16"``/``"fp16"``, ``.to()``, ``.half()``, ``.cuda()``, ... only move: the backbone
+        keeps its dtype and the normalization float32, never rounded through another dtype."""
+        policy = getattr(self, "_policy", None)
+        return policy.precision if policy is not None else "float32"
+
+    def _apply_outside(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self._model._apply(fn)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
+            self._policy.settle_format(self._model)
 
     def _check_input(self, images: Tensor) -> None:
         """Raise before any compute for what no cast can fix: not a tensor, shape, integer dtype, channels, device."""
@@ -536,10 +520,7 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
         x = self.normalize(images.to(self.mean.dtype))
         chosen = self.memory_format_for(x.shape, graph=grad)  # a local: threads sharing the extractor decide apart
         with torch.set_grad_enabled(grad):
-            if self.precision == "float32":
-                features, self._format = self._run(x, chosen)
-            else:
-                features, self._format = self._run_in_precision(x, chosen)
+            features, self._format = self._policy.run(self._backbone_forward, x, chosen)
         if self._layouts is None:  # an untraced model: layouts from its first real forward
             shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
             self._set_layouts(shapes, tuple(images.shape))
@@ -547,34 +528,9 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             return self._as_maps(features, (images.shape[-2], images.shape[-1]))
         return features
 
-    def _run_in_precision(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
-        """``_run`` of the normalized images cast to the precision's dtype (their gradient comes back in theirs),
-        on a device that can compute in it, with any enclosing autocast off: the precision says what runs."""
-        check_device(self.precision, x.device)
-        with autocast_off(x.device.type):
-            return self._run(x.to(COMPUTE_DTYPES[self.precision]), chosen)
-
-    def _run(self, x: Tensor, chosen: str) -> tuple[dict[str, Any], str]:
-        """The session's forward with the images in the ``chosen`` format (the weights are in it already:
-        NCHW under ``"auto"``), and the format it ran in.
-
-        Under ``"auto"``, a channels-last forward that fails (a ``.view`` that needs NCHW strides, which no
-        meta check sees for every op) runs again in NCHW; when that succeeds, the extractor stays NCHW from
-        then on: a default never crashes a model that runs in NCHW. Out-of-memory and featurehooks' own
-        errors are raised as they are.
-        """
-        converted = _in_format(x, chosen)
-        if chosen != "channels_last" or self.memory_format != "auto":
-            return self._session.run(self._model, converted), chosen
-        try:
-            return self._session.run(self._model, converted), chosen
-        except (torch.cuda.OutOfMemoryError, FeatureHooksError):
-            raise
-        except RuntimeError:
-            del converted
-            features = self._session.run(self._model, _in_format(x, "contiguous"))
-            self._auto_failed = True
-            return features, "contiguous"
+    def _backbone_forward(self, images: Tensor) -> dict[str, Any]:
+        """The session's forward of the backbone on images already normalized, cast and laid out."""
+        return self._session.run(self._model, images)
 
     def _as_maps(self, features: dict[str, Any], image_hw: tuple[int, int]) -> dict[str, Any]:
         """Token and channels-last outputs as ``(B, C, H, W)`` views; prefix tokens kept on request."""
@@ -603,269 +559,3 @@ class FeatureExtractor(nn.Module, ClosedOnExit):
             f"backbone={self.backbone_name!r}, weights={self.weights!r}, layers={self.layers}, "
             f"mode={self.mode!r}, input_range={self.input_range}{raw}{layout}{prefix}{memory}{precision}"
         )
-
-
-def _in_format(images: Tensor, memory_format: str) -> Tensor:
-    """``images`` laid out in ``memory_format`` (no copy when they are), their gradient in their own layout."""
-    layout = TORCH_FORMATS[memory_format]
-    if images.is_contiguous(memory_format=layout):
-        return images
-    if images.requires_grad and torch.is_grad_enabled():
-        return cast(Tensor, _AsFormat.apply(images, layout))
-    return images.contiguous(memory_format=layout)
-
-
-class _AsFormat(torch.autograd.Function):
-    """Images in another memory layout whose gradient comes back in the images' own layout: code that
-    ``.view``s an input gradient (gradient penalties) must not see the backbone's format. The context is set
-    apart from the forward, so ``torch.func.grad`` takes it too."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(images: Tensor, layout: torch.memory_format) -> Tensor:
-        return images.contiguous(memory_format=layout)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, torch.memory_format], output: Tensor) -> None:
-        images = inputs[0]
-        ctx.own = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else None
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad.contiguous(memory_format=ctx.own or torch.contiguous_format), None
-
-
-@contextmanager
-def capture(
-    module: nn.Module, layers: LayerSpec, *, mode: Mode = "grad", grads: bool = False
-) -> Iterator[CapturedFeatures]:
-    """Collect named intermediate outputs of your own module for the duration of a ``with`` block.
-
-    Unlike FeatureExtractor, the module is neither copied, frozen nor switched to eval: use it on a
-    model you are training, such as a GAN discriminator. Each forward of ``module`` inside the block
-    refills the yielded mapping (request order); the hooks are removed when the block ends, also on error.
-
-    With ``grads=True``, ``feats.grads`` holds, after a backward, the gradient of what was
-    differentiated with respect to each captured output, under the same names (Grad-CAM, saliency,
-    gradient norms per layer). It is the gradient with respect to the output as the module returned
-    it: when the model later changes that tensor in place (an in-place ReLU after a convolution,
-    ``out += identity``), the captured value is a copy taken before the change, and its gradient is
-    the one with respect to that earlier value, i.e. what flows back into the module. See
-    ``CapturedFeatures.grads`` for the details.
-
-    Args:
-        module: the model to tap.
-        layers: module paths (or a dict ``{"module.path": "output_name"}``).
-        mode: ``"grad"`` keeps the graph; ``"detach"`` stores detached outputs.
-        grads: also collect the gradients of the captured outputs (needs ``mode="grad"``).
-
-    Raises:
-        InvalidValueError: ``grads=True`` with ``mode="detach"`` (a detached output has no gradient).
-
-    Examples:
-        >>> import torch
-        >>> from torch import nn
-        >>> from featurehooks import capture
-        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 1, 3))
-        >>> with capture(net, ["0", "2"], grads=True) as feats:
-        ...     net(torch.rand(1, 3, 16, 16)).sum().backward()
-        >>> list(feats), tuple(feats.grads["0"].shape)
-        (['0', '2'], (1, 8, 14, 14))
-    """
-    _check_mode(mode)
-    if not isinstance(grads, bool):
-        raise InvalidTypeError(f"grads must be True or False, not {grads!r}")
-    if grads and mode == "detach":
-        raise InvalidValueError(
-            "grads=True needs mode='grad': detached outputs are not part of the graph, so no gradient reaches them"
-        )
-    taps = LayerIndex(module, type(module).__name__).taps(layers)
-    # With grads, the session hands each output, as the module returned it, to _GradSlots (before any clone
-    # of a tap changed in place later: a hook on a clone would never fire, the model does not use it).
-    session = TapSession(module, taps, detach=mode == "detach", stop_early=False, keep=_GradSlots if grads else None)
-    features = CapturedFeatures(taps.names, grads=grads)
-    try:
-        session.follow(
-            lambda store, kept: features.publish(store, kept if grads else None),
-            discard=lambda kept: _release(kept.values()),  # a failed forward: nobody will read its gradients
-        )
-        yield features
-    finally:
-        session.remove()
-        features._release_hooks()
-
-
-class _GradSlots:
-    """The gradients of one captured output: a slot per tensor leaf, filled by a tensor hook in backward.
-
-    The hooks hold only the slots (no tensor of the forward). On a tensor computed in the forward
-    they live as long as its graph does. On a leaf tensor (an input or a parameter that a module
-    passes through) a hook would live as long as the tensor, so those are removed by ``release``:
-    when a newer forward of the thread is published, when the forward fails, or when the block ends.
-    """
-
-    __slots__ = ("leaf_handles", "spec", "values")
-
-    def __init__(self, output: Any) -> None:
-        leaves, self.spec = tree_flatten(output)
-        self.values: list[Any] = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        self.leaf_handles: list[RemovableHandle] = []
-        for index, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
-                handle = leaf.register_hook(self._setter(index))  # type: ignore[no-untyped-call]
-                if leaf.grad_fn is None:
-                    self.leaf_handles.append(handle)
-
-    def _setter(self, index: int) -> Callable[[Tensor], None]:
-        values = self.values
-
-        def keep(grad: Tensor) -> None:
-            values[index] = grad  # the latest backward through this tensor wins
-
-        return keep
-
-    def value(self) -> Any:
-        return tree_unflatten(self.values, self.spec)
-
-    def release(self) -> None:
-        """Remove the hooks on leaf tensors (the others go with their graph)."""
-        for handle in self.leaf_handles:
-            handle.remove()
-        self.leaf_handles.clear()
-
-
-def _release(slots: Iterable[_GradSlots]) -> None:
-    for one in slots:
-        one.release()
-
-
-class _LiveMapping(Mapping[str, Any]):
-    """A read-only mapping whose names are those of the dictionary ``_current()`` returns at each access."""
-
-    @abstractmethod
-    def _current(self) -> Mapping[str, Any]:
-        """What the calling thread reads now."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._current())
-
-    def __len__(self) -> int:
-        return len(self._current())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self._current())})"
-
-
-class CapturedFeatures(_LiveMapping):
-    """The outputs of the latest completed forward inside a ``capture`` block, in request order.
-
-    Forwards in several threads each publish their own outputs: a thread reads those of its own
-    latest forward. A thread that ran none reads those of the one thread that did; when several
-    did (``nn.DataParallel`` replicas), reading is an error rather than an arbitrary pick.
-    The mapping stays readable after the block.
-
-    Examples:
-        >>> import torch
-        >>> from featurehooks import CapturedFeatures, capture
-        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
-        >>> with capture(net, {"1": "act"}) as feats:
-        ...     _ = net(torch.rand(1, 3, 8, 8))
-        ...     first = feats["act"]
-        ...     _ = net(torch.rand(1, 3, 8, 8))  # feats now holds this forward's outputs
-        >>> isinstance(feats, CapturedFeatures), feats["act"] is first, feats["act"].shape
-        (True, False, torch.Size([1, 8, 6, 6]))
-    """
-
-    def __init__(self, names: list[str], *, grads: bool = False) -> None:
-        self._names = names
-        self._by_thread: dict[int, tuple[dict[str, Any], dict[str, _GradSlots]]] = {}
-        self._with_grads = grads
-
-    def publish(self, store: Mapping[str, Any], grads: Mapping[str, _GradSlots] | None = None) -> None:
-        """Make ``store`` (one completed forward) and its gradient slots what this thread reads from now on."""
-        outputs = {name: store[name] for name in self._names if name in store}
-        slots = {name: grads[name] for name in outputs if name in grads} if grads is not None else {}
-        thread = threading.get_ident()
-        previous = self._by_thread.get(thread)
-        self._by_thread[thread] = (outputs, slots)
-        if previous is not None:
-            _release(one for one in previous[1].values() if one not in slots.values())
-        if grads is not None:
-            _release(one for one in grads.values() if one not in slots.values())
-
-    def _release_hooks(self) -> None:
-        """Remove the gradient hooks left on leaf tensors (the end of the block)."""
-        for _, slots in list(self._by_thread.values()):
-            _release(slots.values())
-
-    def _published(self) -> tuple[dict[str, Any], dict[str, _GradSlots]]:
-        mine = self._by_thread.get(threading.get_ident())
-        if mine is not None:
-            return mine
-        published = list(self._by_thread.values())
-        if len(published) > 1:
-            raise RuntimeError(
-                f"forwards in {len(published)} other threads were captured (e.g. nn.DataParallel replicas); "
-                "read the features in the thread that ran the forward"
-            )
-        return published[0] if published else ({}, {})
-
-    def _current(self) -> dict[str, Any]:
-        return self._published()[0]
-
-    @property
-    def grads(self) -> CapturedGrads:
-        """Gradients of the captured outputs of the same forward, by the same names (``capture(..., grads=True)``).
-
-        Each value has the structure of the captured output, its tensor leaves replaced by their
-        gradients: for a tensor output, the gradient tensor of the same shape. A leaf is ``None``
-        until a backward reaches it, and stays ``None`` when none does (the loss does not depend on
-        it, it does not require grad, the forward ran under ``torch.no_grad()``). Non-tensor leaves
-        are kept as they are.
-
-        - It is the gradient with respect to the output as the module returned it. When the model
-          changes that tensor in place later (an in-place ReLU, ``out += identity``), the feature
-          you read is a copy taken before the change, and its gradient is the one with respect to
-          that value: the gradient that flows back into the module, e.g. ``grad_after * (x > 0)``
-          through an in-place ReLU. (A tensor hook registered when the module returns gives
-          exactly this; the gradient with respect to the changed tensor would be the one of
-          another value.)
-        - Limitation: if the output is a *view* of another tensor and is changed in place later,
-          PyTorch routes the gradient around it, and its gradient stays ``None``.
-        - A backward fills the gradients of the forward it goes through: after a second forward,
-          the mapping shows the second forward's outputs and gradients, even if you backpropagate
-          a loss of the first. The latest backward through a tensor replaces an earlier one (no
-          accumulation as in ``.grad``). A backward after the block still fills them, except for
-          outputs that are leaf tensors (an input or a parameter a module passes through): hooks
-          on those would outlive the graph, so they are removed when the block ends.
-        - Forward hooks run in the order they were put on a module, each on the output the previous
-          one returned, and gradient modifiers (``featurehooks.probes.scale_grad`` ...) stack like
-          layers after it: a block opened before a modifier was put on reads the gradient after the
-          modifier changed it (what enters the module), a block opened after reads it as it arrives
-          from downstream.
-
-        Raises:
-            InvalidValueError: the block was opened without ``grads=True``.
-        """
-        if not self._with_grads:
-            raise InvalidValueError(
-                "this capture block collects no gradients: open it with capture(module, layers, grads=True)"
-            )
-        return CapturedGrads(self)  # a view made per access: a stored one would be a reference cycle
-
-    def __getitem__(self, name: str) -> Any:
-        return self._current()[name]
-
-
-class CapturedGrads(_LiveMapping):
-    """``CapturedFeatures.grads``: the gradients of the captured outputs, by name, per thread as the features."""
-
-    def __init__(self, features: CapturedFeatures) -> None:
-        self._features = features
-
-    def _current(self) -> dict[str, _GradSlots]:
-        return self._features._published()[1]
-
-    def __getitem__(self, name: str) -> Any:
-        return self._current()[name].value()

@@ -16,9 +16,9 @@ PACKAGE = REPO / "featurehooks"
 FLOORS = [
     {"errors", "_atomic", "_version"},
     {"_taps", "_layout", "_copy", "_precision"},
-    {"_trace", "_hooks", "_formats"},
+    {"_trace", "_hooks", "_formats", "_compute"},
     {"backbones", "layers"},
-    {"extractor", "images", "functional"},
+    {"extractor", "_capture", "images", "functional"},
     {"losses", "probes", "viz"},
     {"stream"},
     {"dump", "metrics"},

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Union
 
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._precision import applied_under, autocast_off
+from .._compute import KeepsPrecision
+from .._precision import autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
@@ -206,7 +207,7 @@ def _bundled_alpha_beta() -> tuple[tuple[Tensor, Tensor], str]:
     return load_alpha_beta(path), str(path)
 
 
-class DISTS(nn.Module):
+class DISTS(KeepsPrecision):
     r"""Deep Image Structure and Texture Similarity (DISTS) of Ding et al. (2020): a metric and a loss.
 
     The trunk is VGG16 up to ``relu5_3`` with L2 pooling (``L2Pool2d``) in place of max pooling, a
@@ -331,10 +332,10 @@ class DISTS(nn.Module):
         """Stay in eval mode: DISTS is frozen."""
         return super().train(False)
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DISTS:
+    def _kept_precision(self) -> str:
         """``.to()``, ``.half()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply, to alpha and
         beta as to the extractor: the distances stay float32, alpha and beta never rounded through another dtype."""
-        return super()._apply(applied_under(self.extractor.precision, fn), recurse)  # type: ignore[no-untyped-call]
+        return self.extractor.precision
 
     def _check_pair(self, input: Tensor, target: Tensor) -> None:
         check_rgb_pair(input, target, "DISTS")

@@ -16,16 +16,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._precision import applied_under
+from .._compute import KeepsPrecision
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
@@ -200,7 +200,7 @@ def _bundled_heads(net: str, version: str) -> tuple[list[Tensor], str]:
     return load_heads(path, net), str(path)
 
 
-class LPIPS(nn.Module):
+class LPIPS(KeepsPrecision):
     r"""Learned Perceptual Image Patch Similarity (LPIPS) of Zhang et al. (2018): a metric and a loss.
 
     The backbone is a frozen ``FeatureExtractor`` (``mode="grad"``) that stops after the deepest
@@ -324,10 +324,10 @@ class LPIPS(nn.Module):
         """Stay in eval mode: LPIPS is frozen (its heads are fixed and it has no dropout)."""
         return super().train(False)
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> LPIPS:
+    def _kept_precision(self) -> str:
         """``.to()``, ``.half()``, ...; under ``precision="bf16"``/``"fp16"`` only their moves apply, to the heads
         as to the extractor: the distances stay float32, the heads never rounded through another dtype."""
-        return super()._apply(applied_under(self.extractor.precision, fn), recurse)  # type: ignore[no-untyped-call]
+        return self.extractor.precision
 
     # -- features ----------------------------------------------------------------------------------
 
