@@ -4,9 +4,11 @@ from . import functional, losses, metrics, probes
 from ._capture import CapturedFeatures, capture
 from ._version import __version__ as __version__
 from .backbones import Preprocessing, available_backbones, load_backbone
-from .dump import CorruptDumpError, DumpLockedError, DumpResult, NoSpaceError, dump_features, read_manifest
+from .dump import DumpResult, dump_features, read_manifest
 from .errors import (
     BackboneNotFoundError,
+    CorruptDumpError,
+    DumpLockedError,
     FeatureHooksError,
     InputNotFoundError,
     InvalidTypeError,
@@ -15,6 +17,7 @@ from .errors import (
     LayerNotRunError,
     MissingDependencyError,
     NonFiniteError,
+    NoSpaceError,
     OutputExistsError,
     RunFailedError,
     TraceError,

@@ -14,25 +14,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["NoSpaceError", "fsync_dir", "set_mode", "space_for", "temporary", "write_all", "write_atomic"]
+from .errors import NoSpaceError
+
+__all__ = ["fsync_dir", "set_mode", "space_for", "temporary", "write_all", "write_atomic"]
 
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-
-
-class NoSpaceError(OSError):
-    """The output's filesystem has no room for what a dump must write (``errno.ENOSPC``).
-
-    A failure of the machine, not of the input, hence not a ``FeatureHooksError`` (the CLI exits 1, not 2).
-    Nothing is left half-written: free space and run the dump again (``resume=True`` finishes a started one).
-
-    Examples:
-        >>> import errno
-        >>> from featurehooks import FeatureHooksError, NoSpaceError
-        >>> issubclass(NoSpaceError, OSError), issubclass(NoSpaceError, FeatureHooksError)
-        (True, False)
-        >>> NoSpaceError(errno.ENOSPC, "no space left for layer4.npy").errno == errno.ENOSPC
-        True
-    """
 
 
 def fsync_dir(path: Path) -> None:

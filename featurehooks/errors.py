@@ -4,7 +4,8 @@ Every error featurehooks raises on purpose is a ``FeatureHooksError``; each also
 built-in class a Python caller would expect (``ValueError``, ``TypeError``, ``LookupError``,
 ``FileNotFoundError``, ...), so ``except ValueError`` keeps working. The command line reports a
 ``FeatureHooksError`` in one line and exits 2 (bad input), or 1 for a ``RunFailedError``; any
-other exception is a bug in featurehooks and keeps its traceback.
+other exception is a bug in featurehooks and keeps its traceback. ``NoSpaceError``, a full disk, is a failure of
+the machine rather than of the input: an ``OSError`` only (exit 1).
 """
 
 from __future__ import annotations
@@ -222,6 +223,48 @@ class NonFiniteError(FeatureHooksError, FloatingPointError):
         """Pickle with the keyword fields too (``multiprocessing`` sends errors back to the parent)."""
         rebuild = functools.partial(type(self), path=self.path, call=self.call, phase=self.phase, tensor=self.tensor)
         return (rebuild, (str(self),))
+
+
+class CorruptDumpError(FeatureHooksError, ValueError):
+    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump.
+
+    Examples:
+        >>> import pathlib, tempfile
+        >>> import featurehooks as fh
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (out / "manifest.json").write_text("[1, 2]")
+        >>> fh.read_manifest(out)
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.CorruptDumpError: .../manifest.json is not a featurehooks dump manifest; ...
+    """
+
+
+class DumpLockedError(FeatureHooksError, OSError):
+    """Another process is writing a dump into the same folder (its pid and host are in the message).
+
+    Examples:
+        >>> from featurehooks import DumpLockedError, FeatureHooksError
+        >>> issubclass(DumpLockedError, FeatureHooksError), issubclass(DumpLockedError, OSError)
+        (True, True)
+        >>> # two ``dump_features`` into one folder at once: the second raises it, and wrote nothing
+    """
+
+
+class NoSpaceError(OSError):
+    """The output's filesystem has no room for what a dump must write (``errno.ENOSPC``).
+
+    A failure of the machine, not of the input, hence not a ``FeatureHooksError`` (the CLI exits 1, not 2).
+    Nothing is left half-written: free space and run the dump again (``resume=True`` finishes a started one).
+
+    Examples:
+        >>> import errno
+        >>> from featurehooks import FeatureHooksError, NoSpaceError
+        >>> issubclass(NoSpaceError, OSError), issubclass(NoSpaceError, FeatureHooksError)
+        (True, False)
+        >>> NoSpaceError(errno.ENOSPC, "no space left for layer4.npy").errno == errno.ENOSPC
+        True
+    """
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

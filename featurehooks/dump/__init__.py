@@ -6,9 +6,10 @@ Images reach it through ``featurehooks.stream`` (listing, decoding, batches of f
 rows), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
 """
 
+from ..errors import CorruptDumpError, DumpLockedError, NoSpaceError
 from ..stream import IMAGE_SUFFIXES, list_images
 from .run import DumpResult, dump_features
-from .store import CorruptDumpError, DumpLockedError, NoSpaceError, read_manifest
+from .store import read_manifest
 
 __all__ = [
     "IMAGE_SUFFIXES",

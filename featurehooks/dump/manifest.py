@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeGuard
 
 from .._layout import Pool, as_pool
 from .._precision import PRECISIONS
-from ..errors import FeatureHooksError, InvalidValueError
+from ..errors import CorruptDumpError, InvalidValueError
 
 __all__ = [
     "DTYPES",
@@ -33,7 +33,6 @@ __all__ = [
     "SCHEMA",
     "START_OVER",
     "UNRECORDED",
-    "CorruptDumpError",
     "InputsRecord",
     "Manifest",
     "Settings",
@@ -76,21 +75,6 @@ _FIELDS = (
     "versions",
     *_ACCOUNT,
 )
-
-
-class CorruptDumpError(FeatureHooksError, ValueError):
-    """``manifest.json`` or the journal of a dump is inconsistent: edited by hand, or left by another dump.
-
-    Examples:
-        >>> import pathlib, tempfile
-        >>> import featurehooks as fh
-        >>> out = pathlib.Path(tempfile.mkdtemp())
-        >>> _ = (out / "manifest.json").write_text("[1, 2]")
-        >>> fh.read_manifest(out)
-        Traceback (most recent call last):
-        ...
-        featurehooks.dump.manifest.CorruptDumpError: .../manifest.json is not a featurehooks dump manifest; ...
-    """
 
 
 class Unrecorded(enum.Enum):

@@ -43,9 +43,9 @@ import numpy as np
 from numpy.lib import format as npy
 from numpy.lib.format import open_memmap
 
-from .._atomic import NoSpaceError, fsync_dir, set_mode, space_for, temporary, write_all, write_atomic
-from ..errors import FeatureHooksError
-from .manifest import INDEX, LABELS, MANIFEST, START_OVER, CorruptDumpError, Manifest, is_count, layer_file_name
+from .._atomic import fsync_dir, set_mode, space_for, temporary, write_all, write_atomic
+from ..errors import CorruptDumpError, DumpLockedError, NoSpaceError
+from .manifest import INDEX, LABELS, MANIFEST, START_OVER, Manifest, is_count, layer_file_name
 
 try:
     import fcntl
@@ -62,17 +62,6 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _LOCK_TRIES = 100
 _RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks opens a file is not followed
-
-
-class DumpLockedError(FeatureHooksError, OSError):
-    """Another process is writing a dump into the same folder (its pid and host are in the message).
-
-    Examples:
-        >>> from featurehooks import DumpLockedError, FeatureHooksError
-        >>> issubclass(DumpLockedError, FeatureHooksError), issubclass(DumpLockedError, OSError)
-        (True, True)
-        >>> # two ``dump_features`` into one folder at once: the second raises it, and wrote nothing
-    """
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
