@@ -51,8 +51,8 @@ TORCH_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.conti
 # A backbone whose convolutions do at least this share of the FLOPs runs channels-last under "auto".
 CONV_SHARE = 0.5
 # Each convolution weight must be used at least this often in one image's forward for "auto" to run it
-# channels-last (benchmarks/memory_formats.py --sizes): below, ResNets and VGG16 up to relu5_3 measured up to
-# 1.9x slower in it on the CPU, since every channels-last forward converts the weights again.
+# channels-last: below, channels-last measured slower on the CPU, since every channels-last forward converts the
+# weights again (benchmarks/memory_formats.py --sizes; docs/concepts.md#memory-formats).
 MIN_REUSE = 1000
 # Devices whose convolution kernels were measured (CPU) or are documented (cuDNN) faster in channels_last.
 CHANNELS_LAST_DEVICES = ("cpu", "cuda")

@@ -6,19 +6,15 @@ parameters and buffers once in that dtype (see ``FeatureExtractor``) and hand it
 any enclosing autocast off. Normalization and the input conversion stay in float32; losses and metrics reduce the
 features in float32.
 
-Stored once rather than run under ``torch.autocast``, by measurement (a channels-last VGG16 truncated after relu3_3,
-4x224, interleaved medians on the project's 2-core AVX512-BF16 EPYC): stored bf16 weights ran inference 1.58x and
-forward + backward 2.06x faster than float32, autocast over the float32 weights 1.45x and 1.63x (autocast casts
-frozen weights again on every call: its cast cache keeps only weights that require grad), both together 1.61x and
-1.98x (storing alone, within noise). In NCHW the three were alike (1.65-1.71x, 1.90-1.96x). Storing also halves the
-backbone's memory. Values were equal in all three (the same bf16 kernels).
+Stored once rather than run under ``torch.autocast``: autocast casts frozen weights again on every call (its cast
+cache keeps only weights that require grad), so stored weights measured faster, with equal values, and half the
+backbone's memory (docs/performance.md#precision).
 
 A device that cannot compute in a precision, or only more slowly than in float32, is refused with an error that
 says why and what to use instead (``check_device``):
 
 - CPU ``"fp16"``: only where oneDNN has native float16 kernels (AVX512-FP16 / AMX-FP16 CPUs); elsewhere float16
-  convolutions are emulated and slower than float32: on the EPYC above, float16 weights ran 6x slower than float32
-  in inference and 15x slower forward + backward.
+  convolutions are emulated and much slower than float32 (docs/performance.md#precision).
 - CPU ``"bf16"``: where oneDNN has bfloat16 kernels and, on x86, the CPU has AVX512-BF16 or AMX-BF16 (oneDNN
   converts on other AVX512 CPUs, which is not expected to beat float32; not measured here).
 - CUDA ``"bf16"``: devices with native bfloat16 (compute capability 8.0 and newer).
