@@ -20,7 +20,7 @@ FLOORS = [
     {"backbones", "layers"},
     {"extractor", "_capture", "images", "functional"},
     {"losses", "probes", "viz"},
-    {"stream"},
+    {"_stream"},
     {"dump", "metrics"},
     {"cli"},
 ]

@@ -67,7 +67,7 @@ def _layers(args: argparse.Namespace) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from ..stream import list_images
+    from .._stream import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
     result = _dump(build_extractor(args, args.output_format), sources, args)

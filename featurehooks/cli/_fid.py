@@ -114,9 +114,9 @@ def add_fid_command(commands: Any) -> None:
 def _fid(args: argparse.Namespace) -> int:
     import torch
 
+    from .._stream import list_images
+    from .._stream.sharding import process_group
     from ..metrics import fid_extractor, frechet_distance
-    from ..stream import list_images
-    from ..stream.sharding import process_group
 
     device = device_from(args.device)  # a bad --device fails before anything is read
     check_precision(args, device)
@@ -152,8 +152,8 @@ def _fid(args: argparse.Namespace) -> int:
 def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | None) -> int:
     import torch
 
+    from .._stream import list_images
     from ..metrics import fid_extractor
-    from ..stream import list_images
 
     if _is_statistics_file(args.set_a):
         raise UserError(f"--save-stats computes the statistics of images, and {args.set_a} is a statistics file")

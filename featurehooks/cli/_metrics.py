@@ -187,8 +187,8 @@ def _pool(args: argparse.Namespace) -> Pool | None:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from .._stream import list_images
     from ..metrics import feature_statistics
-    from ..stream import list_images
 
     if len(args.layers) != 1:
         raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
@@ -211,8 +211,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _fd(args: argparse.Namespace) -> int:
+    from .._stream.sharding import process_group
     from ..metrics import frechet_distance, kernel_inception_distance
-    from ..stream.sharding import process_group
 
     sources = (args.set_a, args.set_b)
     files = {source: _statistics_file(args, source) for source in sources if _is_statistics_file(source)}
@@ -337,8 +337,8 @@ def _computed(
     args: argparse.Namespace, source: str, model: Callable[[], FeatureExtractor], keep: int
 ) -> dict[str, FeatureStatistics]:
     """Statistics of one image set by layer, computed from its images."""
+    from .._stream import list_images
     from ..metrics import feature_statistics_by_layer
-    from ..stream import list_images
 
     return feature_statistics_by_layer(
         model(),

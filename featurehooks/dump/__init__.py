@@ -2,12 +2,12 @@
 
 Modules, one job each: ``store`` (files, journal, atomic manifest), ``manifest`` (its typed fields),
 ``plan`` (settings, resume/overwrite rules, completion), ``run`` (``dump_features``, which ties them together).
-Images reach it through ``featurehooks.stream`` (listing, decoding, batches of features, torchrun ranks and their
+Images reach it through ``featurehooks._stream`` (listing, decoding, batches of features, torchrun ranks and their
 rows), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
 """
 
+from .._stream import IMAGE_SUFFIXES, list_images
 from ..errors import CorruptDumpError, DumpLockedError, NoSpaceError
-from ..stream import IMAGE_SUFFIXES, list_images
 from .run import DumpResult, dump_features
 from .store import read_manifest
 

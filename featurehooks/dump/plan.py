@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from .._layout import Pool
+from .._stream import Inputs, inputs_digest, row_shapes
 from .._version import __version__
 from ..errors import InvalidValueError, OutputExistsError, RunFailedError
-from ..stream import Inputs, inputs_digest, row_shapes
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
 from .store import DumpStore, write_npy_atomic
 

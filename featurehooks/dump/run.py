@@ -14,9 +14,9 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from .._layout import Pool, as_pool
+from .._stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from .._stream.sharding import Distributed, chunk_rows, split_contiguous
 from ..errors import InvalidValueError, RunFailedError
-from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
-from ..stream.sharding import Distributed, chunk_rows, split_contiguous
 from .manifest import Manifest
 from .plan import Plan, describe_settings, finish_dump, plan_dump
 from .store import DumpStore

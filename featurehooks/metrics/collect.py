@@ -1,7 +1,7 @@
 """Statistics collected from images (streamed through a ``FeatureExtractor``) and from a finished dump.
 
 ``feature_statistics`` streams images through a ``FeatureExtractor`` with the input pipeline dumps use
-(``featurehooks.stream``: listing, decoding, resize and crop, DataLoader workers, pooling, torchrun ranks) and
+(``featurehooks._stream``: listing, decoding, resize and crop, DataLoader workers, pooling, torchrun ranks) and
 writes no feature file; ``feature_statistics_by_layer`` does it for several layers in one pass, and
 ``fid_statistics`` with pytorch-fid's preprocessing: each builds one ``PassSettings`` of the keywords they share and
 forwards it to ``collect``. ``statistics_from_dump`` reads the pooled features of a finished dump in memory-mapped
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._layout import Pool
+from .._stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from .._stream.sharding import Distributed, split_contiguous
 from ..dump import DumpResult, read_manifest
 from ..errors import InputNotFoundError, InvalidValueError, LayerNotFoundError, RunFailedError, did_you_mean
-from ..stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
-from ..stream.sharding import Distributed, split_contiguous
 from .statistics import FeatureOrigin, FeatureStatistics, check_count
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ from .collect import PassSettings, collect
 from .statistics import FeatureStatistics
 
 if TYPE_CHECKING:
+    from .._stream import SourceSpec
     from ..extractor import FeatureExtractor, Precision
-    from ..stream import SourceSpec
 
 __all__ = ["FID_LAYERS", "fid_extractor", "fid_statistics", "load_mu_sigma"]
 

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from .._layout import Pool, as_pool
+from .._stream.forward import pool_features
 from ..errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, did_you_mean
 from ..extractor import FeatureExtractor
-from ..stream.forward import pool_features
 
 __all__ = ["PooledFeatures"]
 

@@ -1,7 +1,7 @@
 """Scoring pairs of images from two folders with a pairwise metric such as LPIPS or DISTS.
 
 ``pair_files`` matches the images of two folders by their path relative to each folder;
-``score_pairs`` streams the pairs through the input pipeline dumps use (``featurehooks.stream``:
+``score_pairs`` streams the pairs through the input pipeline dumps use (``featurehooks._stream``:
 decoding in worker processes while the metric runs) and returns one score per pair, in order. Images
 are read and prepared by ``featurehooks.images``, as dumps read them.
 
@@ -26,9 +26,9 @@ from torch import Tensor
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import InterpolationMode
 
+from .._stream import Progress, Sample, feature_batches, list_images, loader_workers, placement, row_loader
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
-from ..stream import Progress, Sample, feature_batches, list_images, loader_workers, placement, row_loader
 
 __all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
 

@@ -2,7 +2,7 @@
 
 The public names are those in ``__all__`` of the modules the API reference documents (``PUBLIC_MODULES``,
 the pages under docs/api/), and the exception classes of ``featurehooks.errors``, which has no ``__all__``.
-``featurehooks.stream`` is not among them: it is the input pipeline that dumps, metrics and the CLI share, and
+``featurehooks._stream`` is private: it is the input pipeline that dumps, metrics and the CLI share, and
 the names a user needs from it (``list_images``, ``IMAGE_SUFFIXES``) are ``featurehooks.dump``'s too.
 
 An example runs in a fresh, empty namespace, as a reader who copies it would run it: it imports what it

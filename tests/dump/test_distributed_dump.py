@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from featurehooks._stream.sharding import Distributed, chunk_rows, split_contiguous
 from featurehooks.cli import main
-from featurehooks.stream.sharding import Distributed, chunk_rows, split_contiguous
 
 from dump_helpers import mark_unfinished
 from helpers import free_port, torchrun, two_ranks

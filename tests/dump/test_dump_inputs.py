@@ -22,11 +22,11 @@ from torchvision.models import EfficientNet_B0_Weights, ResNet18_Weights, ResNet
 
 import featurehooks.images as images
 from featurehooks import FeatureExtractor, Preprocessing
+from featurehooks._stream.loader import collate_batch
+from featurehooks._stream.sources import TensorRows, dataset_layout, item_label
 from featurehooks.dump import dump_features, list_images
 from featurehooks.errors import InvalidTypeError, InvalidValueError
 from featurehooks.images import prepare_image, read_image, resized_size, transform_for
-from featurehooks.stream.loader import collate_batch
-from featurehooks.stream.sources import TensorRows, dataset_layout, item_label
 
 import helpers
 

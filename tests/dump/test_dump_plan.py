@@ -15,9 +15,9 @@ from PIL import Image
 from torch import nn
 
 from featurehooks import FeatureExtractor, dump_features
+from featurehooks._stream import loader
 from featurehooks.dump import run as dump_run
 from featurehooks.errors import LayerNotFoundError
-from featurehooks.stream import loader
 
 from dump_helpers import mark_unfinished
 from helpers import write_pngs

@@ -19,12 +19,12 @@ from torch import Tensor, nn
 
 import featurehooks as fh
 from featurehooks import _formats
+from featurehooks._stream import forward as stream_forward
+from featurehooks._stream import tiling
 from featurehooks.cli import main
 from featurehooks.dump import dump_features
 from featurehooks.errors import InvalidValueError
 from featurehooks.losses import PerceptualLoss, StyleLoss
-from featurehooks.stream import forward as stream_forward
-from featurehooks.stream import tiling
 
 from helpers import FlattensWithView, photos, tiny_extractor
 

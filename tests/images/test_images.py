@@ -11,8 +11,8 @@ from torchvision.models import ResNet18_Weights
 from torchvision.transforms.functional import pil_to_tensor
 
 from featurehooks import FeatureExtractor, Preprocessing
+from featurehooks._stream.sources import TensorRows
 from featurehooks.images import from_input_range, prepare_image, read_image, to_input_range, transform_for
-from featurehooks.stream.sources import TensorRows
 
 import helpers
 

@@ -1,4 +1,4 @@
-"""The input pipeline (featurehooks.stream) and what it asks of FeatureExtractor: shapes from the meta trace, the
+"""The input pipeline (featurehooks._stream) and what it asks of FeatureExtractor: shapes from the meta trace, the
 device and dtype, the range check left to real images, and the one loop over batches."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import featurehooks as fh
-from featurehooks.stream import Batch, FeatureBatch, Progress, feature_batches, placement, row_shapes
+from featurehooks._stream import Batch, FeatureBatch, Progress, feature_batches, placement, row_shapes
 
 
 def tiny_net() -> nn.Module:
