@@ -204,7 +204,7 @@ def run(cfg: H.Settings, batch: int, size: int, precision: str) -> tuple[R.Group
         entries = {  # where each probe's hooks enter its code (methods looked up on the instance at every call)
             WATCH: [*_session_hooks(watcher), (watcher, "_add")],
             FUSED: [*_session_hooks(fused), (fused, "_add")],
-            NONFINITE: [*_session_hooks(sentinel), (sentinel, "_note_grad"), (sentinel, "_end_backward")],
+            NONFINITE: [*_session_hooks(sentinel), (sentinel._backwards, "note"), (sentinel._backwards, "_end")],
             HAND_FINITE: [(hand_finite, "forward_hook"), (hand_finite, "check")],
         }
         for name, methods in entries.items():  # after the losses are compared: more steps

@@ -1,10 +1,8 @@
 """One compiled pass over a CPU tensor for every statistic of ``watch(fused=True)``.
 
-The eager fast path of ``watch`` reads a call's values several times (a float32 copy of a bfloat16 tensor, min and
-max, sum, sum of squares, non-zero count); TorchInductor fuses the same arithmetic into one loop over rows of
-``ROW`` values, so each value is read once. The kernel is compiled once per process for each dtype, thread count
-and inference-ness (TorchInductor needs a C++ compiler), with the number of rows dynamic, so every tensor size
-shares it.
+TorchInductor fuses the arithmetic of the eager row passes (min, max, sum, sum of squares, non-zero count) into one
+loop over rows of ``ROW`` values, so each value is read once. The kernel is compiled once per process for each
+dtype, thread count and inference-ness (it needs a C++ compiler), with the number of rows dynamic.
 """
 
 from __future__ import annotations

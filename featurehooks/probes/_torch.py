@@ -26,7 +26,6 @@ __all__ = [
     "pytree_flatten",
     "pytree_leaves",
     "pytree_unflatten",
-    "row_mean_var",
     "tensor_version",
 ]
 
@@ -91,13 +90,3 @@ def mark_rows_dynamic(rows: Tensor) -> None:
 def compile_error_cause(error: BaseException) -> BaseException:
     """The compiler's own error inside one that ``torch.compile`` raised (TorchInductor wraps it), else ``error``."""
     return getattr(error, "inner_exception", None) or error
-
-
-def row_mean_var(rows: Tensor, scratch: Tensor) -> tuple[Tensor, Tensor]:
-    """Float32 mean and population variance of each row of a ``(1, rows, n)`` tensor, read once, writing no output."""
-    count = rows.shape[1]
-    # batch norm's statistics kernel: float32 running statistics make it compute in float32 (bfloat16 ones would
-    # round every row's moments), and with momentum 0 they are only written back as they were: ``scratch`` (2 * rows
-    # float32 values) is never read
-    mean, variance = torch.batch_norm_update_stats(rows, scratch[:count], scratch[count : 2 * count], 0.0)
-    return mean, variance

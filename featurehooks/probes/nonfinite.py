@@ -1,19 +1,13 @@
 """``detect_nonfinite``: name the module call where a NaN or an infinity starts, in forward or in backward.
 
-Each checked module call records whether its inputs and outputs are finite (once per tensor version; read at once
-on the CPU, left on the device elsewhere and read in one transfer when the model returns); hooks on the autograd
-nodes that made those tensors do the same for their gradients, read when the backward pass ends. The error names
-the call whose output (or input gradient) turned non-finite while what it received was finite, so a value that
-spread is traced back to where it started. The rules (masks, origins, what is not read) and the limits are in
-docs/probes.md.
+Each checked module call records whether its inputs and outputs are finite (``_finite``), hooks on the autograd
+nodes that made them do the same for their gradients (``_backward``); the error names the call whose output (or
+input gradient) turned non-finite while what it received was finite. docs/probes.md has the rules and limits.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
-import threading
 import weakref
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
@@ -22,11 +16,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._hooks import ClosedOnExit, Observer, ObserverSession, runs_as_defined
+from .._hooks import Observer, ObserverSession, runs_as_defined
 from .._taps import Selection, call_name
 from ..errors import InvalidTypeError, NonFiniteError
 from ..layers import select_modules
-from ._torch import at_backward_end, backward_id, grad_passes_finite, pytree_leaves, tensor_version
+from ._backward import Backwards, Events, GradFlag, NodeGradFlag, PassingGradFlag, Role
+from ._finite import FINITE, MINUS_INF, Flags, flag_of
+from ._handle import ProbeHandle
+from ._torch import grad_passes_finite, pytree_leaves, tensor_version
 
 __all__ = ["INPUT", "OUTPUT", "NonFiniteDetector", "detect_nonfinite"]
 
@@ -59,76 +56,7 @@ Examples:
     ('<output>', '<input>')
 """
 
-Role = tuple[int, str, int, str, bool]  # (forward id, module path, call, tensor label, is an output)
 Entry = tuple[str, int]  # (tensor label, flag index) of one checked tensor of one call
-
-FINITE, MINUS_INF, NONFINITE = 0, 1, 2  # what a tensor's (min, max) says about its values
-READ_AT_ONCE = frozenset({"cpu"})  # device types whose values the host reads at no cost: classified when checked
-
-
-class _GradFlag:
-    """Tensor hook on one checked leaf tensor: records whether its gradient is finite, for every role it plays in
-    the last forward that checked it (``forward``)."""
-
-    __slots__ = ("forward", "owner", "roles")
-
-    def __init__(self, owner: NonFiniteDetector) -> None:
-        self.owner = owner
-        self.forward = -1
-        self.roles: list[Role] = []
-
-    def __call__(self, grad: Tensor) -> None:
-        # a leaf's gradient goes on to be accumulated into ``.grad`` only: held, it would be copied there, not taken
-        self.owner._note_grad(self, grad, keep=False)
-
-
-class _NodeGradFlag(_GradFlag):
-    """Pre-hook on the autograd node that made a checked tensor: the same for the gradient with respect to that
-    tensor, the node's output ``output_nr`` (the tensor as it was when checked, whatever changed it in place since)."""
-
-    __slots__ = ("output_nr",)
-
-    def __init__(self, owner: NonFiniteDetector, output_nr: int) -> None:
-        super().__init__(owner)
-        self.output_nr = output_nr
-
-    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:  # type: ignore[override]
-        grad = grad_outputs[self.output_nr]
-        if grad is not None:
-            self.owner._note_grad(self, grad)
-
-
-class _PassingGradFlag(_NodeGradFlag):
-    """Post-hook on a node whose gradient with respect to its input is finite wherever the one with respect to its
-    output is (``grad_passes_finite``): checks the latter and, found finite, hands the former on as known finite, so the
-    hook it reaches next does not read it (the gradient with respect to a ReLU's input). ``passes``: whether this
-    hook runs first among the node's post-hooks (another, run before, may have changed the former)."""
-
-    __slots__ = ("passes",)
-
-    def __init__(self, owner: NonFiniteDetector) -> None:
-        super().__init__(owner, 0)
-        self.passes = True
-
-    def __call__(  # type: ignore[override]
-        self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
-    ) -> None:
-        grad = grad_outputs[0]
-        if grad is not None:
-            self.owner._note_grad(self, grad, passed=grad_inputs[0] if self.passes else None)
-
-
-class _Backward:
-    """One backward pass (a graph task): the roles and flags of its checked gradients, in the order they arrived,
-    and the last gradient known finite (autograd hands a tensor on unchanged where a node passes it through)."""
-
-    __slots__ = ("events", "finite", "flags", "version")
-
-    def __init__(self) -> None:
-        self.events: list[tuple[list[Role], int]] = []
-        self.flags = _Flags()
-        self.finite: Tensor | None = None
-        self.version = -1  # that tensor's version when found finite: changed in place since, it is read again
 
 
 class _Seen:
@@ -158,47 +86,6 @@ class _Call:
         self.parent = parent
 
 
-class _Flags:
-    """What each checked tensor holds (FINITE, MINUS_INF or NONFINITE), by the index ``add`` returns.
-
-    A CPU tensor is classified when it is added (``_cpu_kind``); another device's tensor leaves its min and max
-    on the device, read by ``kinds`` in one transfer per device.
-    """
-
-    __slots__ = ("_kinds", "_pending")
-
-    def __init__(self) -> None:
-        self._kinds: list[int] = []
-        self._pending: dict[int, tuple[Tensor, Tensor]] = {}  # index -> (min, max) still on their device
-
-    def add(self, flag: int | tuple[Tensor, Tensor]) -> int:
-        """Keep one tensor's ``_flag``; its index."""
-        index = len(self._kinds)
-        if isinstance(flag, int):
-            self._kinds.append(flag)
-        else:
-            self._kinds.append(FINITE)
-            self._pending[index] = flag
-        return index
-
-    def finite_now(self, index: int) -> bool:
-        """Whether the tensor is known to be finite already (not a device's flag waiting to be read)."""
-        return self._kinds[index] == FINITE and index not in self._pending
-
-    def kinds(self) -> list[int]:
-        """Every tensor's kind, by index; reads what is still on a device."""
-        by_device: dict[torch.device, list[tuple[int, Tensor, Tensor]]] = {}
-        for index, (low, high) in self._pending.items():
-            by_device.setdefault(low.device, []).append((index, low, high))
-        for items in by_device.values():
-            with torch.no_grad():
-                read = torch.stack([t.float() for _index, low, high in items for t in (low, high)]).tolist()
-            for (index, _low, _high), low, high in zip(items, read[::2], read[1::2]):
-                self._kinds[index] = _kind(low, high)
-        self._pending.clear()
-        return self._kinds
-
-
 class _Forward:
     """One forward: the flags of every checked tensor and the calls that saw them."""
 
@@ -206,7 +93,7 @@ class _Forward:
 
     def __init__(self, forward_id: int) -> None:
         self.id = forward_id
-        self.flags = _Flags()
+        self.flags = Flags()
         self.seen: dict[int, _Seen] = {}
         # what made each checked tensor whose gradient is checked (its node and output, or the leaf itself), with
         # its roles: hooked when the forward is over, in one go, not one at a time between the model's kernels
@@ -244,26 +131,6 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Tens
     return main + (_float_leaves(values[1:]) if len(values) > 1 else []), len(main)
 
 
-def _flag(tensor: Tensor) -> int | tuple[Tensor, Tensor]:
-    """What a tensor's elements (a nested tensor's packed values) hold: on the CPU its kind, read now (the host
-    has it at no cost); elsewhere its min and max, left on the device so that checking never waits for it."""
-    values = tensor.detach()
-    if values.is_nested:
-        values = values.values()
-    if values.device.type in READ_AT_ONCE:
-        return _cpu_kind(values)
-    return tuple(torch.aminmax(values))  # type: ignore[return-value]
-
-
-def _cpu_kind(values: Tensor) -> int:
-    """The kind of a CPU tensor's values from one summing pass (cheaper than ``aminmax``, which runs only when the
-    sum is not finite: a NaN or infinity makes it so, and so does a sum past the dtype's range, told apart)."""
-    if math.isfinite(values.sum().item()):
-        return FINITE
-    low, high = torch.aminmax(values)
-    return _kind(low.item(), high.item())
-
-
 # Elementwise modules whose output is finite wherever their one input is, each at most as large as its input or
 # bounded (exactly these types: a subclass may compute anything else). Dropout scales by 1 / (1 - p) in training,
 # which can overflow: only in eval mode, where it returns its input.
@@ -282,19 +149,8 @@ def _keeps_finite(module: nn.Module) -> bool:
     return type(module) in _KEEPS_FINITE or (type(module) in _KEEPS_FINITE_IN_EVAL and not module.training)
 
 
-# backward passes followed at once: one that raised never ends, and is let go when this many newer ones have begun
-_BACKWARDS_KEPT = 64
-
-
 def _labels(kind: str, count: int) -> list[str]:
     return [kind] if count == 1 else [f"{kind}[{k}]" for k in range(count)]
-
-
-def _kind(low: float, high: float) -> int:
-    """FINITE, MINUS_INF (-inf the only non-finite value, all -inf included) or NONFINITE (NaN or +inf)."""
-    if math.isfinite(low) and math.isfinite(high):
-        return FINITE
-    return MINUS_INF if low == -math.inf and high < math.inf else NONFINITE  # NaN fails both comparisons
 
 
 def _ending(forward: _Forward, path: str, call: int) -> _Call:
@@ -346,7 +202,7 @@ def _leading(forward: _Forward, nonfinite: Callable[[int], bool]) -> set[_Call]:
     return leading
 
 
-class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
+class NonFiniteDetector(Observer[_Forward], ProbeHandle):
     """The hooks of ``detect_nonfinite``: a context manager, and a handle with ``close()``.
 
     Examples:
@@ -374,9 +230,8 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         self._leaf = {path: next(module.children(), None) is None for path, module in modules.items()}
         self._label = type(model).__name__
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._backwards: dict[int, _Backward] = {}  # graph task -> its gradients
-        self._hooked: MutableMapping[Tensor, _GradFlag] = WeakIdKeyDictionary()  # leaf tensor -> its hook
+        self._backwards = Backwards(lambda: self.active, self._raise_backward)  # graph task -> its gradients
+        self._hooked: MutableMapping[Tensor, GradFlag] = WeakIdKeyDictionary()  # leaf tensor -> its hook
         self._selection = selection
         self._session = ObserverSession(model, selection, self)
 
@@ -407,7 +262,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
         seen = forward.seen.get(id(tensor))
         if seen is not None and version is not None and seen.version == version and seen.ref() is tensor:
             return seen
-        flag = forward.flags.add(_flag(tensor) if known is None else known)
+        flag = forward.flags.add(flag_of(tensor) if known is None else known)
         roles: list[Role] | None = None
         if tensor.requires_grad and torch.is_grad_enabled():
             roles = []
@@ -428,18 +283,18 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
             if isinstance(maker, Tensor):
                 grad = self._hooked.get(maker)
                 if grad is None:
-                    grad = self._hooked[maker] = _GradFlag(self)
+                    grad = self._hooked[maker] = GradFlag(self._backwards)
                     self._session.hold(maker, grad)
             else:
                 metadata = maker.metadata
                 grad = metadata.get((self, output_nr))
                 if grad is None and grad_passes_finite(maker):
-                    grad = metadata[(self, output_nr)] = _PassingGradFlag(self)
+                    grad = metadata[(self, output_nr)] = PassingGradFlag(self._backwards)
                     # a post-hook registered before this one (in the model's forward) runs first and may change
                     # the gradient the node made: then it is read where it arrives, as any other
                     grad.passes = self._session.hold_node_post(maker, grad)
                 elif grad is None:
-                    grad = metadata[(self, output_nr)] = _NodeGradFlag(self, output_nr)
+                    grad = metadata[(self, output_nr)] = NodeGradFlag(self._backwards, output_nr)
                     self._session.hold_node(maker, grad)
             if grad.forward != forward.id:
                 grad.forward, grad.roles = forward.id, roles  # a new list: a backward under way keeps the one it took
@@ -537,40 +392,7 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
 
     # backward ------------------------------------------------------------------------------------
 
-    def _note_grad(self, hook: _GradFlag, grad: Tensor, passed: Tensor | None = None, keep: bool = True) -> None:
-        """Record whether ``grad`` is finite; ``passed``: a gradient that is wherever ``grad`` is (a node made it);
-        ``keep``: whether a later checked gradient may be this one (or ``passed``)."""
-        if not self._session.active or not hook.roles or grad.numel() == 0:
-            return
-        task = backward_id()
-        with self._lock:
-            backward = self._backwards.get(task)
-            if backward is None:
-                for other in self._backwards.values():  # a backward pass that raised never ended: let go of its
-                    other.finite = None  # gradient (one running in another thread just reads its next one)
-                while len(self._backwards) >= _BACKWARDS_KEPT:  # and, when many have raised, of the oldest
-                    del self._backwards[next(iter(self._backwards))]
-                backward = self._backwards[task] = _Backward()
-                # check once, when this backward pass ends
-                at_backward_end(functools.partial(self._end_backward, task))
-        # the tensor known finite is held until the next checked gradient: holding it, autograd never adds another
-        # gradient into it in place; anything else changing it in place (a custom backward) bumps its version
-        known = grad is backward.finite and tensor_version(grad) == backward.version
-        flag = FINITE if known else _flag(grad)
-        kept = (grad if passed is None else passed) if keep and flag == FINITE else None
-        backward.finite, backward.version = kept, -1 if kept is None else tensor_version(kept)
-        with self._lock:
-            backward.events.append((hook.roles, backward.flags.add(flag)))
-
-    def _end_backward(self, task: int) -> None:
-        with self._lock:
-            backward = self._backwards.pop(task, None)
-        if backward is None or not self._session.active:
-            return
-        kinds = backward.flags.kinds()
-        self._raise_backward([(roles, kinds[index] == FINITE) for roles, index in backward.events])
-
-    def _raise_backward(self, events: list[tuple[list[Role], bool]]) -> None:
+    def _raise_backward(self, events: Events) -> None:
         seen_output: dict[tuple[int, str, int], bool] = {}  # module call -> whether its output gradient was finite
         first_bad: list[Role] | None = None
         for roles, ok in events:
@@ -627,17 +449,11 @@ class NonFiniteDetector(Observer[_Forward], ClosedOnExit):
 
     # handle --------------------------------------------------------------------------------------
 
-    @property
-    def active(self) -> bool:
-        """Whether the hooks are still registered."""
-        return self._session.active
-
     def close(self) -> None:
         """Remove every hook, module and tensor hooks alike; safe to call twice."""
         self._session.remove()
         self._hooked.clear()
-        with self._lock:
-            self._backwards.clear()
+        self._backwards.clear()
 
     def __repr__(self) -> str:
         return f"NonFiniteDetector({len(self._selection)} modules, {'active' if self.active else 'closed'})"

@@ -1,10 +1,9 @@
 """``watch``: activation and gradient statistics of a model you train, cheap enough to leave on.
 
-Every call of a watched module adds its output's statistics (and, in backward, its gradient's) to running sums:
-on an accelerator kept on the device with no host sync and read once by ``Watch.summary()``; on the CPU, where a
-read waits for nothing, read at once and added on the host, through a fast path when every value is finite.
-Moments are over the finite values only, summed about a shift so that a large mean cannot cancel the variance;
-docs/probes.md has the exact definitions, each path's accuracy and its cost.
+Every call of a watched module adds its output's statistics (and, in backward, its gradient's) to running sums: on
+an accelerator kept on the device with no host sync and read once by ``Watch.summary()``; on the CPU, where a read
+waits for nothing, read at once and added on the host. The statistics of a call come from ``_moments``;
+docs/probes.md has the exact definitions.
 """
 
 from __future__ import annotations
@@ -21,12 +20,26 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._hooks import ClosedOnExit, Observer, ObserverSession
+from .._hooks import Observer, ObserverSession
 from .._taps import call_name
 from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
 from ..layers import select_modules
-from ._fused import ROW, fused_moments
-from ._torch import pytree_leaves, row_mean_var
+from ._handle import ProbeHandle
+from ._moments import (
+    ADDITIVE,
+    MAX,
+    NEG_MIN,
+    NONFINITE,
+    NONZERO,
+    SQUARES,
+    SUM,
+    Need,
+    Scratch,
+    accumulator_dtype,
+    call_moments,
+    first_value,
+)
+from ._torch import pytree_leaves
 
 __all__ = ["STATS", "Watch", "WatchRow", "watch"]
 
@@ -46,10 +59,9 @@ Examples:
     (True, True)
 """
 KINDS = ("output", "grad")
-# Slots of the per-call vector and of the running sums: additive ones first, then maxima.
-_NONFINITE, _SUM, _SQUARES, _NONZERO, _NEG_MIN, _MAX, _SHIFT = range(7)
-_ADDITIVE = 4
-_SLOTS = 7
+# Slots of the running sums: a call's statistics (``_moments``), then the shift their squares are taken about.
+_SHIFT = MAX + 1
+_SLOTS = _SHIFT + 1
 READ_AT_ONCE = frozenset({"cpu"})  # device types whose values the host reads at no cost: summed on the host
 
 
@@ -95,310 +107,6 @@ class WatchRow:
     nonfinite: int | None
 
 
-@dataclass(frozen=True)
-class _Need:
-    """Which passes over a tensor the requested statistics need."""
-
-    flags: bool
-    moments: bool
-    squares: bool
-    extremes: bool
-    zeros: bool
-
-    @classmethod
-    def of(cls, stats: frozenset[str]) -> _Need:
-        extremes = bool(stats & {"min", "max", "absmax"})
-        return cls(
-            flags=bool(stats - {"count"}),
-            moments=extremes or bool(stats & {"mean", "std"}),
-            squares="std" in stats,
-            extremes=extremes,
-            zeros="zeros" in stats,
-        )
-
-
-def _host_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> list[float]:
-    """``_call_stats`` of a CPU tensor, read at once (the host waits for nothing): the fast path when every value is
-    finite, else the exact one."""
-    if not need.flags:
-        return [0.0] * _SHIFT
-    if x.dtype in _FAST_DTYPES:
-        fast = _finite_call_stats(x, need, scratch, shift, fused)
-        if fast is not None:
-            return fast
-    return _call_stats(x, need, scratch, torch.tensor(shift, dtype=torch.float64)).tolist()
-
-
-def _call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: Tensor) -> Tensor:
-    """One call's statistics as a vector of the accumulators' dtype on ``x``'s device; no host sync.
-
-    Slots: number of non-finite values, sum of the finite values and sum of their squared distances
-    to ``shift`` (a 0-d tensor), number of non-zero finite values, minus the minimum and the maximum
-    of the finite values (NaN: none).
-    Computed in float64 (float32 on MPS, which has no float64) over the elements in memory order. On the
-    CPU the tensor is taken in chunks of ``_CHUNK`` values through small scratch buffers, so the
-    passes after the first read it from the cache instead of memory.
-    """
-    # float64 wherever the device has it: the squares of finite float32 values (up to 1.2e77), their sums and
-    # differences (3e38 - -3e38) are all finite there, so every finite input gives finite statistics
-    accumulate = _accumulator_dtype(x.device)
-    dtype = accumulate
-    if not need.flags:
-        return torch.zeros(6, dtype=accumulate, device=x.device)
-    source = _flat(x)
-    n = source.numel()
-    chunk = _CHUNK if x.device.type == "cpu" else n
-    low_precision = source.dtype != dtype
-    first, second, third = [*scratch.take(min(chunk, n), dtype, x.device, 3 if low_precision else 2), None][:3]
-    zero = torch.zeros((), dtype=dtype, device=x.device)
-    shift = shift.to(dtype)
-    parts: list[Tensor] = []
-    for start in range(0, n, chunk):
-        part = source[start : start + chunk]
-        size = part.numel()
-        if low_precision:  # float32/bfloat16/float16: one conversion, then everything in float64
-            part = third[:size].copy_(part) if third is not None else part.to(dtype)
-        total = squares = nonzero = low = high = zero
-        if need.moments or need.zeros:
-            finite = torch.nan_to_num(part, nan=0.0, posinf=0.0, neginf=0.0, out=_head(first, size))
-            total = finite.sum()
-            if need.squares:  # non-finite values sit at 0 here: each adds shift**2, taken off below
-                squares = _sum_of_squares(torch.sub(finite, shift, out=_head(second, size)))
-            if need.zeros:
-                signs = torch.sign(finite, out=_head(second, size))
-                nonzero = torch.dot(signs, signs)  # exact: a sum of ones and zeros
-        flags = torch.sub(part, part, out=_head(second, size)).nan_to_num_(nan=1.0)  # x - x: 0, NaN if not finite
-        nonfinite = flags.sum()
-        if need.squares:
-            squares = squares - nonfinite * shift * shift
-        if need.extremes:
-            # non-finite values become the finite mean, which lies within [min, max]; NaN if none is finite
-            finite.addcmul_(flags, total / (size - nonfinite))
-            low, high = torch.aminmax(finite)
-        parts += (nonfinite, total, squares, nonzero, low, high)
-    values = torch.stack(parts).view(-1, 6).to(accumulate)
-    low = values[:, 4].nan_to_num(nan=math.inf).amin()
-    high = values[:, 5].nan_to_num(nan=-math.inf).amax()
-    return torch.cat([values[:, :_ADDITIVE].sum(0), torch.stack([-low, high])])
-
-
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _finite_call_stats(x: Tensor, need: _Need, scratch: _Scratch, shift: float, fused: bool) -> list[float] | None:
-    """``_call_stats`` of a CPU tensor whose values are all finite, read on the host; ``None`` (the exact path
-    decides) when a value is not finite or a float32 sum overflows.
-
-    float32: four passes, sums of rows of ``ROW`` values in float32 (vectorized) added in float64; where the mean is
-    large against the spread, the squares are summed again around the mean, so ``1000 ± 0.01`` keeps its std.
-    bfloat16 and float16: ``_reduced_call_stats``. ``fused``: one compiled pass for every dtype. Few operations a
-    call: in a training step each costs several times what it costs in a loop (the step's large operations have
-    emptied the caches).
-    """
-    source = _flat(x)
-    if source.numel() <= _SMALL:
-        return _small_call_stats(source, need, shift)
-    if not fused and source.dtype != torch.float32:
-        return _reduced_call_stats(source, need, scratch, shift)
-    n = source.numel()
-    if fused:
-        low, high, total, squares, nonzero = fused_moments(source)
-    else:
-        low, high, total, squares, nonzero = _moments(source, source if need.zeros else None, scratch)
-    if not all(map(math.isfinite, (low, high, total, squares))):
-        return None
-    mean = total / n
-    central = squares - total * mean  # the sum of squares about the mean, if nothing cancelled
-    if mean * mean > _CANCELLATION * max(central / n, 0.0):  # a mean far above the spread: sum around it
-        (buffer,) = scratch.host(n, torch.float32, 1)
-        pivot = torch.tensor(mean, dtype=torch.float32)  # what the float32 subtraction takes away
-        near = buffer.copy_(source).sub_(pivot)
-        offset, squares = torch.stack([_sum(near), _sum_of_squares(near, torch.float64)]).tolist()
-        central = squares - offset * offset / n
-        mean = pivot.item() + offset / n
-        total = mean * n
-    about_shift = max(central, 0.0) + n * (mean - shift) ** 2
-    return [0.0, total, about_shift, nonzero if need.zeros else 0.0, -low, high]
-
-
-def _reduced_call_stats(source: Tensor, need: _Need, scratch: _Scratch, shift: float) -> list[float] | None:
-    """``_finite_call_stats`` of a bfloat16 or float16 1-D tensor of more than ``ROW`` values, without a float32
-    copy: min and max in its own dtype (exact), and each row's mean and variance in float32 by batch norm's
-    statistics kernel, which reads a row from memory once (two passes while it is in the cache, so no large mean
-    cancels a row's variance) and writes no output. The rows' sums of squares about ``shift``,
-    ``ROW * (variance + (mean - shift) ** 2)``, are added in float64, the last ``len % ROW`` values taken in
-    float64 (accuracy and cost against four float32 passes after a float32 copy: docs/probes.md).
-    """
-    n = source.numel()
-    body = n - n % ROW
-    rows = body // ROW
-    (running,) = scratch.host(2 * rows, torch.float32, 1)  # per-thread scratch for the kernel, never read
-    mean, variance = row_mean_var(source[:body].view(1, rows, ROW), running)
-    low, high = (value.item() for value in torch.aminmax(source))
-    mean_sum, variance_sum = torch.stack([mean, variance]).sum(1, dtype=torch.float64).tolist()
-    mean_squares = torch.linalg.vector_norm(mean, dtype=torch.float64).item() ** 2
-    # sum over rows of ROW * (variance + (mean - shift) ** 2), expanded: float64 holds the float32 moments' squares
-    # exactly enough that nothing a float32 mean can resolve cancels
-    total = ROW * mean_sum
-    about_shift = ROW * (variance_sum + mean_squares - 2 * shift * mean_sum + rows * shift * shift)
-    if body < n:
-        tail = source[body:].double()
-        tail_sum = tail.sum().item()
-        total += tail_sum
-        about_shift += torch.dot(tail, tail).item() - 2 * shift * tail_sum + (n - body) * shift * shift
-    if not all(map(math.isfinite, (low, high, total, about_shift))):
-        return None
-    nonzero = float(_count_nonzero(source, scratch)) if need.zeros else 0.0
-    return [0.0, total, about_shift, nonzero, -low, high]
-
-
-def _moments(flat: Tensor, zeros_of: Tensor | None, scratch: _Scratch) -> list[float]:
-    """``[min, max, sum, sum of squares, non-zero count]`` of a float32 1-D CPU tensor of at least ``ROW`` values,
-    in one host read: float32 sums and norms of rows of ``ROW`` values added in float64, the last ``len % ROW``
-    values in float64; the non-zero values are counted in ``zeros_of`` (0 when None)."""
-    n = flat.numel()
-    body = n - n % ROW
-    rows = flat[:body].view(-1, ROW)
-    per_row = torch.stack([rows.sum(1), torch.linalg.vector_norm(rows, dim=1)]).double()
-    per_row[1].square_()
-    sums = per_row.sum(1)
-    if body < n:
-        tail = flat[body:].double()
-        sums = sums + torch.stack([tail.sum(), torch.dot(tail, tail)])
-    parts = [torch.stack(torch.aminmax(flat)).double(), sums]
-    if zeros_of is not None:
-        parts.append(_count_nonzero(zeros_of, scratch).double().view(1))
-    read: list[float] = torch.cat(parts).tolist()
-    return read if zeros_of is not None else [*read, 0.0]
-
-
-def _small_call_stats(source: Tensor, need: _Need, shift: float) -> list[float] | None:
-    """``_finite_call_stats`` of a tensor of at most ``_SMALL`` values: everything in float64 at once, a handful of
-    operations, each costing more than its arithmetic here (fewer than the row-sum passes take)."""
-    wide = source.to(torch.float64, copy=True)  # changed in place below
-    low, high = torch.aminmax(wide)
-    total = wide.sum()
-    about = wide.sub_(shift)
-    read = torch.stack([low, high, total, torch.dot(about, about)]).tolist()  # the one host read: free on the CPU
-    if not all(map(math.isfinite, read)):
-        return None
-    low, high, total, about_shift = read
-    nonzero = float(torch.count_nonzero(source)) if need.zeros else 0.0
-    return [0.0, total, about_shift, nonzero, -low, high]
-
-
-# values up to which a call is summed in float64 at once (where that beats float32 row sums: docs/probes.md)
-_SMALL = 1 << 14
-
-# the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
-# float32 row sums are good to about 1e-8 of the sum of squares, so the variance then keeps about 1e-6
-_CANCELLATION = 100.0
-
-
-def _count_nonzero(flat: Tensor, scratch: _Scratch) -> Tensor:
-    """How many values of a CPU 1-D tensor are not 0 (an int64 0-d tensor), exactly, in one conversion pass and two
-    cheap sums.
-
-    The values become bytes (1 where not 0) in a scratch buffer, read as int32 words of four byte counters;
-    ``_LANE_ROW`` rows of words add up column by column in int32 without a counter overflowing into the next,
-    and the byte counters of the column sums are added (much faster than ``torch.count_nonzero`` or a ``sum`` of
-    bools or bytes: docs/probes.md).
-    """
-    n = flat.numel()
-    (buffer,) = scratch.host(n, torch.bool, 1)
-    flags = buffer.copy_(flat)
-    body = n - n % (4 * _LANE_ROW)
-    sums = flags[:body].view(torch.int32).view(_LANE_ROW, -1).sum(dim=0, dtype=torch.int32)
-    count = sums.view(torch.uint8).sum(dtype=torch.int64)
-    return count + flags[body:].sum() if body < n else count
-
-
-# rows of int32 words summed per column: each byte counter reaches at most 127, no carry nor sign overflow
-_LANE_ROW = 127
-
-
-def _first_value(x: Tensor) -> Tensor:
-    """The first element of ``x`` as a 0-d tensor on its device (0 if it is not finite): a shift for the sums."""
-    return torch.nan_to_num(_flat(x)[0].detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _head(buffer: Tensor | None, size: int) -> Tensor | None:
-    return None if buffer is None else buffer[:size]
-
-
-# Values per pass on the CPU: chunk and scratch buffers (2 MiB each) stay in the cache between passes.
-_CHUNK = 1 << 19
-
-
-def _sum_of_squares(flat: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Sum of squares of a 1-D tensor: norms of rows of about 1024 values in its dtype, then a pairwise sum of their
-    squares in ``dtype`` (default: its own; accurate)."""
-    dtype = dtype or flat.dtype
-    n = flat.numel()
-    body = n - n % ROW
-    tail = flat[body:].to(dtype)
-    if body == 0:
-        return torch.dot(tail, tail)
-    squares: Tensor = torch.linalg.vector_norm(flat[:body].view(-1, ROW), dim=1).to(dtype).square_().sum()
-    if body < n:
-        squares = squares + torch.dot(tail, tail)
-    return squares
-
-
-def _sum(flat: Tensor) -> Tensor:
-    """Sum of a float32 1-D tensor as a float64 0-d tensor: float32 sums of rows of ``ROW`` values, added in
-    float64."""
-    body = flat.numel() - flat.numel() % ROW
-    return flat[:body].view(-1, ROW).sum(dim=1).double().sum() + flat[body:].double().sum()
-
-
-def _flat(x: Tensor) -> Tensor:
-    """The elements of ``x`` as a 1-D view in memory order (a copy only when ``x`` is not dense)."""
-    if x.is_contiguous():
-        return x.view(-1)
-    strides = x.stride()
-    order = sorted(range(x.dim()), key=lambda d: -strides[d])
-    permuted = x.permute(order)
-    return permuted.view(-1) if permuted.is_contiguous() else x.reshape(-1)
-
-
-class _Scratch:
-    """Flat buffers per thread and dtype on the CPU, reused call after call (a chunk each on the exact path; on the
-    fast path a whole tensor's bytes for counting zeros, a float32 copy for the second pass where the mean would
-    cancel, and a bfloat16 or float16 call's unused running statistics); as large as the largest call watched,
-    dropped by ``clear``."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, torch.dtype], list[Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, n: int, dtype: torch.dtype, device: torch.device, count: int) -> list[Tensor | None]:
-        """``count`` buffers of ``n`` elements (``None`` each off the CPU: allocate as usual there)."""
-        if device.type != "cpu":  # device allocators cache blocks already, and streams must not share them
-            return [None] * count
-        return list(self.host(n, dtype, count))
-
-    def host(self, n: int, dtype: torch.dtype, count: int) -> list[Tensor]:
-        """``count`` CPU buffers of ``n`` elements."""
-        key = (threading.get_ident(), dtype)
-        with self._lock:
-            buffers = self._buffers.get(key, [])
-            if len(buffers) < count or buffers[0].numel() < n:
-                size = max(n, buffers[0].numel() if buffers else 0)
-                with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
-                    buffers = [torch.empty(size, dtype=dtype) for _ in range(max(count, len(buffers)))]
-                self._buffers[key] = buffers
-        return [buffer[:n] for buffer in buffers[:count]]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._buffers.clear()
-
-
-def _accumulator_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-
-
 def _first_float(value: Any) -> Tensor | None:
     """The first floating-point, strided, non-empty tensor of an output (tuples, dicts: pytree order)."""
     if isinstance(value, Tensor):
@@ -413,10 +121,10 @@ def _first_float(value: Any) -> Tensor | None:
 
 def _moved_to_shift(values: list[float], count: int, shift: float) -> list[float]:
     """``values`` with their sum of squares taken about ``shift`` instead of their own shift."""
-    finite = count - round(values[_NONFINITE])
+    finite = count - round(values[NONFINITE])
     delta = values[_SHIFT] - shift
     moved = list(values)
-    moved[_SQUARES] += 2 * delta * (values[_SUM] - finite * values[_SHIFT]) + finite * delta * delta
+    moved[SQUARES] += 2 * delta * (values[SUM] - finite * values[_SHIFT]) + finite * delta * delta
     moved[_SHIFT] = shift
     return moved
 
@@ -428,20 +136,20 @@ class _HostSums:
     __slots__ = ("calls", "count", "values")
 
     def __init__(self, first: Tensor) -> None:
-        self.values = [0.0] * _ADDITIVE + [-math.inf, -math.inf, _first_value(first).item()]
+        self.values = [0.0] * ADDITIVE + [-math.inf, -math.inf, first_value(first).item()]
         self.calls = 0
         self.count = 0
 
     def take(self, tensor: Tensor, watch: Watch) -> None:
-        """Add the statistics of one call's (detached) ``tensor``: float64 or host arithmetic, which autocast and
-        grad mode cannot reach."""
-        values = _host_call_stats(tensor, watch._need, watch._scratch, self.values[_SHIFT], watch.fused)
+        """Add the statistics of one call's ``tensor``, read at once."""
+        shift = self.values[_SHIFT]
+        values = call_moments(tensor, watch._need, watch._scratch, shift, read_now=True, fused=watch.fused).tolist()
         with watch._lock:
             sums = self.values
-            for slot in range(_ADDITIVE):
+            for slot in range(ADDITIVE):
                 sums[slot] += values[slot]
-            sums[_NEG_MIN] = max(sums[_NEG_MIN], values[_NEG_MIN])
-            sums[_MAX] = max(sums[_MAX], values[_MAX])
+            sums[NEG_MIN] = max(sums[NEG_MIN], values[NEG_MIN])
+            sums[MAX] = max(sums[MAX], values[MAX])
             self.calls += 1
             self.count += tensor.numel()
 
@@ -457,19 +165,18 @@ class _DeviceSums:
 
     def __init__(self, first: Tensor) -> None:
         with torch.inference_mode(False):  # a normal tensor: updated in and outside inference mode
-            self.values = torch.zeros(_SLOTS, dtype=_accumulator_dtype(first.device), device=first.device)
-            self.values[_ADDITIVE:_SHIFT] = -math.inf
-            self.values[_SHIFT] = _first_value(first)
+            self.values = torch.zeros(_SLOTS, dtype=accumulator_dtype(first.device), device=first.device)
+            self.values[ADDITIVE:_SHIFT] = -math.inf
+            self.values[_SHIFT] = first_value(first)
         self.calls = 0
         self.count = 0
 
     def take(self, tensor: Tensor, watch: Watch) -> None:
-        """Add the statistics of one call's (detached) ``tensor``, computed on its device."""
-        with torch.no_grad(), torch.autocast(tensor.device.type, enabled=False):
-            values = _call_stats(tensor, watch._need, watch._scratch, self.values[_SHIFT])
+        """Add the statistics of one call's ``tensor``, computed on its device."""
+        values = call_moments(tensor, watch._need, watch._scratch, self.values[_SHIFT], read_now=False, fused=False)
         with watch._lock:
-            self.values[:_ADDITIVE].add_(values[:_ADDITIVE])
-            torch.fmax(self.values[_ADDITIVE:_SHIFT], values[_ADDITIVE:], out=self.values[_ADDITIVE:_SHIFT])
+            self.values[:ADDITIVE].add_(values[:ADDITIVE])
+            torch.fmax(self.values[ADDITIVE:_SHIFT], values[ADDITIVE:], out=self.values[ADDITIVE:_SHIFT])
             self.calls += 1
             self.count += tensor.numel()
 
@@ -490,7 +197,7 @@ class _GradStats:
         self.owner._add(self.path, self.call, "grad", grad)
 
 
-class Watch(Observer[None], ClosedOnExit):
+class Watch(Observer[None], ProbeHandle):
     """Statistics of the outputs (and gradients) of a model's layers; see ``watch()``.
 
     A context manager and a handle: hooks are registered on construction and removed by
@@ -524,13 +231,13 @@ class Watch(Observer[None], ClosedOnExit):
         self.stats = _check_stats(stats)
         self.grads = bool(grads)
         self.fused = bool(fused)
-        self._need = _Need.of(self.stats)
+        self._need = Need.of(self.stats)
         selection = select_modules(model, layers, default=_leaves_with_parameters, what="watch")
         self._order = {path: k for k, path in enumerate(selection.paths)}
         self._types = {path: type(model.get_submodule(path)).__name__ for path in selection.paths}
         self._lock = threading.Lock()
         self._sums: dict[tuple[str, int, str, torch.device], _HostSums | _DeviceSums] = {}
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
         self._hooked: MutableMapping[Tensor, dict[tuple[str, int], Any]] = WeakIdKeyDictionary()  # site -> grad_fn
         self._session = ObserverSession(model, selection, self)
 
@@ -573,11 +280,6 @@ class Watch(Observer[None], ClosedOnExit):
 
     # handle --------------------------------------------------------------------------------------
 
-    @property
-    def active(self) -> bool:
-        """Whether the hooks are still registered."""
-        return self._session.active
-
     def close(self) -> None:
         """Remove every hook (module and tensor hooks); the statistics stay readable. Safe to call twice."""
         self._session.remove()
@@ -613,8 +315,8 @@ class Watch(Observer[None], ClosedOnExit):
                 old, old_calls, old_count = merged[row_key]
                 values = _moved_to_shift(values, count, old[_SHIFT])
                 values = (
-                    [a + b for a, b in zip(old[:_ADDITIVE], values[:_ADDITIVE])]
-                    + [max(a, b) for a, b in zip(old[_ADDITIVE:_SHIFT], values[_ADDITIVE:_SHIFT])]
+                    [a + b for a, b in zip(old[:ADDITIVE], values[:ADDITIVE])]
+                    + [max(a, b) for a, b in zip(old[ADDITIVE:_SHIFT], values[ADDITIVE:_SHIFT])]
                     + [old[_SHIFT]]
                 )
                 calls, count = calls + old_calls, count + old_count
@@ -624,14 +326,14 @@ class Watch(Observer[None], ClosedOnExit):
 
     def _row(self, key: tuple[str, int, str], values: list[float], calls: int, count: int) -> WatchRow:
         path, call, kind = key
-        nonfinite = round(values[_NONFINITE])
+        nonfinite = round(values[NONFINITE])
         finite = count - nonfinite
-        mean = values[_SUM] / finite if finite else math.nan
+        mean = values[SUM] / finite if finite else math.nan
         offset = mean - values[_SHIFT]
-        variance = max(values[_SQUARES] / finite - offset * offset, 0.0) if finite else math.nan
-        low = -values[_NEG_MIN] if finite else math.nan
-        high = values[_MAX] if finite else math.nan
-        zeros = max(finite - round(values[_NONZERO]), 0) / count if count else math.nan
+        variance = max(values[SQUARES] / finite - offset * offset, 0.0) if finite else math.nan
+        low = -values[NEG_MIN] if finite else math.nan
+        high = values[MAX] if finite else math.nan
+        zeros = max(finite - round(values[NONZERO]), 0) / count if count else math.nan
         wanted = self.stats
 
         def pick(name: str, value: float | int) -> Any:
@@ -716,7 +418,7 @@ def watch(
             leaf module with parameters of its own.
         grads: also watch the gradients with respect to the outputs.
         stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
-        fused: on the CPU, take every statistic of a call of more than 16k values in one pass compiled by
+        fused: on the CPU, take every statistic of a call of at least 2048 values in one pass compiled by
             TorchInductor instead of several eager ones; the same statistics up to the summation order. The kernel
             is compiled once per process for each dtype (and thread count, and for inference tensors), at the
             first such call, and needs a C++ compiler: where it cannot be built that call raises

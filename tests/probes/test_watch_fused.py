@@ -56,8 +56,8 @@ def seeded(*shape: int, seed: int = 0) -> Tensor:
 
 def bf16_calls() -> list[Tensor]:
     """Calls that take every branch: rows with a tail, zeros, channels-last, a mean that would cancel the variance
-    (1 +- 0.01: the second pass around the mean), a NaN and an inf (the exact path), few values (float64 at once),
-    an inference tensor."""
+    (1 +- 0.01: the second pass around the mean), a NaN and an inf, and magnitudes whose float32 squares underflow
+    or overflow (the exact path), fewer than two rows (the eager passes), an inference tensor."""
     with torch.inference_mode():
         inference = seeded(40_000, seed=6).bfloat16()
     return [
@@ -68,6 +68,8 @@ def bf16_calls() -> list[Tensor]:
         torch.cat([seeded(30_000, seed=5), torch.tensor([math.nan, math.inf])]).bfloat16(),
         seeded(500, seed=7).bfloat16(),
         inference,
+        (1e-30 * seeded(30_000, seed=15)).bfloat16(),
+        (1e30 * seeded(30_000, seed=16)).bfloat16(),
     ]
 
 
@@ -87,6 +89,8 @@ def test_fused_rows_equal_the_eager_rows_in_other_dtypes(dtype: torch.dtype) -> 
     calls = [seeded(2, 32, 33, 35, seed=8).relu().to(dtype), seeded(70_000, seed=9).to(dtype)]
     if dtype == torch.float32:
         calls.append(1000 + 0.01 * seeded(60_000, seed=10))  # cancels without the second pass
+        calls += [1e-12 * seeded(5000, seed=17), 1e16 * seeded(5000, seed=18)]  # the ends of the fast range
+        calls += [1e-40 * seeded(5000, seed=19), 3e37 * seeded(5000, seed=20)]  # past them: the exact path
     fused = rows_of(True, calls)
     assert_same_rows(fused, rows_of(False, calls))
     for row, x in zip(fused, calls):
@@ -180,7 +184,7 @@ def test_fused_compile_failure_is_one_clear_error(monkeypatch: pytest.MonkeyPatc
             with pytest.raises(RunFailedError, match=message):
                 model(seeded(20_000))
         assert w.summary() == []  # the calls that raised left no row behind
-        model(seeded(1000))  # few values: float64 at once, nothing to compile
+        model(seeded(1000))  # fewer than two rows of 1024: the eager passes, nothing to compile
     assert len(attempts) == 1
     (row,) = w.summary()
     assert (row.calls, row.count) == (1, 1000)
