@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import featurehooks as fh
-from featurehooks import _hooks
+from featurehooks import _tap_session
 
 import _harness as H
 import _report as R
@@ -37,12 +37,12 @@ LAYERS = ["conv3_3", "relu3_3"]
 
 def extractors(mode: str, device: torch.device) -> dict[str, fh.FeatureExtractor]:
     """The two contenders, on the same weights; the first with the in-place ReLU kept (and the tap cloned)."""
-    keep = _hooks.release_inplace
-    _hooks.release_inplace = lambda model, found, sites, stop_early: found  # as before: clone every changed tap
+    keep = _tap_session.release_inplace
+    _tap_session.release_inplace = lambda model, found, sites, stop_early: found  # as before: clone every changed tap
     try:
         cloned = fh.FeatureExtractor("vgg16", LAYERS, mode=mode, memory_format="contiguous").to(device)
     finally:
-        _hooks.release_inplace = keep
+        _tap_session.release_inplace = keep
     released = fh.FeatureExtractor("vgg16", LAYERS, mode=mode, memory_format="contiguous").to(device)
     if released.backbone.get_submodule("features.15").inplace:
         raise SystemExit("the extractor did not switch relu3_3 out of place: is prepare(..., owns_model=True) called?")

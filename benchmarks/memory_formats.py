@@ -15,7 +15,7 @@ backbone with the same mean/std):
 - ``channels_last``: ``memory_format="channels_last"``;
 - ``auto``: ``memory_format="auto"``; the *format* column says what it chose, the *conv share* column
   the share of convolution FLOPs up to the requested layer, the *reuse* column how often each convolution weight
-  is used in one image's forward (``FeatureExtractor._conv_work``): auto runs channels-last without a graph where
+  is used in one image's forward (``FeatureExtractor.conv_work``): auto runs channels-last without a graph where
   the share is >= 0.5 and the reuse >= ``featurehooks._formats.MIN_REUSE``, and NCHW in a graph.
 
 Modes: ``no-grad`` (``mode="detach"`` under ``torch.no_grad``) and ``grad`` (``mode="grad"``, forward,
@@ -148,7 +148,7 @@ def build(case: Case) -> Built:
                 std=std,
                 memory_format=memory_format,
             )
-    return Built(case, extractors, extractors[AUTO]["no-grad"]._conv_work)
+    return Built(case, extractors, extractors[AUTO]["no-grad"].conv_work)
 
 
 def _timed(ext: fh.FeatureExtractor, x: Tensor, mode: str, precision: str, device: torch.device) -> Callable[[], Any]:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._hooks import TapSession
+from ._tap_session import TapSession
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import LayerIndex, LayerSpec
 

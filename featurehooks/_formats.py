@@ -26,7 +26,7 @@ formats there.
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
-MEMORY_FORMATS: tuple[str, ...] = ("auto", "channels_last", "contiguous")
+MEMORY_FORMATS: tuple[str, ...] = get_args(MemoryFormat)  # the names, spelled once
 TORCH_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 # A backbone whose convolutions do at least this share of the FLOPs runs channels-last under "auto".
 CONV_SHARE = 0.5

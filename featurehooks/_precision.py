@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 Precision = Literal["float32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("float32", "bf16", "fp16")
+PRECISIONS: tuple[str, ...] = get_args(Precision)  # the names, spelled once (float32 first: the default)
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

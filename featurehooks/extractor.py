@@ -3,14 +3,14 @@ module, is in ``featurehooks._capture``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import itertools
 import math
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,33 +18,26 @@ from torch import Tensor, nn
 from ._capture import Mode, check_mode
 from ._compute import ComputePolicy, KeepsPrecision
 from ._formats import MemoryFormat
-from ._hooks import ClosedOnExit, TapSession
-from ._layout import Layout, check_nchw, classify, patch_size_of, prefix_tokens_of, to_nchw
+from ._hooks import ClosedOnExit
+from ._inputs import RangeCheck, check_channels, check_images, normalization
+from ._layout import Layout, prefix_tokens_of
+from ._outputs import (
+    OutputFormat,
+    as_maps,
+    check_format,
+    check_prefix_names,
+    layouts_of,
+    returned_layouts,
+)
 from ._precision import Precision
-from ._taps import Site
+from ._tap_session import TapSession
+from ._taps import Site, Taps
 from ._trace import ConvWork, Trace, fixed_input_size, trace, trace_images
 from .backbones import BackboneSpec, Preprocessing, WeightsSpec, load_backbone
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import FeatureInfo, LayerIndex, LayerSpec, describe
 
 __all__ = ["FeatureExtractor", "LayerSpec", "MemoryFormat", "OutputFormat", "Precision"]
-
-OutputFormat = Literal["native", "nchw"]
-# Values this far outside input_range (as a fraction of its width) are almost surely the wrong scale.
-_RANGE_SLACK = 0.1
-
-
-def _check_format(output_format: str, return_prefix_tokens: bool, prefix_tokens: int | None) -> None:
-    if output_format not in ("native", "nchw"):
-        raise InvalidValueError(f"output_format must be 'native' or 'nchw', not {output_format!r}")
-    if return_prefix_tokens and output_format != "nchw":
-        raise InvalidValueError(
-            "return_prefix_tokens=True goes with output_format='nchw' (native token outputs keep their prefix tokens)"
-        )
-    if prefix_tokens is not None and (isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int)):
-        raise InvalidTypeError(f"prefix_tokens must be a non-negative int or None, not {prefix_tokens!r}")
-    if prefix_tokens is not None and prefix_tokens < 0:
-        raise InvalidValueError(f"prefix_tokens must be a non-negative int or None, not {prefix_tokens}")
 
 
 def _check_normalize(normalize: object, mean: object, std: object) -> None:
@@ -60,74 +53,57 @@ def _floating_tensor(model: nn.Module) -> Tensor:
     return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
+def _traced(
+    model: nn.Module, size: int | tuple[int, int], in_channels: int | None, taps: Taps, count_conv: bool
+) -> tuple[Trace | None, int | None, str]:
+    """The one meta trace of ``model`` with the channels it takes, or, for a model that cannot run on meta tensors
+    (its real forwards are checked instead), None, the backbone's channels and why."""
+    try:
+        found, channels = trace_images(model, size, in_channels, watch=taps.sites, count_conv=count_conv)
+    except Exception as exc:  # the model cannot run on meta tensors: real forwards are checked instead
+        return None, in_channels, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return found, channels, ""
+
+
+def _state_sha256(model: nn.Module) -> str:
+    """SHA-256 of ``model``'s state dict: names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        value = tensor.detach()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}\n".encode())
+        digest.update(value.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return digest.hexdigest()
+
+
 class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     """A frozen pretrained backbone that returns the named intermediate features you ask for.
 
-    The backbone is built (or deep-copied, for an ``nn.Module``), loaded, frozen and pinned to eval
-    mode; it is held outside the module tree, so a parent's ``.train()``, ``.apply()`` or
-    ``state_dict()`` never reaches it, while ``.to()``/``.cuda()``/``.half()`` move it along.
-    The forward stops as soon as every requested layer has run.
+    The backbone is built (or deep-copied, for an ``nn.Module``), loaded, frozen and pinned to eval mode, held
+    outside the module tree (a parent's ``.train()`` or ``state_dict()`` never reaches it; ``.to()`` moves it),
+    and its forward stops once every requested layer has run. The reasoning behind each option is in
+    ``docs/concepts.md``; speed in ``docs/performance.md``.
 
     Args:
         backbone: torchvision model name (``"vgg16"``), ``"timm/<name>"``, or an ``nn.Module``.
-        layers: names to return (VGG aliases such as ``"relu3_3"`` or module paths such as
-            ``"layer3"``), or a dict ``{"module.path": "output_name"}`` that renames outputs.
-        weights: ``"DEFAULT"``, a weights enum member name (``"IMAGENET1K_V1"``), ``None`` for random
-            init, or a local ``.pth``/``.pt``/``.safetensors`` file (read with ``weights_only=True``).
-        mode: ``"detach"`` returns features without a graph; ``"grad"`` keeps the graph to the input
-            (for losses) while the backbone's parameters stay frozen.
+        layers: names to return (aliases such as ``"relu3_3"``, module paths such as ``"layer3"``), or a dict
+            ``{"module.path": "output_name"}`` that renames outputs.
+        weights: ``"DEFAULT"``, a weights enum member name, ``None`` (random init), or a local weights file.
+        mode: ``"detach"`` returns features without a graph; ``"grad"`` keeps the graph to the input.
         input_range: the value range of the images you pass, e.g. ``(0, 1)``, ``(-1, 1)`` or ``(0, 255)``.
         mean: per-channel mean for images scaled to [0, 1]; overrides the weights' normalization.
         std: per-channel std for images scaled to [0, 1]; overrides the weights' normalization.
-        normalize: ``False`` feeds images to the backbone exactly as you pass them: no mean/std and no
-            mapping of ``input_range`` (which then only serves the out-of-range warning), as code that
-            gives a VGG its [-1, 1] images directly does (pix2pixHD).
+        normalize: ``False`` feeds images to the backbone exactly as you pass them (no mean/std, no range map).
         early_exit: stop the forward after the deepest requested layer (turn off only to measure).
-        output_format: ``"native"`` returns module outputs as they are; ``"nchw"`` returns every map
-            and token output as ``(B, C, H, W)``: channels-last maps (Swin) permuted, tokens (ViT)
-            without their prefix tokens and reshaped to the patch grid of the images at hand. Both
-            are views, no copy. ``(B, C)`` vectors and other outputs are returned as they are.
-        return_prefix_tokens: with ``"nchw"``, also return the class/register/distillation tokens of
-            each token layer that has some, as ``"<name>.prefix"`` of shape ``(B, P, C)``.
-        prefix_tokens: how many tokens lead the patch tokens of the model's token outputs; read
-            from the model (timm's ``num_prefix_tokens``, torchvision's ViT), so only needed for
-            your own modules that do not say.
-        memory_format: how the backbone's 4-D activations lie in memory. ``"auto"`` (default)
-            never changes what NCHW code would give beyond float32 rounding, and never in a graph:
-            with ``mode="grad"`` it is always ``"contiguous"`` (NCHW), so values and input gradients
-            are bitwise those of the NCHW code you port (in float32: with ``precision="bf16"``/``"fp16"``
-            the rule of ``mode="detach"`` applies in a graph too); with ``mode="detach"`` it runs a forward in
-            ``"channels_last"`` for convolutional backbones where each convolution weight is used
-            often enough per image for that to pay (measured: ``featurehooks._formats``; values within
-            1e-5 of scale). ``"channels_last"`` and
-            ``"contiguous"`` force a format (channels-last in a graph rounds input gradients
-            differently, up to a few % of their largest element on VGG/ResNet).
-            ``memory_format_in_use`` says which format the latest forward ran in.
-        precision: what the backbone computes in: ``"float32"`` (default: the backbone as it is, and an
-            enclosing ``torch.autocast`` applies as usual), ``"bf16"`` or ``"fp16"``. The frozen
-            backbone is stored once in that dtype (its parameters and buffers; ``compute_dtype``)
-            and runs with any enclosing autocast off; normalization and the cast of the images stay
-            in float32 (a later ``.to()``/``.half()``/``.float()`` moves the extractor between devices
-            but changes neither dtype). Features come back in that dtype; losses and metrics reduce them in float32;
-            gradients reach the images in the images' dtype. Faster where the device has the
-            kernels (bf16 on an AVX512-BF16 CPU: VGG16 relu3_3 at 4x224 1.9x in inference, 2.5x
-            in a loss step), with values that round differently (losses and metrics within
-            0.25% of float32 on photos: ``docs/performance.md``); a device
-            without them is refused at the first forward (fp16 on a CPU without AVX512-FP16/AMX-FP16,
-            where it is emulated and slower; bf16 on a GPU older than compute capability 8.0). fp16
-            gradients below 6e-8 become 0: scale the loss as ``torch.amp.GradScaler`` does, or use bf16
-            (``docs/performance.md``).
+        output_format: ``"native"`` (module outputs as they are) or ``"nchw"`` (maps and tokens as ``(B, C, H, W)``).
+        return_prefix_tokens: with ``"nchw"``, also return each token layer's prefix tokens as ``"<name>.prefix"``.
+        prefix_tokens: how many tokens lead the patch tokens, for your own modules that do not say.
+        memory_format: ``"auto"`` (never changes NCHW results beyond float32 rounding), ``"channels_last"`` or
+            ``"contiguous"``; ``memory_format_in_use`` says what the latest forward ran in.
+        precision: what the backbone computes in: ``"float32"`` (default), ``"bf16"`` or ``"fp16"``.
 
-    ``output_layouts`` tells the layout of each returned output.
-
-    Features keep their logical shape whatever the memory format: a ``(B, C, H, W)`` map of a
-    channels-last backbone has channels-last strides (``.is_contiguous(memory_format=
-    torch.channels_last)``); call ``.contiguous()`` where NCHW memory is needed (``.numpy()``
-    arrays keep the strides too, ``np.ascontiguousarray`` makes them C-ordered). Gradients with
-    respect to the images keep the images' own memory format. Values agree with NCHW to float32
-    rounding (the kernels sum in another order).
-
-    Grayscale input is an error rather than silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
+    ``output_layouts`` tells the layout of each returned output. Features keep their logical shape whatever the
+    memory format (a channels-last forward returns channels-last strides). Grayscale input is an error rather than
+    silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
 
     Shape:
         input: ``(B, C, H, W)`` float in ``input_range``; output: dict of the requested features.
@@ -164,7 +140,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     ) -> None:
         super().__init__()
         check_mode(mode)
-        _check_format(output_format, return_prefix_tokens, prefix_tokens)
+        check_format(output_format, return_prefix_tokens, prefix_tokens)
         policy = ComputePolicy(memory_format, precision)
         low, high = (float(v) for v in input_range)
         if not low < high:
@@ -193,19 +169,12 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         self._prefix_tokens = prefix_tokens if prefix_tokens is not None else prefix_tokens_of(model)
         index = LayerIndex(model, loaded.name)
         self.taps = index.taps(layers)
-        self._check_prefix_names()
-        size = self.preprocessing.crop_size or 224
-        self._untraced = ""
+        check_prefix_names(self.taps.names, return_prefix_tokens)
+        size = fixed_input_size(model) or self.preprocessing.crop_size or 224
         # auto uses channels-last only without a graph (or in bf16/fp16), so only such an extractor under auto counts
         # the convolution work for it, in its one meta trace
         count_conv = policy.counts_conv(graph=mode == "grad")
-        try:
-            found, self.in_channels = trace_images(
-                model, fixed_input_size(model) or size, loaded.in_channels, watch=self.taps.sites, count_conv=count_conv
-            )
-        except Exception as exc:  # the model cannot run on meta tensors: real forwards are checked instead
-            found, self.in_channels = None, loaded.in_channels
-            self._untraced = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        found, self.in_channels, self._untraced = _traced(model, size, loaded.in_channels, self.taps, count_conv)
         self._layouts: dict[str, Layout] | None = None
         self._returned_layouts: dict[str, Layout] = {}
         if found is not None:
@@ -218,7 +187,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         policy.conv_work = found.conv_work.get(self._stop_site) if found is not None else None
         policy.settle_format(model)
         self._format: str = policy.weights_format
-        self._range_checked = False
+        self._range = RangeCheck(self.input_range)
         # the private copy: copies of the extractor copy its taps; in-place ReLUs after taps run out of place
         self._session: TapSession[None] = TapSession(
             model, self.taps, detach=mode == "detach", stop_early=early_exit, owns_model=True
@@ -243,24 +212,16 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         return self._model
 
     def _register_normalization(self, pre: Preprocessing) -> None:
-        """Buffers ``mean``/``std`` in the units of ``input_range``, so forward is one ``(x - mean) / std``.
-
-        They start with the backbone's dtype and device (a user's module may be float64 or on a GPU already)
-        and follow ``.to()`` from then on: forward casts images to their dtype and checks their device. Under
-        ``precision="bf16"``/``"fp16"`` they are float32 whatever the module's dtype, and stay so
-        (``KeepsPrecision``).
-        With ``normalize=False`` they are 0 and 1: images reach the backbone as they are.
-        """
-        low, high = self.input_range if self.normalizes else (0.0, 1.0)
+        """Buffers ``mean``/``std`` in the units of ``input_range`` (0 and 1 with ``normalize=False``), with the
+        backbone's device and dtype (float32 under bf16/fp16, ``KeepsPrecision``); they follow ``.to()``."""
+        low_high = self.input_range if self.normalizes else (0.0, 1.0)
         channels = len(pre.mean) if pre.mean is not None else (self.in_channels or 1)
         like = _floating_tensor(self._model)
-        if self.precision != "float32":
-            like = like.float()
-        mean = torch.tensor(pre.mean if pre.mean is not None else [0.0] * channels).to(like)
-        std = torch.tensor(pre.std if pre.std is not None else [1.0] * channels).to(like)
-        self.register_buffer("mean", (low + mean * (high - low)).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", (std * (high - low)).view(1, -1, 1, 1), persistent=False)
-        self._normalizes = pre.mean is not None or (low, high) != (0.0, 1.0)
+        like = like if self.precision == "float32" else like.float()
+        mean, std = normalization(pre.mean, pre.std, channels, low_high, like)
+        self.register_buffer("mean", mean, persistent=False)
+        self.register_buffer("std", std, persistent=False)
+        self._normalizes = pre.mean is not None or low_high != (0.0, 1.0)
 
     @functools.cached_property
     def _stop_site(self) -> Site | None:
@@ -271,14 +232,10 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         return self._trace.last(self.taps.sites)
 
     @property
-    def _conv_work(self) -> ConvWork | None:
-        """The convolution work ``"auto"`` decides by (None: not counted, or no evidence that channels-last runs)."""
+    def conv_work(self) -> ConvWork | None:
+        """The convolution work of what the forward runs, which ``memory_format="auto"`` decides by (``share`` of the
+        FLOPs in convolutions, ``reuse`` of each weight per image); None where not counted or channels-last fails."""
         return self._policy.conv_work
-
-    @property
-    def _conv_share(self) -> float | None:
-        """The share of convolution FLOPs in what the forward runs, as ``"auto"`` counted it (None: not counted)."""
-        return self._conv_work.share if self._conv_work is not None else None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -289,12 +246,8 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     def memory_format_for(self, shape: Sequence[int], *, graph: bool | None = None) -> str:
         """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in.
 
-        ``graph`` says whether the forward builds a graph (default: it does in ``mode="grad"``). Under
-        ``"auto"``, a float32 forward that builds a graph always runs NCHW (bitwise the gradients of NCHW
-        code); one without, or any forward in ``precision="bf16"``/``"fp16"`` (whose numbers are not NCHW
-        code's anyway), runs channels-last where ``featurehooks._formats.channels_last_pays`` says so for
-        this backbone, device and shape: in bf16 that made the VGG16 relu3_3 loss step at 4x224 1.24x
-        faster than bf16 in NCHW on this project's CPU.
+        ``graph`` says whether the forward builds a graph (default: it does in ``mode="grad"``). Under ``"auto"``, a
+        float32 forward with a graph runs NCHW; others run channels-last where ``conv_work`` says it pays.
         """
         graph = self.mode == "grad" if graph is None else graph
         return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type)
@@ -324,57 +277,32 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         """Output names in request order."""
         return self.taps.names
 
-    def _check_prefix_names(self) -> None:
-        clashes = [f"{name}.prefix" for name in self.taps.names if f"{name}.prefix" in self.taps.names]
-        if self.return_prefix_tokens and clashes:
-            raise InvalidValueError(f"return_prefix_tokens=True would return {clashes} twice; rename those layers")
-
-    def _set_layouts(self, shapes: Mapping[str, tuple[int, ...] | None], input_shape: tuple[int, ...]) -> None:
-        """The layout of each tap from its output shape; with ``"nchw"``, refuse token outputs that cannot
-        become maps (their prefix count unknown, or tokens that do not tile the input)."""
-        patch = patch_size_of(self._model)
-        layouts = {name: classify(shape, input_shape, self._prefix_tokens, patch) for name, shape in shapes.items()}
-        if self.output_format == "nchw":
-            for name, layout in layouts.items():
-                check_nchw(layout, shapes[name] or (), (input_shape[-2], input_shape[-1]), name)
-        self._layouts = layouts
-        self._returned_layouts = self._after_format(layouts)
-
-    def _after_format(self, layouts: dict[str, Layout]) -> dict[str, Layout]:
-        """The layouts of what ``forward`` returns: with ``"nchw"``, token and NHWC taps as maps, plus prefixes."""
-        if self.output_format == "native":
-            return layouts
-        returned: dict[str, Layout] = {}
-        for name, layout in layouts.items():
-            if layout.kind in ("NHWC", "NLC"):
-                returned[name] = Layout("NCHW", layout.channels, layout.stride)
-                if self.return_prefix_tokens and layout.kind == "NLC" and layout.prefix_tokens:
-                    returned[f"{name}.prefix"] = Layout("NLC", layout.channels, None, layout.prefix_tokens)
-            else:
-                returned[name] = layout
-        return returned
+    def _set_layouts(self, shapes: dict[str, tuple[int, ...] | None], input_shape: tuple[int, ...]) -> None:
+        """The layout of each tap, and of what ``forward`` returns, from the taps' output shapes."""
+        self._layouts = layouts_of(self._model, shapes, input_shape, self._prefix_tokens, self.output_format)
+        self._returned_layouts = returned_layouts(self._layouts, self.output_format, self.return_prefix_tokens)
 
     @property
     def output_layouts(self) -> dict[str, Layout]:
         """The layout of each returned output, by name (after ``output_format``; ``"<name>.prefix"``
         outputs are ``"NLC"`` tokens that are all prefix tokens). Worked out once, from the trace."""
         if self._layouts is None:
-            raise RuntimeError(
-                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so the layouts of its "
-                "outputs are known after its first forward"
-            )
+            raise self._untraced_error("the layouts of its outputs are known after its first forward")
         return dict(self._returned_layouts)
 
     @functools.cached_property
     def feature_info(self) -> list[FeatureInfo]:
         """Layout, channels and stride of each requested layer, in request order (from the meta trace)."""
         if self._trace is None:
-            raise RuntimeError(
-                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so its layers have no "
-                "metadata before a real forward; look at the shapes of the features it returns"
+            raise self._untraced_error(
+                "its layers have no metadata before a real forward; look at the shapes of the features it returns"
             )
         rows = {(row.path, row.call): row for row in describe(self._model, self._trace, self.backbone_name)}
         return [rows[tap.site] for tap in self.taps]
+
+    def _untraced_error(self, consequence: str) -> RuntimeError:
+        """The error of a question only the meta trace answers, for a backbone that cannot run on the meta device."""
+        return RuntimeError(f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so {consequence}")
 
     # -- what input pipelines ask (dumps, feature statistics): answered here, never read from private fields --
     @property
@@ -408,14 +336,9 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         shape = tuple(int(size) for size in input_shape)
         if len(shape) != 4:
             raise InvalidValueError(f"input_shape must be (batch, channels, height, width), got {shape}")
-        if self.in_channels is not None and shape[1] != self.in_channels:
-            hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if shape[1] == 1 else ""
-            raise InvalidValueError(f"expected {self.in_channels} channels, got {shape[1]}{hint}")
+        check_channels(shape[1], self.in_channels)
         if self._trace is None:
-            raise RuntimeError(
-                f"{self.backbone_name} cannot run on the meta device ({self._untraced}), so the shapes of its "
-                "outputs are known from a real forward only"
-            )
+            raise self._untraced_error("the shapes of its outputs are known from a real forward only")
         found = self._trace
         if found.input_shape != shape:
             found = trace(self._model, (torch.empty(shape, dtype=self.compute_dtype),), eval_mode=True)
@@ -423,33 +346,25 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         if self.output_format == "native":
             return shapes
         outputs = {name: None if size is None else torch.empty(size, device="meta") for name, size in shapes.items()}
-        maps = self._as_maps(outputs, (shape[-2], shape[-1]))
+        maps = as_maps(outputs, self._layouts or {}, (shape[-2], shape[-1]), self.return_prefix_tokens)
         return {name: tuple(value.shape) if isinstance(value, Tensor) else None for name, value in maps.items()}
 
     @property
     def range_checked(self) -> bool:
-        """Whether the check that images lie in ``input_range`` has run: it looks at the first non-empty batch
-        only (each call would sync the device) and warns when values lie far outside.
+        """Whether the check that images lie in ``input_range`` has run: it looks at the first non-empty batch only
+        (each call would sync the device) and warns when values lie far outside."""
+        return self._range.done
 
-        Set it to ``True`` before a forward whose images are in range by construction (a probe of constant
-        values) so that the check waits for real images, or to ``False`` to have the next batch checked again.
-        """
-        return self._range_checked
-
-    @range_checked.setter
-    def range_checked(self, checked: bool) -> None:
-        self._range_checked = bool(checked)
+    def assume_in_range(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose forwards skip the range check, for images in range by construction (a probe of constant
+        values): the check then looks at the first real batch after the block, as if the block never ran."""
+        return self._range.deferred()
 
     def weights_sha256(self) -> str:
         """SHA-256 of the backbone's state dict (names, dtypes, shapes and bytes), recorded by dumps and feature
         statistics: ``weights`` alone cannot tell two checkpoints of a user's module, or two seeds of a random
         init, apart."""
-        digest = hashlib.sha256()
-        for name, tensor in self._model.state_dict().items():
-            value = tensor.detach()
-            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}\n".encode())
-            digest.update(value.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-        return digest.hexdigest()
+        return _state_sha256(self._model)
 
     # -- end of what input pipelines ask ------------------------------------------------------------------------
 
@@ -463,43 +378,6 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         self._model._apply(fn)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         if hasattr(self, "_format"):  # a stray .to(memory_format=...) must not undo a forced format
             self._policy.settle_format(self._model)
-
-    def _check_input(self, images: Tensor) -> None:
-        """Raise before any compute for what no cast can fix: not a tensor, shape, integer dtype, channels, device."""
-        if not isinstance(images, Tensor):
-            raise InvalidTypeError(f"expected a torch.Tensor of images, got {type(images).__name__}")
-        if images.dim() != 4:
-            raise InvalidValueError(
-                f"expected images of shape (batch, {self.in_channels or 'channels'}, height, width), "
-                f"got shape {tuple(images.shape)}"
-            )
-        if not images.is_floating_point():
-            raise InvalidTypeError(
-                f"expected floating-point images in input_range={self.input_range}, got {images.dtype}; "
-                "convert with images.float() (and divide uint8 by 255 for input_range=(0, 1))"
-            )
-        if self.in_channels is not None and images.shape[1] != self.in_channels:
-            hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
-            raise InvalidValueError(f"expected {self.in_channels} channels, got {images.shape[1]}{hint}")
-        if images.device != self.mean.device:
-            raise InvalidValueError(
-                f"images are on {images.device} but the extractor is on {self.mean.device}; "
-                "move one of them, e.g. images.to(extractor.mean.device)"
-            )
-        if not self._range_checked and images.numel() and not torch.compiler.is_compiling():
-            self._range_checked = True  # checked once: a per-call check would sync the device every step
-            self._warn_if_out_of_range(images)
-
-    def _warn_if_out_of_range(self, images: Tensor) -> None:
-        low, high = self.input_range
-        slack = _RANGE_SLACK * (high - low)
-        found_low, found_high = (float(v) for v in torch.aminmax(images.detach()))
-        if found_low < low - slack or found_high > high + slack:
-            warnings.warn(
-                f"images span [{found_low:.3g}, {found_high:.3g}] but input_range={self.input_range}; "
-                "pass the range your images use, e.g. input_range=(0, 255) or (-1, 1)",
-                stacklevel=3,
-            )
 
     def normalize(self, images: Tensor) -> Tensor:
         """Map images from ``input_range`` to what the backbone's weights expect."""
@@ -515,7 +393,8 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         """
         if not self._session.active:
             raise RuntimeError("this FeatureExtractor was closed; create a new one")
-        self._check_input(images)
+        check_images(images, self.in_channels, self.input_range, self.mean.device)
+        self._range(images)
         grad = self.mode == "grad" and torch.is_grad_enabled()
         x = self.normalize(images.to(self.mean.dtype))
         chosen = self.memory_format_for(x.shape, graph=grad)  # a local: threads sharing the extractor decide apart
@@ -525,25 +404,14 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
             shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
             self._set_layouts(shapes, tuple(images.shape))
         if self.output_format == "nchw":
-            return self._as_maps(features, (images.shape[-2], images.shape[-1]))
+            return as_maps(
+                features, self._layouts or {}, (images.shape[-2], images.shape[-1]), self.return_prefix_tokens
+            )
         return features
 
     def _backbone_forward(self, images: Tensor) -> dict[str, Any]:
         """The session's forward of the backbone on images already normalized, cast and laid out."""
         return self._session.run(self._model, images)
-
-    def _as_maps(self, features: dict[str, Any], image_hw: tuple[int, int]) -> dict[str, Any]:
-        """Token and channels-last outputs as ``(B, C, H, W)`` views; prefix tokens kept on request."""
-        layouts = self._layouts or {}
-        maps: dict[str, Any] = {}
-        for name, value in features.items():
-            if not isinstance(value, Tensor):
-                maps[name] = value
-                continue
-            maps[name], prefix = to_nchw(value, layouts[name], image_hw, name)
-            if self.return_prefix_tokens and prefix is not None and prefix.shape[1]:
-                maps[f"{name}.prefix"] = prefix
-        return maps
 
     def close(self) -> None:
         """Remove every hook from the backbone; the extractor cannot be called afterwards."""

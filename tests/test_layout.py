@@ -16,9 +16,9 @@ PACKAGE = REPO / "featurehooks"
 FLOORS = [
     {"errors", "_atomic", "_version"},
     {"_taps", "_layout", "_copy", "_precision"},
-    {"_trace", "_hooks", "_formats", "_compute"},
+    {"_trace", "_hooks", "_tap_session", "_formats", "_compute", "_inputs", "_outputs"},
     {"backbones", "layers"},
-    {"extractor", "_capture", "images", "functional"},
+    {"extractor", "_capture", "images", "_decode", "functional"},
     {"losses", "probes", "viz"},
     {"_stream"},
     {"dump", "metrics"},

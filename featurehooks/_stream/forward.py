@@ -110,9 +110,6 @@ def _probed_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """``row_shapes`` from one real forward of an image at the low end of ``input_range``."""
     probe = torch.full((1, *image_shape), extractor.input_range[0], device=extractor.device)
-    checked, extractor.range_checked = extractor.range_checked, True  # in range by construction: not a sample
-    try:
+    with extractor.assume_in_range():  # in range by construction: not a sample of the real images
         arrays = features_as_arrays(extractor, probe, pool, "float32")
-    finally:
-        extractor.range_checked = checked
     return {name: tuple(array.shape[1:]) for name, array in arrays.items()}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -64,13 +66,16 @@ def test_deepcopy_and_pickle_of_a_parent_holding_an_extractor() -> None:
     assert torch.equal(parent["ext"](x)["2"], expected["2"])  # the original keeps its own hooks
 
 
-def test_extractor_without_dry_run_works_under_inference_mode() -> None:
+def test_extractor_without_dry_run_works_under_inference_mode(count_clones: Callable[[], Any]) -> None:
     ext = fh.FeatureExtractor(NoMeta(), ["conv"])
     with torch.inference_mode():
         ext(torch.rand(1, 3, 16, 16))
         built_inside = fh.FeatureExtractor(tiny(), ["0", "2"])
-        assert built_inside._trace.changed_in_place(built_inside.taps.sites, stop_early=True) == {("0", 0)}
-        assert not built_inside._session._clone and not built_inside.backbone[1].inplace  # out of place instead
+        assert [row.channels for row in built_inside.feature_info] == [4, 4]  # traced inside inference mode
+        with count_clones() as clones:
+            feats = built_inside(torch.rand(1, 3, 16, 16))
+        # the trace saw the in-place ReLU change tap "0": it runs out of place instead of the tap being cloned
+        assert clones.count == 0 and not built_inside.backbone[1].inplace and (feats["0"] < 0).any()
 
 
 def test_capture_hooks_store_nothing_between_forwards() -> None:

@@ -31,7 +31,7 @@ def test_an_extractor_runs_one_meta_forward(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_trace, "meta_copy", counting)
     extractor = fh.FeatureExtractor("resnet18", ["layer2"], weights=None)
     assert len(copies) == 1  # the trace that lists shapes and in-place changes also counted the convolution work
-    assert extractor._conv_work is not None and extractor._conv_work.share > 0.9
+    assert extractor.conv_work is not None and extractor.conv_work.share > 0.9
 
 
 def test_the_trace_counts_conv_work_per_call_only_when_asked() -> None:

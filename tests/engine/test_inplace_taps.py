@@ -3,7 +3,7 @@ cloning the tap; values and input gradients stay bitwise those of the cloned pat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,31 +14,17 @@ from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
 import featurehooks as fh
-from featurehooks import _hooks
+from featurehooks import _tap_session
 from featurehooks._trace import trace
 
 VGG_TAPS = ["conv1_2", "relu1_2", "conv3_3", "relu3_3"]
 RESNET_TAPS = ["layer1.0.bn1", "layer1.0.relu", "layer1.0.bn2", "layer2.1.bn1"]  # bn2: `out += identity` next
 
 
-@pytest.fixture
-def clones(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Counts the clones the hook session makes (one entry per cloned tap per forward)."""
-    counted: list[int] = []
-    clone = _hooks._cloned
-
-    def counting(output: Any) -> Any:
-        counted.append(1)
-        return clone(output)
-
-    monkeypatch.setattr(_hooks, "_cloned", counting)
-    yield counted
-
-
 def cloning(monkeypatch: pytest.MonkeyPatch, build: Callable[[], fh.FeatureExtractor]) -> fh.FeatureExtractor:
     """An extractor built as before this change: every tap changed in place later is cloned."""
     with monkeypatch.context() as patch:
-        patch.setattr(_hooks, "release_inplace", lambda model, found, sites, stop_early: found)
+        patch.setattr(_tap_session, "release_inplace", lambda model, found, sites, stop_early: found)
         return build()
 
 
@@ -53,7 +39,7 @@ def fx_out_of_place(name: str, nodes: list[str]) -> nn.Module:
 
 def input_grad(extractor: fh.FeatureExtractor, images: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Features and the input gradient of a loss that weighs every tap differently."""
-    x = images.clone().requires_grad_(True)
+    x = images.detach().requires_grad_(True)
     feats = extractor(x)
     loss = sum((index + 1) * (value * value).mean() for index, value in enumerate(feats.values()))
     (grad,) = torch.autograd.grad(loss, x)
@@ -66,11 +52,12 @@ def paths_of(extractor: fh.FeatureExtractor, names: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_vgg16_conv_and_relu_taps_and_input_gradients_equal_fx_with_no_clone(
-    vgg16_cached: Path, images: torch.Tensor, clones: list[int]
+    vgg16_cached: Path, images: torch.Tensor, count_clones: Callable[[], Any]
 ) -> None:
     extractor = fh.FeatureExtractor("vgg16", VGG_TAPS, mode="grad", memory_format="contiguous")  # NCHW as FX
-    ours, grad = input_grad(extractor, images)
-    assert clones == []
+    with count_clones() as clones:
+        ours, grad = input_grad(extractor, images)
+    assert clones.count == 0
     paths = paths_of(extractor, VGG_TAPS)
     x = images.clone().requires_grad_(True)
     theirs = fx_out_of_place("vgg16", paths)(extractor.normalize(x))
@@ -85,25 +72,26 @@ def test_vgg16_conv_and_relu_taps_and_input_gradients_equal_fx_with_no_clone(
 
 
 def test_vgg16_values_and_input_gradients_equal_the_cloned_path(
-    vgg16_cached: Path, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch, clones: list[int]
+    vgg16_cached: Path, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch, count_clones: Callable[[], Any]
 ) -> None:
     def build() -> fh.FeatureExtractor:
         return fh.FeatureExtractor("vgg16", VGG_TAPS, mode="grad", early_exit=False)
 
     cloned = cloning(monkeypatch, build)
     released = build()
-    before, grad_before = input_grad(cloned, images)
-    assert len(clones) == 2, "conv1_2 and conv3_3"
-    clones.clear()
-    after, grad_after = input_grad(released, images)
-    assert clones == []
+    with count_clones() as clones:
+        before, grad_before = input_grad(cloned, images)
+    assert clones.count == 2, "conv1_2 and conv3_3"
+    with count_clones() as clones:
+        after, grad_after = input_grad(released, images)
+    assert clones.count == 0
     for name in VGG_TAPS:
         assert torch.equal(after[name], before[name]), name
     assert torch.equal(grad_after, grad_before)
 
 
 def test_resnet_bn_taps_before_the_shared_relu_are_not_cloned_but_a_tap_before_add_is(
-    resnet18_cached: Path, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch, clones: list[int]
+    resnet18_cached: Path, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch, count_clones: Callable[[], Any]
 ) -> None:
     def build() -> fh.FeatureExtractor:
         return fh.FeatureExtractor("resnet18", RESNET_TAPS, mode="grad", memory_format="contiguous")
@@ -111,9 +99,9 @@ def test_resnet_bn_taps_before_the_shared_relu_are_not_cloned_but_a_tap_before_a
     cloned = cloning(monkeypatch, build)
     released = build()
     before, grad_before = input_grad(cloned, images)
-    clones.clear()
-    after, grad_after = input_grad(released, images)
-    assert len(clones) == 1, "only layer1.0.bn2, changed by `out += identity`, is cloned"
+    with count_clones() as clones:
+        after, grad_after = input_grad(released, images)
+    assert clones.count == 1, "only layer1.0.bn2, changed by `out += identity`, is cloned"
     theirs = fx_out_of_place("resnet18", RESNET_TAPS)(released.normalize(images))
     for name in RESNET_TAPS:
         assert torch.equal(after[name], before[name]), name
@@ -171,43 +159,50 @@ def elu_net() -> ConvAct:
     return ConvAct(nn.ELU(inplace=True))
 
 
+def extracted(
+    net: nn.Module, x: torch.Tensor, count_clones: Callable[[], Any]
+) -> tuple[fh.FeatureExtractor, dict[str, torch.Tensor], int]:
+    """An NCHW extractor of ``net``'s conv and head, its features of ``x``, and the clones that forward made."""
+    extractor = fh.FeatureExtractor(net, ["conv", "head"], memory_format="contiguous")
+    with count_clones() as clones:
+        feats = extractor(x)
+    return extractor, feats, clones.count
+
+
 @pytest.mark.parametrize("build", [AddThenAct, SideEffect, elu_net], ids=["add", "side_effect", "elu"])
 def test_in_place_changes_that_a_switch_cannot_remove_keep_the_clone(
-    build: Callable[[], ConvAct], clones: list[int]
+    build: Callable[[], ConvAct], count_clones: Callable[[], Any]
 ) -> None:
     torch.manual_seed(0)
     net = build().eval()
     x = torch.rand(2, 3, 8, 8)
-    extractor = fh.FeatureExtractor(net, ["conv", "head"], memory_format="contiguous")
-    feats = extractor(x)
-    assert len(clones) == 1
+    extractor, feats, clones = extracted(net, x, count_clones)
+    assert clones == 1
     assert torch.equal(feats["conv"], net.conv(x)) and (feats["conv"] < 0).any()
     assert torch.equal(feats["head"], net(x))
     assert extractor.backbone.act.inplace and net.act.inplace
 
 
-def test_the_users_module_keeps_its_in_place_relu(clones: list[int]) -> None:
+def test_the_users_module_keeps_its_in_place_relu(count_clones: Callable[[], Any]) -> None:
     torch.manual_seed(0)
     net = ConvAct().eval()
     x = torch.rand(2, 3, 8, 8)
-    extractor = fh.FeatureExtractor(net, ["conv", "head"], memory_format="contiguous")
-    feats = extractor(x)
-    assert clones == [] and not extractor.backbone.act.inplace
+    extractor, feats, clones = extracted(net, x, count_clones)
+    assert clones == 0 and not extractor.backbone.act.inplace
     assert net.act.inplace, "FeatureExtractor switches its own copy only"
-    with fh.capture(net, ["conv", "head"]) as captured:
+    with count_clones() as captured_clones, fh.capture(net, ["conv", "head"]) as captured:
         net(x)
-    assert len(clones) == 1 and net.act.inplace, "capture() clones and leaves the user's modules alone"
+    assert captured_clones.count == 1 and net.act.inplace, "capture() clones and leaves the user's modules alone"
     assert torch.equal(captured["conv"], feats["conv"]) and (feats["conv"] < 0).any()
 
 
-def test_an_untraceable_model_keeps_cloning(clones: list[int]) -> None:
+def test_an_untraceable_model_keeps_cloning(count_clones: Callable[[], Any]) -> None:
     torch.manual_seed(0)
     net = Untraceable().eval()
     x = torch.rand(2, 3, 8, 8)
-    extractor = fh.FeatureExtractor(net, ["conv", "head"], memory_format="contiguous")
     with pytest.warns(UserWarning, match="changed in place"):
-        feats = extractor(x)
-    assert extractor.backbone.act.inplace and clones == [1]
+        extractor, feats, clones = extracted(net, x, count_clones)
+    assert extractor.backbone.act.inplace and clones == 1
     assert torch.equal(feats["conv"], net.conv(x))
 
 

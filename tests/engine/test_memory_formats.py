@@ -89,8 +89,8 @@ class ConvThenMatmul(nn.Module):
 def test_the_share_counts_only_the_work_up_to_the_deepest_requested_layer() -> None:
     early = fh.FeatureExtractor(ConvThenMatmul(), ["conv"], weights=None)
     late = fh.FeatureExtractor(ConvThenMatmul(), ["head"], weights=None)
-    assert early._conv_share == pytest.approx(1.0) and early.memory_format_for(LARGE) == "channels_last"
-    assert late._conv_share < 0.5 and late.memory_format_for(LARGE) == "contiguous"
+    assert early.conv_work.share == pytest.approx(1.0) and early.memory_format_for(LARGE) == "channels_last"
+    assert late.conv_work.share < 0.5 and late.memory_format_for(LARGE) == "contiguous"
 
 
 @pytest.mark.parametrize(
@@ -211,7 +211,9 @@ def test_untraceable_models_stay_nchw_under_auto() -> None:
             return self.conv(x) if float(x.mean()) > -1 else x  # a value read: no meta trace
 
     extractor = fh.FeatureExtractor(DataDependent(), ["conv"], weights=None)
-    assert extractor._trace is None and extractor.memory_format_in_use == "contiguous"
+    assert extractor.conv_work is None and extractor.memory_format_in_use == "contiguous"  # no trace: no evidence
+    with pytest.raises(RuntimeError, match="cannot run on the meta device"):
+        extractor.feature_info  # noqa: B018 - the property raises for an untraced model
 
 
 @pytest.mark.parametrize(
@@ -247,8 +249,8 @@ def test_the_work_per_weight_is_counted_up_to_the_deepest_layer() -> None:
     ]
     macs = sum(c_in * c_out * 9 * side * side for c_in, c_out, side in channels)
     weights = sum(c_in * c_out * 9 for c_in, c_out, _ in channels)
-    assert extractor._conv_work is not None
-    assert extractor._conv_work.reuse(64, 64) == pytest.approx(macs / weights)
+    assert extractor.conv_work is not None
+    assert extractor.conv_work.reuse(64, 64) == pytest.approx(macs / weights)
     resnet = seeded_extractor("resnet50", ["layer4"])  # big weights on small maps: NCHW at 224, channels-last at 640
     assert resnet.memory_format_for((8, 3, 224, 224)) == "contiguous"
     assert resnet.memory_format_for((1, 3, 640, 640)) == "channels_last"
@@ -478,7 +480,7 @@ def test_a_model_catching_every_exception_cannot_stretch_the_share_past_the_tap(
             return self.head(self.pool(features).flatten(1))
 
     extractor = fh.FeatureExtractor(Guarded(), ["conv"], weights=None)
-    assert extractor._conv_share == pytest.approx(1.0)
+    assert extractor.conv_work is not None and extractor.conv_work.share == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
@@ -502,7 +504,9 @@ def test_without_early_exit_activation_bytes_cover_the_whole_forward() -> None:
     assert pooled.activation_bytes(32, 32) == 64 * 32 * 32 * 4
     early = seeded_extractor("resnet18", ["maxpool"])
     whole = seeded_extractor("resnet18", ["maxpool"], early_exit=False)
-    assert early._stop_site == ("maxpool", 0) and whole._stop_site is None
+    # what each forward runs: conv1 alone (each weight used once per position of its 16x16 output), or all of it
+    # (the big weights of the later stages, used a few times each, weigh the average down)
+    assert early.conv_work.reuse(32, 32) == pytest.approx(16 * 16) and whole.conv_work.reuse(32, 32) < 16
     assert early.activation_bytes(32, 32) == whole.activation_bytes(32, 32) == 64 * 16 * 16 * 4
 
 
