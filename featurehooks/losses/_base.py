@@ -8,9 +8,11 @@ the batch. Subclasses only define the statistic.
 
 from __future__ import annotations
 
+import functools
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, ParamSpec, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,9 @@ from ..functional import (
 )
 
 LayerWeights = Union[Mapping[str, float], Sequence[float], None]
-Resize = Union[int, tuple[int, int], None]
+InputSize = Union[int, tuple[int, int], None]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _float32_or_wider(x: Tensor) -> Tensor:
@@ -63,14 +67,18 @@ def resolve_layer_weights(layer_weights: LayerWeights, layers: Sequence[str]) ->
     return weights
 
 
-def check_resize(resize: Resize) -> tuple[int, int] | None:
+def check_input_size(input_size: InputSize) -> tuple[int, int] | None:
     """``None``, or ``(height, width)`` from an int (square) or a pair of positive ints; a bool is a mistake."""
-    if resize is None:
+    if input_size is None:
         return None
-    expected = f"resize must be None, a positive int or (height, width), not {resize!r}"
-    if isinstance(resize, bool):
+    expected = f"input_size must be None (no resize), a positive int or (height, width), not {input_size!r}"
+    if isinstance(input_size, bool):
         raise InvalidTypeError(f"{expected}; a bool is no size: give one (224 or (224, 224)), or None not to resize")
-    pair = list(resize) if isinstance(resize, Sequence) and not isinstance(resize, str) else [resize, resize]
+    pair = (
+        list(input_size)
+        if isinstance(input_size, Sequence) and not isinstance(input_size, str)
+        else [input_size, input_size]
+    )
     sizes = [_positive_int(value) for value in pair]
     if len(sizes) != 2 or sizes[0] is None or sizes[1] is None:
         raise InvalidValueError(expected)
@@ -86,6 +94,26 @@ def _positive_int(value: object) -> int | None:
     except TypeError:
         return None
     return number if number > 0 else None
+
+
+def takes_old_resize(function: Callable[P, R]) -> Callable[P, R]:
+    """Let ``function`` take ``resize=``, the old spelling of ``input_size=``, with a FutureWarning naming the new."""
+
+    @functools.wraps(function)
+    def renamed(*args: P.args, **kwargs: P.kwargs) -> R:
+        if "resize" in kwargs:
+            if "input_size" in kwargs:
+                raise InvalidTypeError("both input_size= and resize= were given; resize= is its old name: drop it")
+            warnings.warn(
+                "resize= is renamed input_size= (the exact size images are resized to before the backbone, not the "
+                "shorter side that resize_size= means elsewhere); write input_size=, resize= will be removed",
+                FutureWarning,
+                stacklevel=2,
+            )
+            kwargs["input_size"] = kwargs.pop("resize")
+        return function(*args, **kwargs)
+
+    return renamed
 
 
 def check_images(images: object, name: str) -> None:
@@ -153,7 +181,7 @@ class FeatureLoss(nn.Module):
         >>> class ChannelMeanLoss(FeatureLoss):
         ...     def __init__(self, backbone, layers, **extractor_options):
         ...         super().__init__(
-        ...             backbone, layers, layer_weights=None, distance="l1", reduction="mean", resize=None,
+        ...             backbone, layers, layer_weights=None, distance="l1", reduction="mean", input_size=None,
         ...             extractor_options=extractor_options,
         ...         )
         ...
@@ -167,15 +195,15 @@ class FeatureLoss(nn.Module):
 
     default_layers: tuple[str, ...] = ("relu3_3",)
 
+    @takes_old_resize
     def __init__(
         self,
         backbone: BackboneSpec | FeatureExtractor,
         layers: str | Sequence[str] | None,
-        *,
         layer_weights: LayerWeights,
         distance: Distance,
         reduction: Reduction,
-        resize: Resize,
+        input_size: InputSize,
         extractor_options: Mapping[str, Any],
     ) -> None:
         super().__init__()
@@ -213,17 +241,17 @@ class FeatureLoss(nn.Module):
             BATCH_DISTANCES[distance] if self._whole_batch else resolve_distance(distance)  # type: ignore[index]
         )
         self.reduction: Reduction = reduction
-        self.resize = check_resize(resize)
+        self.input_size = check_input_size(input_size)
         self._target: list[Tensor] | None = None
 
     # -- features ---------------------------------------------------------------------------------
 
     def features(self, images: Tensor) -> dict[str, Tensor]:
-        """Features of ``images`` (resized first if ``resize`` is set) for every layer of the extractor."""
-        if self.resize is not None and tuple(images.shape[-2:]) != self.resize:
+        """Features of ``images`` (resized first to ``input_size`` if it is set) for every layer of the extractor."""
+        if self.input_size is not None and tuple(images.shape[-2:]) != self.input_size:
             if images.dtype in (torch.float16, torch.bfloat16):  # resized in float32, as the extractor takes them
                 images = images.float()  # (torch's antialiased resize has no half kernels on the CPU)
-            images = F.interpolate(images, size=self.resize, mode="bilinear", align_corners=False, antialias=True)
+            images = F.interpolate(images, size=self.input_size, mode="bilinear", align_corners=False, antialias=True)
         return self.extractor(images)
 
     def target_features(self, target: Tensor) -> dict[str, Tensor]:
@@ -289,8 +317,16 @@ class FeatureLoss(nn.Module):
 
     # -- loss --------------------------------------------------------------------------------------
 
-    def _check_images(self, input: Tensor, target: Tensor) -> None:
-        """Raise before any forward if the target cannot be compared with the input."""
+    @property
+    def resize(self) -> tuple[int, int] | None:
+        """The old name of ``input_size`` (with a FutureWarning)."""
+        warnings.warn("a loss's resize is renamed input_size; read loss.input_size", FutureWarning, stacklevel=2)
+        return self.input_size
+
+    def check_target(self, input: Tensor, target: Tensor) -> None:
+        """Raise before any forward unless this loss can compare ``target`` with ``input`` (``LossGroup`` asks each
+        member before it shares one forward of the target): same channels, a batch of 1 or the input's, and
+        the input's size unless the loss resizes both (``input_size``) or compares size-free statistics (Grams)."""
         check_images(target, "target")
         check_images(input, "input")
         same_size = input.shape[1:] == target.shape[1:] or not self._needs_same_size()
@@ -298,7 +334,7 @@ class FeatureLoss(nn.Module):
             raise InvalidValueError(self._shape_message(tuple(input.shape), tuple(target.shape)))
 
     def _needs_same_size(self) -> bool:
-        return self.resize is None
+        return self.input_size is None
 
     def _shape_message(self, input_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> str:
         return (
@@ -318,7 +354,7 @@ class FeatureLoss(nn.Module):
                 f"this {type(self).__name__} has a fixed target from set_target(); call it without a target "
                 "or call clear_target() first"
             )
-        self._check_images(input, target)
+        self.check_target(input, target)
         return self._statistics(self.target_features(target), "target")
 
     def forward(self, input: Tensor, target: Tensor | None = None) -> Tensor:
@@ -371,5 +407,5 @@ class FeatureLoss(nn.Module):
 
     def extra_repr(self) -> str:
         weights = "" if all(w == 1.0 for w in self.layer_weights) else f", layer_weights={self.layer_weights}"
-        resize = f", resize={self.resize}" if self.resize is not None else ""
-        return f"layers={self.layers}{weights}, distance={self.distance!r}, reduction={self.reduction!r}{resize}"
+        size = f", input_size={self.input_size}" if self.input_size is not None else ""
+        return f"layers={self.layers}{weights}, distance={self.distance!r}, reduction={self.reduction!r}{size}"

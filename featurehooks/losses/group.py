@@ -64,25 +64,30 @@ class LossGroup(nn.Module):
         self.weights = {name: float(weights.get(name, 1.0)) for name in losses}
 
     def terms(self, input: Tensor, target: Tensor | None = None) -> dict[str, Tensor]:
-        """Each loss times its weight, by name (useful for logging); their sum is ``forward``."""
+        """Each loss times its weight, by name (useful for logging); their sum is ``forward``.
+
+        Every feature loss without a fixed target checks ``target`` against ``input`` before any forward runs.
+        """
         check_images(input, "input")
+        for name, loss in self.losses.items():
+            if isinstance(loss, FeatureLoss) and not loss.has_target:
+                if target is None:
+                    raise InvalidValueError(
+                        f"loss {name!r} has no fixed target: pass a target, or call "
+                        f"group.losses[{name!r}].set_target(image) once"
+                    )
+                loss.check_target(input, target)
         input_features: dict[tuple[int, object], dict[str, Tensor]] = {}
         target_features: dict[tuple[int, object], dict[str, Tensor]] = {}
         result: dict[str, Tensor] = {}
         for name, loss in self.losses.items():
             if isinstance(loss, FeatureLoss):
-                key = (id(loss.extractor), loss.resize)
+                key = (id(loss.extractor), loss.input_size)
                 if key not in input_features:
                     input_features[key] = loss.features(input)
-                if loss.has_target:
+                if loss.has_target or target is None:  # (no target: each has a fixed one, as checked above)
                     value = loss.from_features(input_features[key])
                 else:
-                    if target is None:
-                        raise InvalidValueError(
-                            f"loss {name!r} has no fixed target: pass a target, or call "
-                            f"group.losses[{name!r}].set_target(image) once"
-                        )
-                    loss._check_images(input, target)
                     if key not in target_features:
                         target_features[key] = loss.target_features(target)
                     value = loss.from_features(input_features[key], target_features[key])

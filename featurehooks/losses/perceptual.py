@@ -11,7 +11,7 @@ from torch import Tensor
 from ..backbones import BackboneSpec
 from ..extractor import FeatureExtractor
 from ..functional import Distance, Reduction, channel_normalize
-from ._base import FeatureLoss, LayerWeights, Resize
+from ._base import FeatureLoss, InputSize, LayerWeights, takes_old_resize
 
 __all__ = ["PerceptualLoss"]
 
@@ -45,7 +45,9 @@ class PerceptualLoss(FeatureLoss):
             the whole batch come out the same); see ``functional.DISTANCES``.
         normalize_features: scale each feature vector to unit length over channels first (LPIPS).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
-        resize: resize input and target to ``(H, W)`` (or a square) before the backbone.
+        input_size: the exact ``(H, W)`` (an int: a square) input and target are resized to before the
+            backbone; ``None`` (default) leaves them as they are. Formerly ``resize``, which still works
+            with a FutureWarning.
         **extractor_options: keyword arguments of the ``FeatureExtractor`` built for the loss:
             ``weights``, ``input_range`` (the value range of your images, e.g. ``(-1, 1)``),
             ``mean``/``std``, ``normalize=False`` (images to the backbone as they are),
@@ -76,6 +78,7 @@ class PerceptualLoss(FeatureLoss):
         Features as a Perceptual Metric. CVPR. https://arxiv.org/abs/1801.03924
     """
 
+    @takes_old_resize
     def __init__(
         self,
         backbone: BackboneSpec | FeatureExtractor = "vgg16",
@@ -85,18 +88,10 @@ class PerceptualLoss(FeatureLoss):
         distance: Distance = "mse",
         normalize_features: bool = False,
         reduction: Reduction = "mean",
-        resize: Resize = None,
+        input_size: InputSize = None,
         **extractor_options: Any,
     ) -> None:
-        super().__init__(
-            backbone,
-            layers,
-            layer_weights=layer_weights,
-            distance=distance,
-            reduction=reduction,
-            resize=resize,
-            extractor_options=extractor_options,
-        )
+        super().__init__(backbone, layers, layer_weights, distance, reduction, input_size, extractor_options)
         self.normalize_features = normalize_features
 
     def statistic(self, features: Tensor) -> Tensor:

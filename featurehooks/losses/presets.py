@@ -9,6 +9,7 @@ forward of the input serves every term. Every preset forwards ``**extractor_opti
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..errors import InvalidValueError
 from ..extractor import FeatureExtractor
 from ..functional import GramNormalization, Reduction
-from ._base import grad_extractor
+from ._base import InputSize, grad_extractor, takes_old_resize
 from .group import LossGroup
 from .perceptual import PerceptualLoss
 from .style import StyleLoss
@@ -63,32 +64,52 @@ def _shared_extractor(
     return grad_extractor(backbone, layers, options)
 
 
-def _content_and_style(
-    extractor: FeatureExtractor,
-    content_layers: tuple[str, ...],
-    style_layers: tuple[str, ...],
-    *,
-    content_weight: float,
-    style_weight: float,
-    style_layer_weights: list[float] | None = None,
-    gram_normalization: GramNormalization = "chw",
-    content_image: Tensor | None = None,
-    style_image: Tensor | None = None,
-    reduction: Reduction = "mean",
-) -> LossGroup:
-    """A content (MSE of features) + style (MSE of Grams) group on one shared extractor."""
-    content = PerceptualLoss(extractor, content_layers, reduction=reduction)
-    style = StyleLoss(
-        extractor,
-        style_layers,
-        layer_weights=style_layer_weights,
-        gram_normalization=gram_normalization,
-        reduction=reduction,
-        target=style_image,
-    )
-    if content_image is not None:
-        content.set_target(content_image)
-    return LossGroup({"content": content, "style": style}, weights={"content": content_weight, "style": style_weight})
+@dataclass(frozen=True)
+class _ContentStyle:
+    """A content (MSE of features) + style (MSE of Grams) loss as a paper's code computes it: its backbone, the
+    layers of each term, how the Grams are normalized, and whether each style layer weighs ``1 / C**2``."""
+
+    backbone: str
+    content_layers: tuple[str, ...]
+    style_layers: tuple[str, ...]
+    gram_normalization: GramNormalization = "chw"
+    style_by_channels: bool = False
+
+    def group(
+        self,
+        options: Mapping[str, Any],
+        weights: tuple[float, float],
+        images: tuple[Tensor | None, Tensor | None],
+        reduction: Reduction = "mean",
+    ) -> LossGroup:
+        """The two terms on one extractor over their layers; ``weights`` and fixed ``images`` are (content, style)."""
+        extractor = _shared_extractor(self.backbone, (self.style_layers, self.content_layers), options)
+        style_layer_weights = None
+        if self.style_by_channels:
+            channels = [extractor.output_layouts[name].channels or 1 for name in self.style_layers]
+            style_layer_weights = [1.0 / c**2 for c in channels]
+        (content_weight, style_weight), (content_image, style_image) = weights, images
+        content = PerceptualLoss(extractor, self.content_layers, reduction=reduction)
+        style = StyleLoss(
+            extractor,
+            self.style_layers,
+            layer_weights=style_layer_weights,
+            gram_normalization=self.gram_normalization,
+            reduction=reduction,
+            target=style_image,
+        )
+        if content_image is not None:
+            content.set_target(content_image)
+        return LossGroup(
+            {"content": content, "style": style}, weights={"content": content_weight, "style": style_weight}
+        )
+
+
+_JOHNSON2016 = _ContentStyle("vgg16", JOHNSON2016_CONTENT_LAYERS, JOHNSON2016_STYLE_LAYERS)
+_GATYS2016 = _ContentStyle("vgg19", GATYS2016_CONTENT_LAYERS, GATYS2016_STYLE_LAYERS, "hw", style_by_channels=True)
+_NEURAL_STYLE_TUTORIAL = _ContentStyle(
+    "vgg19", NEURAL_STYLE_TUTORIAL_CONTENT_LAYERS, NEURAL_STYLE_TUTORIAL_STYLE_LAYERS
+)
 
 
 def johnson2016(
@@ -131,16 +152,7 @@ def johnson2016(
         Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
         Super-Resolution. ECCV. https://arxiv.org/abs/1603.08155
     """
-    extractor = _shared_extractor("vgg16", (JOHNSON2016_STYLE_LAYERS, JOHNSON2016_CONTENT_LAYERS), extractor_options)
-    return _content_and_style(
-        extractor,
-        JOHNSON2016_CONTENT_LAYERS,
-        JOHNSON2016_STYLE_LAYERS,
-        content_weight=content_weight,
-        style_weight=style_weight,
-        style_image=style_image,
-        reduction=reduction,
-    )
+    return _JOHNSON2016.group(extractor_options, (content_weight, style_weight), (None, style_image), reduction)
 
 
 def gatys2016(
@@ -185,19 +197,7 @@ def gatys2016(
     References:
         Gatys, Ecker, Bethge (2016). Image Style Transfer Using Convolutional Neural Networks. CVPR.
     """
-    extractor = _shared_extractor("vgg19", (GATYS2016_STYLE_LAYERS, GATYS2016_CONTENT_LAYERS), extractor_options)
-    channels = [extractor.output_layouts[name].channels or 1 for name in GATYS2016_STYLE_LAYERS]
-    return _content_and_style(
-        extractor,
-        GATYS2016_CONTENT_LAYERS,
-        GATYS2016_STYLE_LAYERS,
-        content_weight=content_weight,
-        style_weight=style_weight,
-        style_layer_weights=[1.0 / c**2 for c in channels],
-        gram_normalization="hw",
-        content_image=content_image,
-        style_image=style_image,
-    )
+    return _GATYS2016.group(extractor_options, (content_weight, style_weight), (content_image, style_image))
 
 
 def neural_style_tutorial(
@@ -231,8 +231,9 @@ def neural_style_tutorial(
         >>> import torch
         >>> from featurehooks.losses import neural_style_tutorial
         >>> loss_fn = neural_style_tutorial(torch.rand(1, 3, 64, 64), torch.rand(1, 3, 64, 64), weights=None)
-        >>> loss_fn(torch.rand(1, 3, 64, 64)).shape
-        torch.Size([])
+        >>> image = torch.rand(1, 3, 64, 64, requires_grad=True)  # the image being optimized
+        >>> {name: term.shape for name, term in loss_fn.terms(image).items()}  # the weighted terms, for logging
+        {'content': torch.Size([]), 'style': torch.Size([])}
 
     References:
         Gatys, Ecker, Bethge (2016). Image Style Transfer Using Convolutional Neural Networks. CVPR.
@@ -240,18 +241,7 @@ def neural_style_tutorial(
         Jacq, Herring. Neural Transfer Using PyTorch (PyTorch tutorials).
         https://pytorch.org/tutorials/advanced/neural_style_tutorial.html
     """
-    extractor = _shared_extractor(
-        "vgg19", (NEURAL_STYLE_TUTORIAL_STYLE_LAYERS, NEURAL_STYLE_TUTORIAL_CONTENT_LAYERS), extractor_options
-    )
-    return _content_and_style(
-        extractor,
-        NEURAL_STYLE_TUTORIAL_CONTENT_LAYERS,
-        NEURAL_STYLE_TUTORIAL_STYLE_LAYERS,
-        content_weight=content_weight,
-        style_weight=style_weight,
-        content_image=content_image,
-        style_image=style_image,
-    )
+    return _NEURAL_STYLE_TUTORIAL.group(extractor_options, (content_weight, style_weight), (content_image, style_image))
 
 
 def basicsr(
@@ -372,11 +362,12 @@ def pix2pixhd(*, reduction: Reduction = "mean", **extractor_options: Any) -> Per
     )
 
 
+@takes_old_resize
 def dino_vits16(
     layers: tuple[str, ...] = DINO_VITS16_LAYERS,
     *,
     reduction: Reduction = "mean",
-    resize: int | tuple[int, int] | None = 224,
+    input_size: InputSize = 224,
     **extractor_options: Any,
 ) -> PerceptualLoss:
     """A perceptual loss on self-supervised DINO ViT-S/16 features (timm ``vit_small_patch16_224.dino``).
@@ -384,14 +375,15 @@ def dino_vits16(
     The patch tokens of every third block (``blocks.2`` ... ``blocks.11``) are laid out as maps
     (``output_format="nchw"``, the class token left out), unit-normalized over channels and compared
     by squared distance summed over channels: per layer, the mean over patches of ``2 - 2 cos``, summed
-    over layers. The model takes 224x224 images, so inputs are resized to 224 unless ``resize=None``.
+    over layers. The model takes 224x224 images, so inputs are resized to 224 unless ``input_size=None``.
     ``weights="DEFAULT"`` reads timm's pretrained tag from the Hugging Face cache (or downloads it);
     a local ``.safetensors``/``.pth`` file works too.
 
     Args:
         layers: the blocks whose patch tokens are compared.
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-        resize: the size images are resized to first (``None``: as they are).
+        input_size: the exact size images are resized to first (``None``: as they are; formerly ``resize``,
+            which still works with a FutureWarning).
         **extractor_options: ``FeatureExtractor`` keyword arguments (``weights``, ``input_range``, ...).
 
     Examples:
@@ -415,5 +407,5 @@ def dino_vits16(
         layer_weights=[extractor.output_layouts[name].channels or 1 for name in layers],
         normalize_features=True,
         reduction=reduction,
-        resize=resize,
+        input_size=input_size,
     )

@@ -11,7 +11,7 @@ from ..backbones import BackboneSpec
 from ..errors import InvalidValueError
 from ..extractor import FeatureExtractor
 from ..functional import Distance, GramNormalization, Reduction, gram_matrix
-from ._base import FeatureLoss, LayerWeights, Resize
+from ._base import FeatureLoss, InputSize, LayerWeights, takes_old_resize
 
 __all__ = ["StyleLoss"]
 
@@ -40,7 +40,8 @@ class StyleLoss(FeatureLoss):
             C x C per sample; ``"fro"``: one Frobenius norm over the whole batch (BasicSR).
         gram_normalization: ``"chw"`` (default, Johnson et al.), ``"hw"`` or ``"none"`` (Gatys et al., piq).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
-        resize: resize images to ``(H, W)`` (or a square) before the backbone.
+        input_size: the exact ``(H, W)`` (an int: a square) images are resized to before the backbone
+            (formerly ``resize``, which still works with a FutureWarning).
         target: a fixed style image, same as calling ``set_target(target)``.
         **extractor_options: keyword arguments of the ``FeatureExtractor`` built for the loss
             (``weights``, ``input_range``, ``mean``/``std``, ``normalize``, ``memory_format``,
@@ -67,6 +68,7 @@ class StyleLoss(FeatureLoss):
 
     default_layers = ("relu1_2", "relu2_2", "relu3_3", "relu4_3")
 
+    @takes_old_resize
     def __init__(
         self,
         backbone: BackboneSpec | FeatureExtractor = "vgg16",
@@ -76,7 +78,7 @@ class StyleLoss(FeatureLoss):
         distance: Distance = "mse",
         gram_normalization: GramNormalization = "chw",
         reduction: Reduction = "mean",
-        resize: Resize = None,
+        input_size: InputSize = None,
         target: Tensor | None = None,
         **extractor_options: Any,
     ) -> None:
@@ -84,15 +86,7 @@ class StyleLoss(FeatureLoss):
             raise InvalidValueError(
                 f"gram_normalization must be one of {_GRAM_NORMALIZATIONS}, not {gram_normalization!r}"
             )
-        super().__init__(
-            backbone,
-            layers,
-            layer_weights=layer_weights,
-            distance=distance,
-            reduction=reduction,
-            resize=resize,
-            extractor_options=extractor_options,
-        )
+        super().__init__(backbone, layers, layer_weights, distance, reduction, input_size, extractor_options)
         self.gram_normalization: GramNormalization = gram_normalization
         if target is not None:
             self.set_target(target)

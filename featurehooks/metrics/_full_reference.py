@@ -1,21 +1,39 @@
 """What the calibrated full-reference metrics (``LPIPS``, ``DISTS``) share: where their learned weights come from,
-and the features of an image pair."""
+their extractor, and the features of an image pair."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import os
 from collections.abc import Callable, Mapping
-from typing import TypeVar, Union
+from pathlib import Path
+from typing import Any, TypeVar, Union
 
 import torch
 from torch import Tensor
 
+from ..backbones import BackboneSpec
 from ..errors import InvalidTypeError, InvalidValueError
-from ..extractor import FeatureExtractor
+from ..extractor import FeatureExtractor, LayerSpec
 
 T = TypeVar("T")
 CalibrationFile = Union[str, "os.PathLike[str]", Mapping[str, Tensor]]
 Features = dict[str, Tensor]
+# FeatureExtractor options a metric sets itself: its calibration was fitted on NCHW maps of its own layers, of images
+# normalized its way, with gradients through them.
+_SET_BY_THE_METRIC = ("mode", "mean", "std", "normalize", "output_format", "return_prefix_tokens", "prefix_tokens")
+
+
+def package_dir(name: str) -> Path | None:
+    """The folder of an installed top-level package, found without importing it; None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def calibration(
@@ -38,6 +56,25 @@ def calibration(
     if isinstance(given, (str, os.PathLike, Mapping)):
         return load(given), "a state dict" if isinstance(given, Mapping) else str(given)
     raise InvalidTypeError(f"{argument} must be a path, a state dict or None, not {type(given).__name__}")
+
+
+def metric_extractor(
+    metric: str, backbone: BackboneSpec, layers: LayerSpec, options: Mapping[str, Any], **settings: Any
+) -> FeatureExtractor:
+    """The frozen ``mode="grad"`` extractor of ``metric``: its own ``settings``, then the user's ``FeatureExtractor``
+    ``options`` (``memory_format``, ``precision``, ...), refusing by name any that would change the features."""
+    keywords = [p.name for p in inspect.signature(FeatureExtractor).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    forwarded = [name for name in keywords if name not in _SET_BY_THE_METRIC and name not in settings]
+    for name in options:
+        if name in _SET_BY_THE_METRIC or name in settings:
+            raise InvalidTypeError(
+                f"{metric} sets {name}= itself (its calibration was fitted on the features it computes); drop it"
+            )
+        if name not in forwarded:
+            raise InvalidTypeError(
+                f"{metric} takes no option {name}=; the FeatureExtractor options it passes on are {forwarded}"
+            )
+    return FeatureExtractor(backbone, layers, mode="grad", **settings, **options)
 
 
 def concatenation_pays(images: Tensor) -> bool:

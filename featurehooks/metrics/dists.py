@@ -19,7 +19,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +30,9 @@ from .._precision import autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ..extractor import FeatureExtractor, MemoryFormat, Precision
 from ..functional import Reduction, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
-from ._full_reference import calibration, concatenation_pays, pair_features
-from .lpips import _package_dir
+from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]
 
@@ -146,7 +144,7 @@ def find_alpha_beta() -> Path | None:
         >>> find_alpha_beta().name  # with DISTS_pytorch installed (the dev extra installs it)
         'weights.pt'
     """
-    package = _package_dir("DISTS_pytorch")
+    package = package_dir("DISTS_pytorch")
     if package is None:
         return None
     candidates = (package / "weights.pt", Path(sys.prefix) / "weights.pt")
@@ -250,9 +248,10 @@ class DISTS(KeepsPrecision):
             the weights.
         alpha_beta: the learned weights: ``None`` finds those bundled with an installed
             ``DISTS_pytorch``; or a ``.pt`` file (or state dict) with ``alpha`` and ``beta``.
-        memory_format: the trunk's memory format, as for ``FeatureExtractor``.
-        precision: what the trunk computes in, as for ``FeatureExtractor``: ``"float32"`` (default),
-            ``"bf16"`` or ``"fp16"``; the distances are computed from its features in float32.
+        **extractor_options: keyword arguments of the trunk's ``FeatureExtractor``, as the losses take
+            them: ``memory_format``, ``precision`` (``"float32"``, the default, ``"bf16"`` or ``"fp16"``; the
+            distances are computed from its features in float32). Those that would change the
+            features alpha and beta were fitted on (``mean``, ``std``, ``normalize``, ``mode``, ...) are refused.
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``, ``H, W >= 17``; target may have batch 1
@@ -292,8 +291,7 @@ class DISTS(KeepsPrecision):
         input_range: tuple[float, float] = (0.0, 1.0),
         weights: WeightsSpec = "DEFAULT",
         alpha_beta: AlphaBetaSpec = None,
-        memory_format: MemoryFormat = "auto",
-        precision: Precision = "float32",
+        **extractor_options: Any,
     ) -> None:
         super().__init__()
         check_reduction(reduction)
@@ -308,15 +306,8 @@ class DISTS(KeepsPrecision):
             load=load_alpha_beta,
         )
         trunk, self.weights = _trunk(weights)
-        self.extractor = FeatureExtractor(
-            trunk,
-            _TAPS,
-            mode="grad",
-            input_range=input_range,
-            mean=_MEAN,
-            std=_STD,
-            memory_format=memory_format,
-            precision=precision,
+        self.extractor = metric_extractor(
+            "DISTS", trunk, _TAPS, extractor_options, input_range=input_range, mean=_MEAN, std=_STD
         )
         total = alpha.sum() + beta.sum()  # DISTS_pytorch's normalization, in the same float32 arithmetic
         like = self.extractor.mean

@@ -13,13 +13,12 @@ of your own.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +28,9 @@ from .._compute import KeepsPrecision
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ..extractor import FeatureExtractor, MemoryFormat, Precision
 from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
 from ..losses._base import check_rgb_pair
-from ._full_reference import calibration, concatenation_pays, pair_features
+from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
 
@@ -106,17 +104,6 @@ def _resolve_version(version: object) -> str:
     return version
 
 
-def _package_dir(name: str) -> Path | None:
-    """The folder of an installed top-level package, found without importing it; None when it is not installed."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def find_heads(net: str, version: str = "0.1") -> Path | None:
     """The bundled head file of an installed ``lpips`` (or, for version 0.1, ``torchmetrics``), or None.
 
@@ -127,10 +114,10 @@ def find_heads(net: str, version: str = "0.1") -> Path | None:
     """
     net, version = _resolve_net(net), _resolve_version(version)
     candidates = []
-    lpips_dir = _package_dir("lpips")
+    lpips_dir = package_dir("lpips")
     if lpips_dir is not None:
         candidates.append(lpips_dir / "weights" / f"v{version}" / f"{net}.pth")
-    torchmetrics_dir = _package_dir("torchmetrics")
+    torchmetrics_dir = package_dir("torchmetrics")
     if torchmetrics_dir is not None and version == "0.1":  # torchmetrics ships the 0.1 heads only
         candidates.append(torchmetrics_dir / "functional" / "image" / "lpips_models" / f"{net}.pth")
     return next((path for path in candidates if path.is_file()), None)
@@ -240,9 +227,10 @@ class LPIPS(KeepsPrecision):
             weights LPIPS was calibrated on), a member name, ``None`` (random) or a local file.
         heads: the calibrated heads: ``None`` finds those bundled with an installed ``lpips`` (or
             ``torchmetrics``) package; or a ``.pth`` file (or state dict) in lpips' layout.
-        memory_format: the backbone's memory format, as for ``FeatureExtractor``.
-        precision: what the backbone computes in, as for ``FeatureExtractor``: ``"float32"`` (default),
-            ``"bf16"`` or ``"fp16"``; the distances are computed from its features in float32.
+        **extractor_options: keyword arguments of the backbone's ``FeatureExtractor``, as the losses take
+            them: ``memory_format``, ``precision`` (``"float32"``, the default, ``"bf16"`` or ``"fp16"``; the
+            distances are computed from its features in float32). Those that would change the
+            features the heads were fitted on (``mean``, ``std``, ``normalize``, ``mode``, ...) are refused.
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast).
@@ -276,8 +264,7 @@ class LPIPS(KeepsPrecision):
         input_range: tuple[float, float] = (0.0, 1.0),
         weights: WeightsSpec = "DEFAULT",
         heads: HeadsSpec = None,
-        memory_format: MemoryFormat = "auto",
-        precision: Precision = "float32",
+        **extractor_options: Any,
     ) -> None:
         super().__init__()
         self.net = _resolve_net(net)
@@ -296,16 +283,15 @@ class LPIPS(KeepsPrecision):
             load=lambda source: load_heads(source, self.net),
         )
         mean, std = input_scaling(self.version)
-        self.extractor = FeatureExtractor(
+        self.extractor = metric_extractor(
+            "LPIPS",
             spec.backbone,
             list(spec.layers),
+            extractor_options,
             weights=weights,
-            mode="grad",
             input_range=input_range,
             mean=mean,
             std=std,
-            memory_format=memory_format,
-            precision=precision,
         )
         self.layers: list[str] = list(spec.layers)
         for name, weight in zip(self.layers, weights_per_layer):

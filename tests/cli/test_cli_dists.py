@@ -81,7 +81,7 @@ def test_dists_command_errors_are_one_line_with_flags(
     assert main(["dists", str(small), str(small), *RUN]) == 2
     err = capsys.readouterr().err
     assert "at least 17x17" in err and err.count("\n") == 1 and "Traceback" not in err
-    monkeypatch.setattr(fh_dists, "_package_dir", lambda name: None)  # DISTS_pytorch not installed
+    monkeypatch.setattr(fh_dists, "package_dir", lambda name: None)  # DISTS_pytorch not installed
     assert main(["dists", str(a), str(b), *RUN]) == 2
     err = capsys.readouterr().err
     assert "pip install DISTS_pytorch" in err and "--alpha-beta path/to/weights.pt" in err and "--uncalibrated" in err

@@ -233,23 +233,23 @@ def test_a_wrapped_checkpoint_is_unwrapped_at_any_depth(tmp_path: Path) -> None:
 # -- 17: loss arguments and batches -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("resize", [True, False])
-def test_resize_refuses_a_bool(ext: fh.FeatureExtractor, resize: bool) -> None:
+@pytest.mark.parametrize("size", [True, False])
+def test_input_size_refuses_a_bool(ext: fh.FeatureExtractor, size: bool) -> None:
     with pytest.raises(TypeError) as info:
-        fl.PerceptualLoss(ext, ["3"], resize=resize)
-    assert "resize" in one_line(info) and "bool" in one_line(info)
+        fl.PerceptualLoss(ext, ["3"], input_size=size)
+    assert "input_size" in one_line(info) and "bool" in one_line(info)
 
 
-@pytest.mark.parametrize("resize", [(True, 8), 8.0, "8", (8, 8, 8), (0, 8), -1, [8, None]])
-def test_resize_refuses_what_is_no_size(ext: fh.FeatureExtractor, resize: object) -> None:
+@pytest.mark.parametrize("size", [(True, 8), 8.0, "8", (8, 8, 8), (0, 8), -1, [8, None]])
+def test_input_size_refuses_what_is_no_size(ext: fh.FeatureExtractor, size: object) -> None:
     with pytest.raises((ValueError, TypeError)) as info:
-        fl.StyleLoss(ext, ["3"], resize=resize)  # type: ignore[arg-type]
-    assert "resize" in one_line(info) and repr(resize) in one_line(info)
+        fl.StyleLoss(ext, ["3"], input_size=size)  # type: ignore[arg-type]
+    assert "input_size" in one_line(info) and repr(size) in one_line(info)
 
 
-def test_resize_takes_ints_of_any_kind(ext: fh.FeatureExtractor) -> None:
-    assert fl.PerceptualLoss(ext, ["3"], resize=np.int64(8)).resize == (8, 8)
-    assert fl.PerceptualLoss(ext, ["3"], resize=[8, 12]).resize == (8, 12)
+def test_input_size_takes_ints_of_any_kind(ext: fh.FeatureExtractor) -> None:
+    assert fl.PerceptualLoss(ext, ["3"], input_size=np.int64(8)).input_size == (8, 8)
+    assert fl.PerceptualLoss(ext, ["3"], input_size=[8, 12]).input_size == (8, 12)
 
 
 def _empty() -> torch.Tensor:

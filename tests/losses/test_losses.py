@@ -119,12 +119,52 @@ def test_mismatched_shapes_raise_before_the_forward(ext, pair, target_shape) -> 
     assert counter.calls == 0
 
 
-def test_resize_lets_different_sizes_meet(ext, pair) -> None:
+def test_input_size_lets_different_sizes_meet(ext, pair) -> None:
     x, _ = pair
-    loss = fl.PerceptualLoss(ext, "relu2_2", resize=32)
+    loss = fl.PerceptualLoss(ext, "relu2_2", input_size=32)
     y = torch.nn.functional.interpolate(x, size=(48, 48), mode="bilinear", antialias=True)
     assert loss(x, y) < loss(x, torch.rand(2, 3, 48, 48))
     assert loss.features(y)["relu2_2"].shape[-2:] == (16, 16)
+
+
+@pytest.mark.parametrize("build", [fl.PerceptualLoss, fl.StyleLoss])
+def test_resize_is_the_old_spelling_of_input_size(ext, pair, build) -> None:
+    x, y = pair
+    new = build(ext, "relu2_2", input_size=24)
+    with pytest.warns(FutureWarning, match="write input_size=") as warned:
+        old = build(ext, "relu2_2", resize=24)
+    assert len(warned) == 1 and warned[0].filename == __file__  # one warning, pointing at the caller
+    assert old.input_size == (24, 24) and "input_size=(24, 24)" in repr(old)
+    assert torch.equal(old(x, y), new(x, y))
+    with pytest.warns(FutureWarning, match="loss.input_size"):
+        assert old.resize == (24, 24)
+    with pytest.raises(TypeError, match="both input_size= and resize= were given"):
+        build(ext, "relu2_2", input_size=24, resize=24)
+
+
+def test_a_subclass_may_still_pass_resize_to_the_base(ext, pair) -> None:
+    class Means(fl.FeatureLoss):
+        def __init__(self, **size: int) -> None:
+            super().__init__(ext, ["relu1_2"], None, "l1", "mean", extractor_options={}, **size)  # type: ignore[arg-type]
+
+        def statistic(self, features: torch.Tensor) -> torch.Tensor:
+            return features.mean(dim=(2, 3))
+
+    with pytest.warns(FutureWarning, match="input_size="):
+        old = Means(resize=16)
+    assert old.input_size == (16, 16) and torch.equal(old(*pair), Means(input_size=16)(*pair))
+
+
+def test_loss_group_checks_targets_through_the_public_check(ext, pair) -> None:
+    x, _ = pair
+    content, style = fl.PerceptualLoss(ext, "relu2_2"), fl.StyleLoss(ext, "relu2_2")
+    style.check_target(x, torch.rand(1, 3, 48, 48))  # a Gram is C x C whatever the size
+    with pytest.raises(ValueError, match="do not match"):
+        content.check_target(x, torch.rand(1, 3, 48, 48))
+    group = fl.LossGroup({"content": content, "style": style})
+    with ForwardCounter(ext) as counter, pytest.raises(ValueError, match="do not match"):
+        group(x, torch.rand(1, 3, 48, 48))
+    assert counter.calls == 0
 
 
 def test_construction_errors(ext) -> None:
@@ -142,8 +182,8 @@ def test_construction_errors(ext) -> None:
         fl.PerceptualLoss(ext, "relu4_3")
     with pytest.raises(ValueError, match="come from the shared FeatureExtractor"):
         fl.PerceptualLoss(ext, "relu1_2", input_range=(-1, 1))
-    with pytest.raises(ValueError, match="resize"):
-        fl.PerceptualLoss(ext, "relu1_2", resize=(0, 4))
+    with pytest.raises(ValueError, match="input_size"):
+        fl.PerceptualLoss(ext, "relu1_2", input_size=(0, 4))
     with pytest.raises(ValueError, match="needs a target"):
         fl.PerceptualLoss(ext, "relu1_2")(torch.rand(1, 3, 32, 32))
     detached = FeatureExtractor(tiny_backbone(), ["3"], mode="detach")

@@ -74,7 +74,7 @@ def test_the_option_is_forwarded_and_statistics_of_bf16_features_are_float32(pai
                 layer_weights=None,
                 distance="l1",
                 reduction="mean",
-                resize=None,
+                input_size=None,
                 extractor_options={"precision": "bf16"},  # what PerceptualLoss(..., precision=) forwards
             )
 
@@ -104,11 +104,11 @@ def test_real_esrgans_preset_runs_in_bf16(pair) -> None:
 @bf16_anywhere
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_resize_takes_half_precision_images(pair, precision: str, dtype: torch.dtype) -> None:
-    """``resize=`` resizes half-precision images in float32, as the extractor takes them (torch's antialiased
+def test_input_size_takes_half_precision_images(pair, precision: str, dtype: torch.dtype) -> None:
+    """``input_size=`` resizes half-precision images in float32, as the extractor takes them (torch's antialiased
     resize has no half kernels on the CPU): the loss of the float32 copies, bitwise, gradients in their dtype."""
     x, y = (t[:, :, :40, :44] for t in pair)
-    loss = fl.PerceptualLoss(tiny_extractor(mode="grad", precision=precision), ["relu1", "conv2"], resize=32)
+    loss = fl.PerceptualLoss(tiny_extractor(mode="grad", precision=precision), ["relu1", "conv2"], input_size=32)
     half = x.to(dtype).requires_grad_()
     value = loss(half, y.to(dtype))
     assert torch.equal(value, loss(half.detach().float(), y.to(dtype).float()))

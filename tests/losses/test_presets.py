@@ -112,6 +112,14 @@ def test_basicsr_refuses_contradictions(kwargs: dict, match: str) -> None:
         presets.basicsr({"conv5_4": 1.0}, **kwargs)
 
 
+def test_dino_vits16_takes_resize_as_the_old_spelling_of_input_size() -> None:
+    with pytest.raises(TypeError, match="both input_size= and resize= were given"):
+        presets.dino_vits16(input_size=224, resize=None, weights=None)
+    with pytest.warns(FutureWarning, match="write input_size="):
+        loss = presets.dino_vits16(resize=(32, 48), weights=None)
+    assert loss.input_size == (32, 48)
+
+
 def test_presets_are_exported_from_their_module() -> None:
     for name in ("basicsr", "dino_vits16", "gatys2016", "johnson2016", "neural_style_tutorial", "pix2pixhd"):
         assert name in presets.__all__ and callable(getattr(presets, name))

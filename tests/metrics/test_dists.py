@@ -260,7 +260,7 @@ def test_alpha_beta_from_a_file_or_a_dict(reference: nn.Module, tmp_path: Path, 
 
 
 def test_missing_alpha_beta_say_how_to_get_them(monkeypatch: pytest.MonkeyPatch, vgg16_cached: Path) -> None:
-    monkeypatch.setattr(fh_dists, "_package_dir", lambda name: None)  # DISTS_pytorch not installed
+    monkeypatch.setattr(fh_dists, "package_dir", lambda name: None)  # DISTS_pytorch not installed
     assert find_alpha_beta() is None
     with pytest.raises(WeightsUnavailableError, match=r"pip install DISTS_pytorch.*alpha_beta='path/to/weights.pt'"):
         DISTS()
@@ -287,6 +287,18 @@ def test_unusable_alpha_beta_files_are_clear_errors(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- bad input
+
+
+def test_extractor_options_are_forwarded_and_checked(metric: DISTS) -> None:
+    x, y = pair((40, 36))
+    forwarded = DISTS(reduction="none", memory_format="contiguous", precision="float32")
+    extractor = forwarded.extractor
+    assert (extractor.memory_format, extractor.precision) == ("contiguous", "float32")
+    torch.testing.assert_close(forwarded(x, y), metric(x, y), atol=ATOL, rtol=0)
+    with pytest.raises(InvalidTypeError, match="DISTS takes no option precison=; .*'precision'"):
+        DISTS(weights=None, calibrated=False, precison="bf16")
+    with pytest.raises(InvalidTypeError, match="DISTS sets std= itself"):
+        DISTS(weights=None, calibrated=False, std=(1.0, 1.0, 1.0))
 
 
 def test_bad_arguments_and_images_are_clear_errors(metric: DISTS) -> None:

@@ -141,7 +141,7 @@ def test_finds_torchmetrics_copy_by_its_layout(tmp_path: Path, monkeypatch: pyte
     bundled.parent.mkdir(parents=True)
     shutil.copy(find_heads("alex"), bundled)
     folders = {"lpips": None, "torchmetrics": tmp_path / "torchmetrics"}
-    monkeypatch.setattr(fh_lpips, "_package_dir", folders.get)
+    monkeypatch.setattr(fh_lpips, "package_dir", folders.get)
     assert find_heads("alex") == bundled
     assert find_heads("alex", "0.0") is None  # torchmetrics bundles version 0.1 only
 
@@ -161,7 +161,7 @@ def test_heads_from_a_file(lpips_trunks: None, pair, tmp_path: Path) -> None:
 
 
 def test_missing_heads_say_how_to_get_them(lpips_trunks: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fh_lpips, "_package_dir", lambda name: None)  # neither lpips nor torchmetrics installed
+    monkeypatch.setattr(fh_lpips, "package_dir", lambda name: None)  # neither lpips nor torchmetrics installed
     assert find_heads("alex") is None
     with pytest.raises(WeightsUnavailableError, match=r"pip install lpips.*heads='path/to/alex.pth'"):
         LPIPS("alex")
@@ -271,6 +271,19 @@ def test_bad_arguments_are_clear_errors(lpips_trunks: None, pair) -> None:
         metric(x[:, :1], y[:, :1])
     with pytest.raises(InvalidTypeError, match="target must be a Tensor"):
         metric(x, y.numpy())  # type: ignore[arg-type]
+
+
+def test_extractor_options_are_forwarded_and_checked(lpips_trunks: None, pair) -> None:
+    x, y = pair
+    metric = LPIPS("alex", reduction="none", memory_format="contiguous", precision="float32")
+    extractor = metric.extractor
+    assert (extractor.memory_format, extractor.precision) == ("contiguous", "float32")
+    torch.testing.assert_close(metric(x, y), LPIPS("alex", reduction="none")(x, y), atol=ATOL, rtol=0)
+    with pytest.raises(InvalidTypeError, match="LPIPS takes no option memory_formt=; .*'memory_format'"):
+        LPIPS("alex", calibrated=False, memory_formt="contiguous")
+    for option in ("mean", "normalize", "mode", "output_format"):  # the features the heads were fitted on
+        with pytest.raises(InvalidTypeError, match=f"LPIPS sets {option}= itself"):
+            LPIPS("alex", calibrated=False, **{option: None})
 
 
 # ----------------------------------------------------------------------------------------------- folder pairs
