@@ -46,7 +46,7 @@ def main() -> None:
     print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> weights {extractor.weights}")
     for name, value in features.items():
         print(f"  {name}: shape {tuple(value.shape)}, mean activation {value.mean():.4f}")
-    shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in dump.manifest["shapes"].items())
+    shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in dump.manifest.settings.shapes.items())
     print(f"\nfeature dump (avg-pooled): {dump.out_dir}/ with {shapes}, index.csv, manifest.json")
     print(f"feature-map picture: {grid}")
 

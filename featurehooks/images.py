@@ -1,34 +1,27 @@
 """Preparing an image for an extractor, in one place: read a file, resize and crop, scale to ``input_range``, move.
 
 Dumps, ``featurehooks show`` and feature grids all go through these functions, so an image gets the
-same pixels whichever route it takes.
+same pixels whichever route it takes. Reading a file (special files, the size limit, modes, orientation, JPEG)
+is ``featurehooks._decode``'s job; ``read_image`` applies this module's ``MAX_DECODED_PIXELS`` to it.
 """
 
 from __future__ import annotations
 
-import functools
-import io
 import os
-import stat
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Union
+from typing import TYPE_CHECKING, Union
 
-import numpy as np
 import torch
 import torchvision.transforms.v2.functional as F
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
+from ._decode import image_size as image_size
+from ._decode import read_pixels
 from .backbones import Preprocessing
 from .backbones.base import Size
 from .errors import InvalidTypeError, InvalidValueError
-
-try:
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # a torchvision without it (deprecated since 0.29 for TorchCodec): Pillow decodes every file
-    decode_jpeg = None
 
 if TYPE_CHECKING:
     from .extractor import FeatureExtractor
@@ -51,10 +44,10 @@ ImageSpec = Union[str, "os.PathLike[str]", Tensor]
 MAX_DECODED_PIXELS = 2**26
 """Most pixels (width × height) an image file may have; a larger one is refused before it is decoded.
 
-67 million (8192 × 8192, a 64 MP photo). Decoding peaks at about 10 bytes per pixel (17 for 16-bit
-images), so one image costs at most about 0.7 GB (1.1 GB). Pillow's own check refuses only above 179
-million and can be switched off (``Image.MAX_IMAGE_PIXELS = None``); this one always holds. Raise it by
-assigning ``featurehooks.images.MAX_DECODED_PIXELS`` (before a dump starts its workers).
+67 million (8192 × 8192, a 64 MP photo): it bounds the memory one image costs to decode (docs/dumps.md, "Resource
+bounds"). Pillow's own check refuses only above 179 million and can be switched off
+(``Image.MAX_IMAGE_PIXELS = None``); this one always holds. Raise it by assigning
+``featurehooks.images.MAX_DECODED_PIXELS`` (before a dump starts its workers).
 
 Examples:
     >>> from featurehooks import images
@@ -78,142 +71,7 @@ Examples:
     True
 """
 
-_HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 _FROM_WEIGHTS = "weights"
-_SPECIAL_FILES = (
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISFIFO, "fifo"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISSOCK, "socket"),
-)
-
-
-def _refuse_special(mode: int) -> None:
-    """Raise ``OSError`` unless ``mode`` is a regular file's: reading a FIFO or a device may never end."""
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _SPECIAL_FILES if test(mode)), "special file")
-        raise OSError(f"not a regular file: {kind}")
-
-
-def _open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """Open ``path`` for reading if it is a regular file (checked before opening, and again on what was opened)."""
-    _refuse_special(os.stat(path).st_mode)  # opening a device can have effects of its own
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in meanwhile cannot block
-    handle = os.fdopen(fd, "rb")
-    try:
-        _refuse_special(os.fstat(fd).st_mode)
-    except OSError:
-        handle.close()
-        raise
-    return handle
-
-
-def _identify(handle: BinaryIO, path: str | os.PathLike[str]) -> Image.Image:
-    """``Image.open`` on an open file; an unknown format names the path, as when Pillow opens the file itself."""
-    try:
-        return Image.open(handle)
-    except UnidentifiedImageError:
-        raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}") from None
-
-
-def _check_decoded_size(width: int, height: int) -> None:
-    """Refuse an image over ``MAX_DECODED_PIXELS`` from its header, before any pixel is decoded."""
-    if width * height > MAX_DECODED_PIXELS:
-        raise InvalidValueError(
-            f"image of {width}x{height} pixels is over MAX_DECODED_PIXELS = {MAX_DECODED_PIXELS} (featurehooks.images)"
-        )
-
-
-def _high_depth_rgb(image: Image.Image) -> Tensor:
-    """(3, H, W) float32 in [0, 1] from a 16-bit, 32-bit integer or float grayscale image.
-
-    Float pixels are taken as they are (NaN or infinite ones are refused); 16-bit are divided by 65535.
-    """
-    gray = np.array(image, dtype=np.float32)
-    if image.mode == "F":
-        if not np.isfinite(gray).all():
-            raise InvalidValueError("float image with NaN or infinite pixels")
-    else:  # 16-bit; mode "I" may also hold 8-bit values
-        gray /= 65535.0 if image.mode != "I" or gray.max(initial=0) > 255 else 255.0
-    np.clip(gray, 0.0, 1.0, out=gray)
-    return torch.from_numpy(gray).expand(3, *gray.shape).contiguous()
-
-
-def _rgb8(image: Image.Image) -> Tensor:
-    """(3, H, W) ``uint8`` view of an (H, W, 3) array from an image of any other mode (see ``read_image``);
-    transparent pixels are composited on white."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, rgba)
-    if image.mode != "RGB":  # L, 1, P, CMYK, YCbCr, LAB, HSV; convert() would copy an RGB image too
-        image = image.convert("RGB")
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
-
-
-def _decode_jpeg(handle: BinaryIO) -> Tensor | None:
-    """(3, H, W) ``uint8`` of a whole JPEG file by torchvision's libjpeg-turbo; ``None`` where it raises.
-
-    Faster than Pillow's decode and conversion (1.1 to 2.8 times per photo, the most for large baseline
-    files), with the same pixels. torchvision raises for what it cannot decode (a truncated file, since
-    0.8, or a build without its image extension); the caller then lets Pillow decode, so such a file
-    fails, or succeeds, exactly as it does with Pillow.
-    """
-    handle.seek(0)
-    data = torch.frombuffer(bytearray(handle.read()), dtype=torch.uint8)
-    try:
-        with warnings.catch_warnings():  # its decoders are deprecated since 0.29, yet there is no equal one
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision.io")
-            return decode_jpeg(data, mode=ImageReadMode.RGB)
-    except RuntimeError:
-        return None
-
-
-@functools.cache
-def _decode_jpeg_is_pillows() -> bool:
-    """Whether ``_decode_jpeg`` gives Pillow's pixels in this process (checked once, on a small noise JPEG).
-
-    Both wheels bundle libjpeg-turbo; a torchvision built against another libjpeg (IJG's 7 and later
-    upsample chroma by a scaled IDCT) can round otherwise, and then every JPEG stays with Pillow.
-    """
-    if decode_jpeg is None:
-        return False
-    noise = np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(noise).save(buffer, format="JPEG", quality=90)  # 4:2:0, where decoders differ most
-    with Image.open(buffer) as image:
-        pixels = _decode_jpeg(buffer)
-        return pixels is not None and torch.equal(pixels, _rgb8(image))
-
-
-# Pillow's exif_transpose as (swap height and width, then flip these axes) on (C, H, W)
-_EXIF_TRANSPOSES: dict[int, tuple[bool, tuple[int, ...]]] = {
-    2: (False, (-1,)),  # FLIP_LEFT_RIGHT
-    3: (False, (-2, -1)),  # ROTATE_180
-    4: (False, (-2,)),  # FLIP_TOP_BOTTOM
-    5: (True, ()),  # TRANSPOSE
-    6: (True, (-1,)),  # ROTATE_270
-    7: (True, (-2, -1)),  # TRANSVERSE
-    8: (True, (-2,)),  # ROTATE_90
-}
-
-
-def _exif_transpose(pixels: Tensor, image: Image.Image) -> Tensor:
-    """``ImageOps.exif_transpose`` of decoded (C, H, W) pixels, following Pillow's reading of ``image``.
-
-    Pillow's reading (EXIF, else XMP) is the one ``image_size`` and the Pillow route use; torchvision's
-    own ``apply_exif_orientation`` ignores XMP. The result is a (C, H, W) view of an (H, W, C) array, like
-    the Pillow route's: the decoder's own buffer when nothing turns, else a copy (numpy's, twice as fast
-    as ``Tensor.contiguous()``).
-    """
-    swap, flips = _EXIF_TRANSPOSES.get(image.getexif().get(ExifTags.Base.Orientation, 1), (False, ()))
-    turned = pixels.permute(1, 2, 0).numpy()
-    if swap:
-        turned = turned.swapaxes(0, 1)
-    if flips:
-        turned = np.flip(turned, tuple(axis + 2 for axis in flips))  # -2 (H) and -1 (W) of (C, H, W) are 0 and 1 here
-    return torch.from_numpy(np.ascontiguousarray(turned)).permute(2, 0, 1)
 
 
 def read_image(path: str | os.PathLike[str]) -> Tensor:
@@ -247,26 +105,7 @@ def read_image(path: str | os.PathLike[str]) -> Tensor:
         >>> image.shape, image.dtype, image[:, 0, 0].tolist()
         (torch.Size([3, 30, 40]), torch.uint8, [128, 128, 128])
     """
-    with _open_regular(path) as handle, _identify(handle, path) as image:
-        _check_decoded_size(*image.size)
-        if image.format == "JPEG" and image.mode in ("RGB", "L") and _decode_jpeg_is_pillows():
-            pixels = _decode_jpeg(handle)
-            if pixels is not None:
-                return _exif_transpose(pixels, image)
-        image.load()  # a truncated file fails here, not later
-        ImageOps.exif_transpose(image, in_place=True)
-        return _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else _rgb8(image)
-
-
-_ROTATED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-
-
-def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """(H, W) of the image ``read_image`` would return, from the file's header (no pixel is decoded)."""
-    with _open_regular(path) as handle, _identify(handle, path) as image:
-        width, height = image.size
-        rotated = image.getexif().get(ExifTags.Base.Orientation) in _ROTATED
-    return (width, height) if rotated else (height, width)
+    return read_pixels(path, MAX_DECODED_PIXELS)  # the limit as it is now: a user may have raised it
 
 
 def decode_image(path: str | os.PathLike[str]) -> Tensor:

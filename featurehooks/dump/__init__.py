@@ -8,14 +8,20 @@ rows), which metrics share; ``list_images`` and ``IMAGE_SUFFIXES`` are its.
 
 from .._stream import IMAGE_SUFFIXES, list_images
 from ..errors import CorruptDumpError, DumpLockedError, NoSpaceError
+from .manifest import UNRECORDED, InputsRecord, Manifest, Settings, SkippedRow
 from .run import DumpResult, dump_features
 from .store import read_manifest
 
 __all__ = [
     "IMAGE_SUFFIXES",
+    "UNRECORDED",
     "CorruptDumpError",
     "DumpLockedError",
     "DumpResult",
+    "InputsRecord",
+    "Manifest",
+    "Settings",
+    "SkippedRow",
     "dump_features",
     "list_images",
     "NoSpaceError",

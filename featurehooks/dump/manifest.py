@@ -8,6 +8,10 @@ writes the bytes an uninterrupted one would, and journal lines keep naming the m
 Schema ``featurehooks.dump/1``. Fields newer than it are optional: ``weights_sha256`` (``UNRECORDED`` when absent),
 ``inputs.identity_sha256``, ``inputs.labels`` and ``labels``, so dumps begun before them still read and resume;
 ``precision`` (what the backbone computed in) is written only when it is not ``"float32"``, which it is when absent.
+
+``read_manifest`` and ``DumpResult.manifest`` hand out a ``Manifest``. For one release it also answers the dict
+access of the releases that handed out the JSON dict (``manifest["layers"]``, ``"labels" in manifest``, ``.get``),
+with a ``FutureWarning`` that names the attribute to use instead, or ``to_dict()`` for the JSON value.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import copy
 import enum
 import json
 import os
-from collections.abc import Collection, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Collection, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeGuard
@@ -76,6 +81,19 @@ _FIELDS = (
     *_ACCOUNT,
 )
 
+# manifest.json's fields -> the attribute of a ``Manifest`` that holds each (``format`` and ``index`` are constants)
+_ATTRIBUTES = {
+    "status": "status",
+    **{name: f"settings.{name}" for name in _COMPARED},
+    "chunk_size": "chunk_size",
+    "files": "files",
+    "labels": "settings.inputs.labelled",
+    "versions": "versions",
+    "num_rows": "num_rows",
+    "num_valid": "num_valid",
+    "skipped": "skipped",
+}
+
 
 class Unrecorded(enum.Enum):
     """The type of ``UNRECORDED``: a field that a dump begun before the field existed does not have."""
@@ -84,6 +102,20 @@ class Unrecorded(enum.Enum):
 
 
 UNRECORDED = Unrecorded.UNRECORDED
+"""What ``Settings.weights_sha256`` is in a dump begun before featurehooks recorded the weights' hash.
+
+Such a dump still resumes: the hash is left out of the comparison.
+
+Examples:
+    >>> import tempfile, torch
+    >>> from featurehooks import FeatureExtractor, dump_features
+    >>> from featurehooks.dump import UNRECORDED
+    >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+    >>> result = dump_features(ext, torch.rand(1, 3, 8, 8), tempfile.mkdtemp(), progress=False)
+    >>> sha256 = result.manifest.settings.weights_sha256
+    >>> "unrecorded" if sha256 is UNRECORDED else len(sha256)  # this featurehooks records it
+    64
+"""
 
 
 def layer_file_name(layer: str) -> str:
@@ -101,7 +133,17 @@ def is_count(value: Any, least: int = 0) -> TypeGuard[int]:
 class InputsRecord:
     """What a dump's rows are: ``"files"`` or a ``"dataset"``, how many, and the SHA-256 of their names; whether
     the items carried labels; for files, the SHA-256 of ``inputs.npy`` (their sizes and modification times), which
-    is ``None`` for a dataset and in dumps begun before it was recorded."""
+    is ``None`` for a dataset and in dumps begun before it was recorded.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> result = dump_features(ext, torch.rand(3, 3, 8, 8), tempfile.mkdtemp(), progress=False)
+        >>> inputs = result.manifest.settings.inputs
+        >>> inputs.kind, inputs.count, inputs.labelled
+        ('dataset', 3, False)
+    """
 
     kind: Literal["files", "dataset"]
     count: int
@@ -127,6 +169,15 @@ class Settings:
     state dict hashed, ``None`` without an ``nn.Module``, ``UNRECORDED`` in dumps begun before it was recorded.
     ``preprocessing``: the JSON values the image transform describes itself with. ``precision``: what the
     backbone computed in (``FeatureExtractor.precision``); ``dtype`` is what the arrays are stored in.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> result = dump_features(ext, torch.rand(2, 3, 8, 8), tempfile.mkdtemp(), pool="avg", progress=False)
+        >>> settings = result.manifest.settings
+        >>> settings.backbone, settings.layers, settings.shapes, settings.dtype, settings.pool
+        ('Sequential', ('0',), {'0': (2, 4)}, 'float32', 'avg')
     """
 
     backbone: str
@@ -141,6 +192,7 @@ class Settings:
 
     @property
     def layers(self) -> tuple[str, ...]:
+        """The layers, in request order."""
         return tuple(self.shapes)
 
     def differences(self, earlier: Settings) -> list[str]:
@@ -174,7 +226,20 @@ class Settings:
 
 @dataclass(frozen=True)
 class SkippedRow:
-    """An input that could not be read: its row (zero-filled, ``valid=0`` in ``index.csv``), its path, and why."""
+    """An input that could not be read: its row (zero-filled, ``valid=0`` in ``index.csv``), its path, and why.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from PIL import Image
+        >>> from featurehooks import FeatureExtractor, dump_features
+        >>> folder = tempfile.mkdtemp()
+        >>> Image.new("RGB", (8, 8)).save(os.path.join(folder, "fine.png"))
+        >>> _ = open(os.path.join(folder, "broken.png"), "wb").write(b"not an image")
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> result = dump_features(ext, folder, tempfile.mkdtemp(), num_workers=0, progress=False)
+        >>> [(row.row, os.path.basename(row.path), row.reason[:22]) for row in result.manifest.skipped]
+        [(0, 'broken.png', 'UnidentifiedImageError')]
+    """
 
     row: int
     path: str
@@ -187,7 +252,19 @@ class Manifest:
     began it, and its ``status``: ``"running"`` until every row is committed, then ``"complete"``.
 
     ``skipped`` lists the rows that could not be read once the dump is complete (``num_rows`` and ``num_valid``
-    follow from it and from the settings); it is ``None`` before.
+    follow from it and from the settings); it is ``None`` before. ``to_dict()`` is the JSON of ``manifest.json``.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from featurehooks import FeatureExtractor, dump_features, read_manifest
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), ["0"])
+        >>> out = tempfile.mkdtemp()
+        >>> _ = dump_features(ext, torch.rand(2, 3, 8, 8), out, pool="avg", progress=False)
+        >>> manifest = read_manifest(out)
+        >>> manifest.status, manifest.num_rows, manifest.num_valid, manifest.skipped, manifest.files
+        ('complete', 2, 2, (), {'0': '0.npy'})
+        >>> manifest.settings.shapes, manifest.to_dict()["shapes"]  # typed, and as manifest.json writes it
+        ({'0': (2, 4)}, {'0': [2, 4]})
     """
 
     settings: Settings
@@ -198,7 +275,13 @@ class Manifest:
 
     @property
     def num_rows(self) -> int:
+        """Rows of every array: one per input."""
         return self.settings.inputs.count
+
+    @property
+    def num_valid(self) -> int | None:
+        """Rows that hold an input's features (the others are zero-filled), or ``None`` before the dump is complete."""
+        return None if self.skipped is None else self.num_rows - len(self.skipped)
 
     @property
     def files(self) -> dict[str, str]:
@@ -220,13 +303,56 @@ class Manifest:
         data["versions"] = dict(self.versions)
         if self.skipped is not None:
             data["num_rows"] = self.num_rows
-            data["num_valid"] = self.num_rows - len(self.skipped)
+            data["num_valid"] = self.num_valid
             data["skipped"] = [{"row": s.row, "path": s.path, "reason": s.reason} for s in self.skipped]
         return data
 
     def to_json(self) -> str:
         """The text of ``manifest.json`` (two-space indent, ASCII, a final newline)."""
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    # -- the dict that read_manifest and DumpResult.manifest were before: for one release, with a warning ----------
+    def __getitem__(self, key: str) -> Any:
+        """Deprecated: the attribute that holds the field, or ``to_dict()[key]``."""
+        return self._as_dict(lambda manifest: f"{manifest}[{key!r}]", key)[key]
+
+    def __contains__(self, key: object) -> bool:
+        """Deprecated: ``key in to_dict()``."""
+        return key in self._as_dict(lambda manifest: f"{key!r} in {manifest}", key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Deprecated: the attribute that holds the field, or ``to_dict().get(key, default)``."""
+        return self._as_dict(lambda manifest: f"{manifest}.get({key!r})", key).get(key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        """Deprecated: ``iter(to_dict())``."""
+        return iter(self._as_dict(lambda manifest: f"iter({manifest})"))
+
+    def keys(self) -> KeysView[str]:
+        """Deprecated: ``to_dict().keys()``."""
+        return self._as_dict(lambda manifest: f"{manifest}.keys()").keys()
+
+    def values(self) -> ValuesView[Any]:
+        """Deprecated: ``to_dict().values()``."""
+        return self._as_dict(lambda manifest: f"{manifest}.values()").values()
+
+    def items(self) -> ItemsView[str, Any]:
+        """Deprecated: ``to_dict().items()``."""
+        return self._as_dict(lambda manifest: f"{manifest}.items()").items()
+
+    def _as_dict(self, spelled: Callable[[str], str], key: object = None) -> dict[str, Any]:
+        """``to_dict()``, warning the caller of a dict access (``spelled`` on a name; of field ``key``) what to
+        write instead."""
+        attribute = _ATTRIBUTES.get(key) if isinstance(key, str) else None
+        typed = f"manifest.{attribute} (typed), or " if attribute else ""
+        warnings.warn(
+            f"{spelled('manifest')}: a dump's manifest is a featurehooks.dump.Manifest, no longer a dict, and its "
+            f"dict access stops working in the next release; use {typed}{spelled('manifest.to_dict()')} (the JSON "
+            "of manifest.json)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return self.to_dict()
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Manifest | None:

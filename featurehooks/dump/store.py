@@ -64,8 +64,9 @@ _RECORD = frozenset({"chunk", "rows", "skipped", "rank", "manifest", "crc"})
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a symlink planted where featurehooks opens a file is not followed
 
 
-def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of the dump in ``out_dir``, as the dict its ``manifest.json`` holds, or ``None`` when there is none.
+def read_manifest(out_dir: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest of the dump in ``out_dir`` (a ``Manifest``; ``.to_dict()`` is the JSON of its ``manifest.json``),
+    or ``None`` when there is none.
 
     Raises:
         CorruptDumpError: the file exists but is not a featurehooks manifest, or a field is missing, unknown,
@@ -80,11 +81,12 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         True
         >>> _ = dump_features(ext, torch.rand(2, 3, 8, 8), out, progress=False)
         >>> manifest = read_manifest(out)
-        >>> manifest["status"], manifest["num_rows"], manifest["shapes"]
-        ('complete', 2, {'0': [2, 4, 6, 6]})
+        >>> manifest.status, manifest.num_rows, manifest.settings.shapes
+        ('complete', 2, {'0': (2, 4, 6, 6)})
+        >>> manifest.to_dict()["shapes"]
+        {'0': [2, 4, 6, 6]}
     """
-    manifest = Manifest.read(Path(out_dir) / MANIFEST)
-    return None if manifest is None else manifest.to_dict()
+    return Manifest.read(Path(out_dir) / MANIFEST)
 
 
 def write_npy_atomic(path: Path, array: np.ndarray) -> None:

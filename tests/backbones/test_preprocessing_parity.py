@@ -281,7 +281,7 @@ def test_an_own_modules_images_keep_their_size_as_its_preprocessing_says(photos:
     sized = dump_features(
         ext, photos[:2], tmp_path / "sized", num_workers=0, progress=False, resize_size=64, crop_size=64
     )
-    assert sized.manifest["preprocessing"]["image_shape"] == [3, 64, 64]
+    assert sized.manifest.settings.preprocessing["image_shape"] == [3, 64, 64]
 
 
 def test_unknown_crop_modes_are_refused() -> None:

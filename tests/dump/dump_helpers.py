@@ -1,10 +1,12 @@
-"""Test helper shared by the dump fault and distributed tests: turn a finished dump into a killed one."""
+"""Test helpers shared by the dump tests: turn a finished dump into a killed one, with garbage where it never wrote."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from featurehooks.dump.store import DumpStore
 
@@ -27,3 +29,12 @@ def mark_unfinished(out: Path, committed: Sequence[tuple[int, int, int]]) -> Dum
         store.commit(chunk, start, stop, [])
     store.close_journal()
     return store
+
+
+def scribble(store: DumpStore, start: int, stop: int, value: float) -> None:
+    """Write ``value`` into rows ``start:stop`` of every layer through the open arrays of ``store`` (as
+    ``mark_unfinished`` returns it): the garbage of rows a killed run never committed, which a resume must redo."""
+    manifest = store.read_manifest()
+    assert manifest is not None
+    shapes = manifest.settings.shapes
+    store.write_rows(start, {layer: np.full((stop - start, *shape[1:]), value) for layer, shape in shapes.items()})

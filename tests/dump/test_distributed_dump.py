@@ -17,7 +17,7 @@ from PIL import Image
 from featurehooks._stream.sharding import Distributed, chunk_rows, split_contiguous
 from featurehooks.cli import main
 
-from dump_helpers import mark_unfinished
+from dump_helpers import mark_unfinished, scribble
 from helpers import free_port, torchrun, two_ranks
 
 
@@ -38,7 +38,7 @@ def test_single_process_needs_no_process_group(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     alone = Distributed.from_environment(torch.device("cpu"))
     assert (alone.rank, alone.world_size, alone.owns_group) == (0, 1, False)
-    assert alone.broadcast("x") == "x" and alone.all_ok(True)
+    assert alone.broadcast("x") == "x" and alone.all_gather("y") == ["y"]
 
 
 def make_inputs(folder: Path) -> None:
@@ -85,9 +85,8 @@ def test_two_ranks_resume_what_one_process_left_unfinished(tmp_path: Path, resne
     shutil.copytree(tmp_path / "one", out)
     # what a killed single-process run leaves: status running, chunks 0 and 4 committed, other rows garbage
     store = mark_unfinished(out, [(chunk, *chunk_rows(chunk, 2, 13)) for chunk in (0, 4)])
-    for layer in store.read_manifest().settings.layers:
-        store._arrays[layer][2:8] = 9.0
-        store._arrays[layer][10:] = -1.0
+    scribble(store, 2, 8, 9.0)
+    scribble(store, 10, 13, -1.0)
     store.close_arrays()
     run = two_ranks(["extract", str(tmp_path / "imgs"), "--out", str(out), *ARGS, "--resume"])
     assert run.returncode == 0, run.stderr[-3000:]

@@ -85,8 +85,8 @@ def test_rows_equal_direct_outputs_of_a_pretrained_backbone(resnet: FeatureExtra
     reference = expected(resnet, list_images(tmp_path / "imgs"))
     for layer in ["layer1", "layer3"]:
         np.testing.assert_allclose(result.load(layer), reference[layer], rtol=1e-5, atol=1e-6)
-    assert result.manifest["backbone"] == "resnet18"
-    assert result.manifest["weights"] == resnet.weights == "ResNet18_Weights.IMAGENET1K_V1"
+    assert result.manifest.settings.backbone == "resnet18"
+    assert result.manifest.settings.weights == resnet.weights == "ResNet18_Weights.IMAGENET1K_V1"
 
 
 @pytest.mark.parametrize("pool", [None, "avg", "max"])
@@ -126,7 +126,7 @@ def test_manifest_and_index_describe_the_dump(extractor: FeatureExtractor, tmp_p
     assert lines[0] == "row,valid,path"
     assert [line.split(",", 2)[2] for line in lines[1:]] == list_images(tmp_path / "imgs")
     assert not (tmp_path / "out" / ".journal").exists()
-    assert read_manifest(tmp_path / "out") == manifest
+    assert read_manifest(tmp_path / "out").to_dict() == manifest  # the typed manifest gives back the JSON
 
 
 def test_default_preprocessing_follows_the_weights_own_transforms(resnet: FeatureExtractor, tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_default_preprocessing_follows_the_weights_own_transforms(resnet: Featur
     for i, size in enumerate([(300, 260), (240, 320)]):
         Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(folder / f"{i}.png")
     result = dump_features(resnet, folder, tmp_path / "out", num_workers=0, progress=False)
-    pre = result.manifest["preprocessing"]
+    pre = result.manifest.settings.preprocessing
     assert (pre["resize_size"], pre["crop_size"], pre["image_shape"]) == (256, 224, [3, 224, 224])
     transform = transform_for(resnet.preprocessing, resnet.input_range)
     ours = torch.stack([transform(read_image(p)) for p in list_images(folder)])
@@ -167,7 +167,7 @@ def test_dataset_source_of_prepared_tensors(extractor: FeatureExtractor, tmp_pat
     with torch.no_grad():
         reference = extractor(images)
     np.testing.assert_allclose(result.load("layer3"), reference["layer3"].numpy(), rtol=1e-5, atol=1e-6)
-    assert result.manifest["inputs"]["kind"] == "dataset"
+    assert result.manifest.settings.inputs.kind == "dataset"
     assert (tmp_path / "out" / "index.csv").read_text().splitlines()[1] == "0,1,dataset[0]"
 
 
@@ -188,11 +188,11 @@ def test_complete_output_is_not_overwritten_without_overwrite(extractor: Feature
     assert (tmp_path / "out" / "layer3.npy").read_bytes() == before
     # resume on a complete dump with the same settings is a no-op
     again = dump(extractor, tmp_path / "imgs", tmp_path / "out", pool="avg", resume=True)
-    assert again.manifest["status"] == "complete"
+    assert again.manifest.status == "complete"
     # overwrite replaces it, here with different settings; files of the old layers are removed
     other = FeatureExtractor(tiny_net(), {"relu2": "layer2"})
     replaced = dump(other, tmp_path / "imgs", tmp_path / "out", overwrite=True)
-    assert replaced.manifest["layers"] == ["layer2"]
+    assert replaced.manifest.settings.layers == ("layer2",)
     assert not (tmp_path / "out" / "layer3.npy").exists()
 
 
@@ -249,7 +249,7 @@ def test_without_crop_only_feature_maps_need_one_size(extractor: FeatureExtracto
     for i, size in enumerate([(40, 40), (40, 40), (50, 40)]):
         Image.new("RGB", size, (i * 40, 0, 0)).save(folder / f"{i}.png")
     result = dump(extractor, folder, tmp_path / "out", resize_size=None, crop_size=None, pool="avg")
-    assert result.manifest["preprocessing"]["image_shape"] == [3, 40, 40]  # the first image probes the shapes
+    assert result.manifest.settings.preprocessing["image_shape"] == [3, 40, 40]  # the first image probes the shapes
     assert result.skipped == []  # pooled features need no common size: every image is computed
     with pytest.raises(ValueError, match="different sizes"):
         dump(extractor, folder, tmp_path / "maps", resize_size=None, crop_size=None)
@@ -283,7 +283,8 @@ def test_out_of_range_dataset_still_warns(tmp_path: Path) -> None:
 def test_resume_refuses_other_weights_of_the_same_module(tmp_path: Path) -> None:
     items = torch.rand(3, 3, CROP, CROP, generator=torch.Generator().manual_seed(4))
     first = dump(FeatureExtractor(tiny_net(), ["relu2"]), items, tmp_path / "out", pool="avg")
-    assert len(first.manifest["weights_sha256"]) == 64
+    sha256 = first.manifest.settings.weights_sha256
+    assert isinstance(sha256, str) and len(sha256) == 64
     retrained = tiny_net()
     with torch.no_grad():
         retrained.conv2.weight.add_(0.01)  # another checkpoint: same class, same weights=None

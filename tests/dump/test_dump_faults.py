@@ -21,7 +21,7 @@ from featurehooks import FeatureExtractor
 from featurehooks.dump import dump_features, read_manifest
 from featurehooks.images import decode_image, read_image, transform_for
 
-from dump_helpers import mark_unfinished
+from dump_helpers import mark_unfinished, scribble
 from helpers import tiny_extractor
 
 CROP = 32
@@ -96,7 +96,7 @@ def test_corrupt_files_are_listed_and_zero_filled_never_fatal(tmp_path: Path) ->
     assert sorted(skipped) == corrupt
     assert all(item["reason"] for item in skipped.values())
     assert "truncated" in skipped["k_truncated.png"]["reason"] or "OSError" in skipped["k_truncated.png"]["reason"]
-    assert result.manifest["num_valid"] == len(readable)
+    assert result.manifest.num_valid == len(readable)
     transform = transform_for(ext.preprocessing, ext.input_range, CROP, CROP)
     layer = result.load("conv2")
     for row, (_, flag, path) in enumerate(names):
@@ -203,13 +203,13 @@ def test_interrupted_dump_resumes_to_identical_bytes(tmp_path: Path, reference: 
     if sig == signal.SIGINT:
         assert "KeyboardInterrupt" in done.stderr
     manifest = read_manifest(out)
-    assert manifest is not None and manifest["status"] == "running"  # never taken for complete
+    assert manifest is not None and manifest.status == "running"  # never taken for complete
     committed = committed_lines(out)
     assert 2 <= committed < ROWS // BATCH
     with pytest.raises(FileExistsError, match="unfinished.*resume"):
         dump_features(tiny_extractor(), Noise(), out, batch_size=BATCH, num_workers=0, progress=False)
     result = dump_features(tiny_extractor(), Noise(), out, batch_size=BATCH, num_workers=0, progress=False, resume=True)
-    assert result.manifest["status"] == "complete"
+    assert result.manifest.status == "complete"
     same_files(out, reference)
 
 
@@ -221,8 +221,7 @@ def test_resume_recomputes_only_uncommitted_chunks(tmp_path: Path) -> None:
     # an unfinished dump: chunks 0 and 2 committed, a torn line after them, the rest never written
     dump(ext, items, out)
     store = mark_unfinished(out, [(chunk, chunk * BATCH, (chunk + 1) * BATCH) for chunk in (0, 2)])
-    for layer in store.read_manifest().settings.layers:
-        store._arrays[layer][BATCH : 2 * BATCH] = 7.0  # chunk 1: garbage that resume must overwrite
+    scribble(store, BATCH, 2 * BATCH, 7.0)  # chunk 1: garbage that resume must overwrite
     store.close_arrays()
     with open(out / ".journal" / "rank-0.jsonl", "a") as journal:
         journal.write('{"chunk": 1, "rows": [4')  # what a kill mid-write leaves
@@ -255,5 +254,5 @@ def test_unreadable_manifest_needs_overwrite(tmp_path: Path) -> None:
     items = torch.rand(2, 3, CROP, CROP)
     with pytest.raises(ValueError, match="overwrite"):
         dump(tiny_extractor(), items, out, resume=True)
-    assert dump(tiny_extractor(), items, out, overwrite=True).manifest["status"] == "complete"
+    assert dump(tiny_extractor(), items, out, overwrite=True).manifest.status == "complete"
     assert not any(name.startswith(".manifest") for name in os.listdir(out))  # no temporary files left

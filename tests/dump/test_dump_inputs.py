@@ -181,7 +181,7 @@ def test_thin_images_are_invalid_rows_with_the_reason(tmp_path: Path) -> None:
     assert sorted(reasons(result)) == ["b_wide.png", "c_wider.png", "d_tall.png"]
     wide = reasons(result)["b_wide.png"]
     assert "1000x1 pixels would be resized to 256000x256" in wide and "MAX_RESIZED_PIXELS" in wide
-    assert result.manifest["num_valid"] == 1
+    assert result.manifest.num_valid == 1
     ext = tiny_extractor()
     with pytest.raises(InvalidValueError, match="MAX_RESIZED_PIXELS"):
         prepare_image(paths[2], ext, resize_size=256)
@@ -227,7 +227,7 @@ def test_decoded_pixels_are_checked_from_the_header_before_decoding(tmp_path: Pa
     with pytest.raises(InvalidValueError, match="9000x8000 pixels is over MAX_DECODED_PIXELS"):
         read_image(tmp_path / "huge.png")
     result = dump([tmp_path / "huge.png", SAMPLES / "sample_00_shapes.png"], tmp_path / "out")
-    assert "MAX_DECODED_PIXELS" in reasons(result)["huge.png"] and result.manifest["num_valid"] == 1
+    assert "MAX_DECODED_PIXELS" in reasons(result)["huge.png"] and result.manifest.num_valid == 1
 
 
 def test_budgets_are_module_constants_a_user_can_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

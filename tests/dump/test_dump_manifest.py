@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import pickle
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,35 @@ def test_a_dump_writes_what_its_manifest_reads_back(tmp_path: Path) -> None:
     text = (tmp_path / "manifest.json").read_text()
     manifest = Manifest.read(tmp_path / "manifest.json")
     assert manifest is not None and manifest.to_json() == text
-    assert result.manifest == read_manifest(tmp_path) == json.loads(text)  # users still get the plain dict
+    assert result.manifest == read_manifest(tmp_path) == manifest  # users get the typed manifest
+    assert manifest.to_dict() == json.loads(text) and manifest.num_valid == 3 and manifest.skipped == ()
     assert manifest.settings.inputs == InputsRecord("dataset", 3, manifest.settings.inputs.sha256)
     assert Manifest.read(tmp_path / "missing.json") is None
+
+
+def test_the_dict_access_of_earlier_releases_warns_and_still_answers() -> None:
+    manifest, data = Manifest.from_dict(files_manifest()), files_manifest()
+    with pytest.warns(FutureWarning, match=r"manifest\['layers'\]: .* use manifest\.settings\.layers \(typed\), or "):
+        assert manifest["layers"] == data["layers"]
+    with pytest.warns(FutureWarning, match=r"'skipped' in manifest: .* manifest\.skipped .* in manifest\.to_dict"):
+        assert "skipped" in manifest
+    with pytest.warns(FutureWarning, match=r"manifest\.get\('labels'\): .* manifest\.settings\.inputs\.labelled"):
+        assert manifest.get("labels", "none") == "none"
+    with pytest.warns(FutureWarning, match=r"use manifest\.to_dict\(\)\['format'\]"):  # no attribute: a constant
+        assert manifest["format"] == "featurehooks.dump/1"
+    with pytest.warns(FutureWarning, match=r"manifest\.to_dict\(\)\.items\(\)"):
+        assert dict(manifest.items()) == data
+    with pytest.warns(FutureWarning) as caught:
+        assert list(manifest) == list(manifest.keys()) == list(data)
+        assert list(manifest.values()) == list(data.values())
+        assert "nothing" not in manifest and manifest.get("num_valid") == 2
+    assert [warning.filename for warning in caught] == [__file__] * 5  # the warning names the caller's line
+
+
+def test_a_manifest_without_dict_access_does_not_warn(tmp_path: Path) -> None:
+    manifest = Manifest.from_dict(files_manifest())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert manifest and manifest.num_valid == 2 and manifest.files["layer3"] == "layer3.npy"
+        assert manifest == Manifest.from_dict(files_manifest()) and pickle.loads(pickle.dumps(manifest)) == manifest
+        assert read_manifest(tmp_path) is None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import sys
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from torch import nn
 
 from featurehooks import FeatureExtractor, dump_features
 from featurehooks._stream import loader
-from featurehooks.dump import run as dump_run
+from featurehooks._stream.sharding import Distributed
 from featurehooks.errors import LayerNotFoundError
 
 from dump_helpers import mark_unfinished
@@ -41,15 +43,16 @@ def dump(source: object, out: Path, **kwargs: object):
 
 
 def test_workers_are_bounded_by_cores_and_batches() -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     assert loader.loader_workers(100_000, 3) == 3
-    assert loader.loader_workers(100_000, 10_000) == 4 * loader._cores()
+    assert loader.loader_workers(100_000, 10_000) == 4 * cores
     assert loader.loader_workers(0, 5) == 0
     assert loader.loader_workers(None, 0) == 0
 
 
 def test_an_absurd_worker_count_still_dumps(tmp_path: Path) -> None:
     result = dump(images(tmp_path / "in", 4), tmp_path / "out", num_workers=100_000)
-    assert result.manifest["status"] == "complete" and result.num_rows == 4
+    assert result.manifest.status == "complete" and result.num_rows == 4
 
 
 def test_resume_refuses_input_files_changed_since_the_dump_began(tmp_path: Path) -> None:
@@ -78,7 +81,7 @@ def test_resume_with_unchanged_inputs_is_byte_identical(tmp_path: Path) -> None:
     store = mark_unfinished(out, [(1, 2, 4)])
     store.close_arrays()
     resumed = dump(folder, out, resume=True)
-    assert resumed.manifest["status"] == "complete"
+    assert resumed.manifest.status == "complete"
     assert resumed.path("relu").read_bytes() == whole.path("relu").read_bytes()
 
 
@@ -91,7 +94,7 @@ class _ClosedStream(io.StringIO):
 def test_a_closed_stderr_never_stops_a_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", _ClosedStream())
     result = dump(images(tmp_path / "in"), tmp_path / "out", progress=True)
-    assert result.manifest["status"] == "complete"
+    assert result.manifest.status == "complete"
 
 
 class _Failing(io.StringIO):
@@ -102,7 +105,7 @@ class _Failing(io.StringIO):
 def test_a_failing_stderr_never_stops_a_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", _Failing())
     result = dump(images(tmp_path / "in"), tmp_path / "out", progress=True)
-    assert result.manifest["status"] == "complete"
+    assert result.manifest.status == "complete"
 
 
 class _Unusual(Exception):
@@ -110,12 +113,20 @@ class _Unusual(Exception):
         super().__init__(f"{code}: {detail}")
 
 
-def test_errors_keep_their_type_across_ranks() -> None:
+def _fail(error: Exception) -> None:
+    raise error
+
+
+def test_errors_keep_their_type_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 of two, planning: what broadcast_object_list does to what it sends is a pickle round trip
+    monkeypatch.setattr(Distributed, "broadcast", lambda self, value: pickle.loads(pickle.dumps(value)))
+    ranks = Distributed(rank=0, world_size=2)
     for error in (FileExistsError("taken"), LayerNotFoundError("no such layer"), OSError(28, "No space left")):
-        copy = dump_run._portable(error)
-        assert type(copy) is type(error) and str(copy) == str(error)
-    unusual = dump_run._portable(_Unusual(3, "x"))
-    assert isinstance(unusual, (RuntimeError, _Unusual)) and "3: x" in str(unusual)
+        with pytest.raises(Exception) as caught:
+            ranks.from_main(partial(_fail, error))
+        assert type(caught.value) is type(error) and str(caught.value) == str(error)
+    with pytest.raises((RuntimeError, _Unusual), match="3: x"):  # an exception that does not unpickle
+        ranks.from_main(partial(_fail, _Unusual(3, "x")))
 
 
 def test_the_result_says_how_many_rows_this_call_computed(tmp_path: Path) -> None:
@@ -143,12 +154,13 @@ def test_labels_of_an_image_label_dataset_are_written(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = dump(Labelled(), out)
     assert result.labels().tolist() == [10, 11, -1, 13, 14]
-    assert result.manifest["labels"] == "labels.npy" and result.manifest["inputs"]["labels"] is True
+    assert result.manifest.settings.inputs.labelled and result.manifest.to_dict()["labels"] == "labels.npy"
     mark_unfinished(out, [(0, 0, 2)]).close_arrays()
     resumed = dump(Labelled(), out, resume=True)
     assert resumed.labels().tolist() == [10, 11, -1, 13, 14]
     plain = dump(torch.rand(3, 3, SIZE, SIZE), tmp_path / "plain")
-    assert "labels" not in plain.manifest and not (tmp_path / "plain" / "labels.npy").exists()
+    assert not plain.manifest.settings.inputs.labelled and "labels" not in plain.manifest.to_dict()
+    assert not (tmp_path / "plain" / "labels.npy").exists()
     with pytest.raises(FileNotFoundError, match="no labels"):
         plain.labels()
 

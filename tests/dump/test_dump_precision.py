@@ -29,7 +29,7 @@ def folder(png_folder: Callable[..., Path]) -> Path:
 def test_bf16_dump_stores_the_dtype_asked_for(folder: Path, tmp_path: Path, pool: str | None, dtype: str) -> None:
     low = dump_features(tiny_extractor(precision="bf16"), folder, tmp_path / "bf16", pool=pool, dtype=dtype, **OPTIONS)
     dump_features(tiny_extractor(), folder, tmp_path / "f32", pool=pool, dtype=dtype, **OPTIONS)
-    assert low.manifest["precision"] == "bf16"
+    assert low.manifest.settings.precision == "bf16"
     assert json.loads((tmp_path / "bf16" / "manifest.json").read_text())["precision"] == "bf16"
     assert "precision" not in json.loads((tmp_path / "f32" / "manifest.json").read_text())
     for name in ("relu1", "conv2"):
@@ -45,7 +45,7 @@ def test_a_resume_in_another_precision_is_refused(folder: Path, tmp_path: Path) 
     with pytest.raises(InvalidValueError, match="precision"):
         dump_features(tiny_extractor(), folder, tmp_path, pool="avg", resume=True, **OPTIONS)
     dump_features(tiny_extractor(precision="bf16"), folder, tmp_path, pool="avg", resume=True, **OPTIONS)
-    assert read_manifest(tmp_path)["precision"] == "bf16"
+    assert read_manifest(tmp_path).settings.precision == "bf16"
 
 
 def test_a_manifest_with_a_bad_precision_is_refused(folder: Path, tmp_path: Path) -> None:

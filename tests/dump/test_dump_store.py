@@ -29,7 +29,7 @@ from featurehooks.dump import store as store_module
 from featurehooks.dump.store import CorruptDumpError, DumpLockedError, DumpStore, NoSpaceError
 from featurehooks.errors import FeatureHooksError
 
-from dump_helpers import mark_unfinished
+from dump_helpers import mark_unfinished, scribble
 from helpers import REPO, tiny_extractor
 
 CROP = 16
@@ -118,9 +118,9 @@ def test_a_dump_that_does_not_fit_fails_before_any_row_then_resumes_identical(
     assert str(out) in message and "bytes needed" in message and "available" in message
     assert "\n" not in message
     no_temporaries(out)
-    assert read_manifest(out)["status"] == "running"
+    assert read_manifest(out).status == "running"
     filler.unlink()
-    assert dump(rows(BIG), out, resume=True).manifest["status"] == "complete"
+    assert dump(rows(BIG), out, resume=True).manifest.status == "complete"
     same_files(out, reference(BIG))
 
 
@@ -146,10 +146,10 @@ def test_a_disk_filled_mid_dump_is_a_clean_error_and_resume_is_identical(
     out = small_fs / "out"
     with pytest.raises(NoSpaceError, match=re.escape(f"{out} to {failing}")):
         dump(FillsTheDisk(small_fs, at), out)
-    assert read_manifest(out)["status"] == "running"  # never a corrupt or premature "complete"
+    assert read_manifest(out).status == "running"  # never a corrupt or premature "complete"
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
     (small_fs / "filler").unlink()
-    assert dump(rows(), out, resume=True).manifest["status"] == "complete"
+    assert dump(rows(), out, resume=True).manifest.status == "complete"
     same_files(out, reference(ROWS))
 
 
@@ -219,13 +219,13 @@ def test_file_names_that_are_not_utf8_round_trip(tmp_path: Path) -> None:
         pytest.skip(f"this filesystem refuses non-UTF-8 names: {exc}")
     Image.new("RGB", (CROP, CROP), (10, 200, 10)).save(folder / "plain.png")
     out = tmp_path / "out"
-    assert dump(folder, out).manifest["status"] == "complete"
+    assert dump(folder, out).manifest.status == "complete"
     index = (out / "index.csv").read_bytes()
     assert raw in index  # the name's own bytes, not a replacement character
     listed = [line.split(",", 2)[2] for line in index.decode("utf-8", "surrogateescape").splitlines()[1:]]
     assert listed == list_images(folder)
     mark_unfinished(out, [(0, 0, 2)]).close_arrays()
-    assert dump(folder, out, resume=True).manifest["status"] == "complete"
+    assert dump(folder, out, resume=True).manifest.status == "complete"
     assert (out / "index.csv").read_bytes() == index
 
 
@@ -247,9 +247,8 @@ def unfinished(tmp_path: Path, committed: tuple[int, ...] = (0,)) -> Path:
     out = tmp_path / "out"
     dump(rows(), out)
     store = mark_unfinished(out, [(c, c * BATCH, (c + 1) * BATCH) for c in committed])
-    for layer in store.read_manifest().settings.layers:
-        for chunk in set(range(ROWS // BATCH)) - set(committed):
-            store._arrays[layer][chunk * BATCH : (chunk + 1) * BATCH] = 0
+    for chunk in set(range(ROWS // BATCH)) - set(committed):
+        scribble(store, chunk * BATCH, (chunk + 1) * BATCH, 0.0)
     store.close_arrays()
     return out
 
@@ -287,7 +286,7 @@ def test_manifest_fields_are_checked_when_read(tmp_path: Path, fields: dict[str,
     edit_manifest(out, **fields)
     with pytest.raises(CorruptDumpError, match=f"{next(iter(fields))}.*overwrite"):
         read_manifest(out)
-    assert dump(rows(), out, overwrite=True).manifest["status"] == "complete"
+    assert dump(rows(), out, overwrite=True).manifest.status == "complete"
 
 
 @pytest.mark.parametrize("fields", [{"skipped": None}, {"num_valid": ROWS + 1}, {"num_rows": 3}])
@@ -326,7 +325,7 @@ def test_an_edited_journal_line_is_refused_never_zero_rows_marked_valid(
     out = unfinished(tmp_path, committed=())
     store = DumpStore(out)
     store.open_journal(0)
-    store.open_arrays(read_manifest(out)["layers"])
+    store.open_arrays(read_manifest(out).settings.layers)
     store.commit(1, 4, 8, [(5, "OSError: unreadable")])
     store.close_journal()
     store.close_arrays()
@@ -350,7 +349,7 @@ def test_journal_records_must_fit_the_manifest(tmp_path: Path, commits: list[tup
     out = unfinished(tmp_path, committed=())
     store = DumpStore(out)
     store.open_journal(0)
-    store.open_arrays(read_manifest(out)["layers"])
+    store.open_arrays(read_manifest(out).settings.layers)
     for commit in commits:
         store.commit(*commit)
     store.close_journal()
@@ -483,7 +482,7 @@ def test_a_second_dump_into_a_folder_in_use_gets_one_line_naming_the_first(
         _, stderr = first.communicate(timeout=60)
     assert first.returncode == 0, stderr[-2000:]
     same_files(out, reference(ROWS))  # the first dump was not disturbed
-    assert dump(rows(), out, overwrite=True).manifest["status"] == "complete"  # and the folder is free again
+    assert dump(rows(), out, overwrite=True).manifest.status == "complete"  # and the folder is free again
 
 
 def test_store_errors_survive_pickling_so_every_rank_raises_the_same() -> None:

@@ -1,4 +1,5 @@
-"""JPEGs decoded by torchvision's decode_jpeg (featurehooks.images.read_image): Pillow's pixels, Pillow's failures."""
+"""JPEGs decoded by torchvision's decode_jpeg (featurehooks.images.read_image, through featurehooks._decode): Pillow's
+pixels, Pillow's failures."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from PIL import Image, ImageFile, ImageOps
 from torch import Tensor
 from torchvision.models import EfficientNet_B0_Weights, ResNet18_Weights
 
-import featurehooks.images as images
-from featurehooks import Preprocessing
+from featurehooks import Preprocessing, _decode
 from featurehooks.errors import InvalidValueError
 from featurehooks.images import image_size, read_image, transform_for
 
@@ -94,16 +94,16 @@ def turned(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 @pytest.fixture
 def decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Sizes of the files ``read_image`` hands to ``decode_jpeg`` (the one-time self-check done beforehand)."""
-    if not images._decode_jpeg_is_pillows():  # the wheels have libjpeg-turbo on both sides
+    if not _decode.decode_jpeg_is_pillows():  # the wheels have libjpeg-turbo on both sides
         pytest.skip("this torchvision's decode_jpeg gives other pixels than Pillow: every JPEG is Pillow's")
     calls: list[int] = []
-    real: Callable[..., Tensor] = images.decode_jpeg
+    real: Callable[..., Tensor] = _decode.decode_jpeg
 
     def spy(data: Tensor, *args: object, **kwargs: object) -> Tensor:
         calls.append(data.numel())
         return real(data, *args, **kwargs)
 
-    monkeypatch.setattr(images, "decode_jpeg", spy)
+    monkeypatch.setattr(_decode, "decode_jpeg", spy)
     return calls
 
 
@@ -171,7 +171,7 @@ def test_other_files_stay_with_pillow(tmp_path: Path, decoded: list[int]) -> Non
 def test_jpegs_stay_with_pillow_where_decode_jpeg_would_differ(
     tmp_path: Path, decoded: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(images, "_decode_jpeg_is_pillows", lambda: False)  # a torchvision on IJG libjpeg 9
+    monkeypatch.setattr(_decode, "decode_jpeg_is_pillows", lambda: False)  # a torchvision on IJG libjpeg 9
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(noise(), quality=90))
     assert torch.equal(read_image(tmp_path / "a.jpg"), pillow_pixels(tmp_path / "a.jpg"))
     assert decoded == []
