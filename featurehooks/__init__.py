@@ -2,9 +2,10 @@
 
 from . import functional, losses, metrics, probes
 from ._capture import CapturedFeatures, capture
+from ._stream import StreamOptions
 from ._version import __version__ as __version__
 from .backbones import Preprocessing, available_backbones, load_backbone
-from .dump import DumpResult, dump_features, read_manifest
+from .dump import DumpResult, Manifest, dump_features, read_manifest
 from .errors import (
     BackboneNotFoundError,
     CorruptDumpError,
@@ -50,6 +51,7 @@ __all__ = [
     "LayerNotFoundError",
     "LayerNotRunError",
     "LossGroup",
+    "Manifest",
     "MissingDependencyError",
     "NoSpaceError",
     "NonFiniteError",
@@ -57,6 +59,7 @@ __all__ = [
     "PerceptualLoss",
     "RunFailedError",
     "Preprocessing",
+    "StreamOptions",
     "StyleLoss",
     "TotalVariationLoss",
     "TraceError",

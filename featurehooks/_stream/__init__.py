@@ -10,6 +10,7 @@ Modules, in the order data flows through them:
 - ``tiling``: CPU micro-batches whose largest activation fits the cache;
 - ``pipeline``: ``feature_batches``, the one loop from batches of rows to batches of features, and
   ``extract_batches``, that loop for a ``FeatureExtractor`` over ``Inputs``;
+- ``options``: the keyword options every streaming entry point takes (``StreamOptions``), checked once;
 - ``progress``: the best-effort bar on stderr;
 - ``sharding``: torchrun ranks, the contiguous share of the rows each takes, and the collectives that join them.
 
@@ -19,11 +20,22 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 
 from .forward import placement, row_shapes
 from .loader import Batch, loader_workers, row_loader
-from .pipeline import FeatureBatch, Forward, check_options, extract_batches, feature_batches
+from .options import FROM_WEIGHTS, Streaming, StreamOptions
+from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
 from .progress import Progress
-from .sources import IMAGE_SUFFIXES, Inputs, Sample, SourceSpec, inputs_digest, list_images, resolve_inputs
+from .sources import (
+    IMAGE_SUFFIXES,
+    Inputs,
+    Sample,
+    SourceSpec,
+    inputs_digest,
+    list_images,
+    planned_on_main,
+    resolve_inputs,
+)
 
 __all__ = [
+    "FROM_WEIGHTS",
     "IMAGE_SUFFIXES",
     "Batch",
     "FeatureBatch",
@@ -31,14 +43,17 @@ __all__ = [
     "Inputs",
     "Progress",
     "Sample",
+    "StreamOptions",
+    "Streaming",
     "SourceSpec",
-    "check_options",
+    "dtype_name",
     "extract_batches",
     "feature_batches",
     "inputs_digest",
     "list_images",
     "loader_workers",
     "placement",
+    "planned_on_main",
     "resolve_inputs",
     "row_loader",
     "row_shapes",

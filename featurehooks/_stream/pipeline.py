@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._layout import Pool, as_pool
+from .._layout import Pool
 from ..errors import InvalidValueError
 from .forward import features_as_arrays, placement
 from .loader import Batch, loader_workers, row_loader
@@ -28,7 +28,7 @@ from .tiling import WORKERS_BUDGET, cache_budget
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
 
-__all__ = ["FeatureBatch", "Forward", "check_options", "extract_batches", "feature_batches"]
+__all__ = ["FeatureBatch", "Forward", "dtype_name", "extract_batches", "feature_batches"]
 
 _DTYPES = ("float16", "float32")
 
@@ -56,13 +56,8 @@ class FeatureBatch(NamedTuple):
         return [(row, reason) for row, reason in zip(self.rows, self.reasons) if reason]
 
 
-def check_options(batch_size: int, num_workers: int | None, pool: str | None, dtype: object) -> str:
-    """Refuse a bad batch size, worker count, pool or on-disk dtype; returns the dtype's name."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
-        raise InvalidValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-    as_pool(pool)
+def dtype_name(dtype: object) -> str:
+    """The name of an on-disk dtype the pipeline writes (``"float16"`` or ``"float32"``); others are refused."""
     if isinstance(dtype, torch.dtype):
         name = str(dtype).replace("torch.", "")
     else:

@@ -3,13 +3,17 @@
 Rows are grouped in fixed chunks (the batch size); each rank takes one contiguous run of the pending
 chunks. Batches are always whole chunks, so every row is computed in the same batch whatever the
 number of ranks or restarts: a dump's bytes do not depend on them, and statistics merged from the ranks
-equal one process's to float rounding.
+equal one process's to float rounding. Every distributed entry point follows one protocol: rank 0 plans
+(``Distributed.from_main``: the ranks agree on the rows, and a planning error is raised on every rank),
+every rank computes its share (``Distributed.each``: a rank that fails tells the others, which stop with
+a ``RunFailedError`` naming it instead of waiting for it).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import pickle
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import RunFailedError
+from ..errors import RunFailedError, first_line
 
 __all__ = ["Distributed", "chunk_rows", "process_group", "split_contiguous"]
 
@@ -88,17 +92,59 @@ class Distributed:
         dist.all_gather_object(values, value)
         return values
 
-    def all_ok(self, ok: bool) -> bool:
-        """Whether every rank reports ``ok``."""
+    def from_main(self, work: Callable[[], T]) -> T:
+        """``work()`` run on rank 0 only, its value on every rank; its error raised on every rank (of the same
+        type where the exception pickles)."""
         if self.world_size == 1:
-            return ok
-        flags: list[Any] = [None] * self.world_size
-        dist.all_gather_object(flags, bool(ok))
-        return all(flags)
+            return work()
+        value: T | None = None
+        error: BaseException | None = None
+        if self.is_main:
+            try:
+                value = work()
+            except Exception as exc:
+                error = _portable(exc)
+        value, error = self.broadcast((value, error))
+        if error is not None:
+            raise error
+        return value  # type: ignore[return-value]
+
+    def each(self, work: Callable[[], T], doing: str, hint: str = "") -> list[T]:
+        """``work()`` on every rank, every rank's value in rank order on every rank.
+
+        A rank whose work raises tells the others before raising its error; they raise ``RunFailedError``
+        ("another rank failed ``doing``", the rank and its error, then ``hint``) rather than wait for it.
+        """
+        try:
+            value = work()
+        except Exception as exc:
+            if self.world_size > 1:
+                self.all_gather(_Failure(first_line(exc)))
+            raise
+        values = self.all_gather(value)
+        failed = [f"rank {rank}: {other.reason}" for rank, other in enumerate(values) if isinstance(other, _Failure)]
+        if failed:
+            raise RunFailedError(f"another rank failed {doing} ({'; '.join(failed)})" + (f"; {hint}" if hint else ""))
+        return values
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What a rank whose work failed sends the others in place of its value."""
+
+    reason: str
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (so other ranks raise the same type), else a RuntimeError saying it."""
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - exceptions with unusual constructors
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 @contextmanager

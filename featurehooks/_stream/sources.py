@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from ..images import ImageTransform, image_size, read_image, to_input_range, tra
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
+    from .sharding import Distributed
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -41,6 +42,7 @@ __all__ = [
     "inputs_digest",
     "item_label",
     "list_images",
+    "planned_on_main",
     "resolve_inputs",
 ]
 
@@ -301,6 +303,44 @@ class Inputs:
         if self.dataset is not None:
             return TensorRows(self.dataset, self.image_shape, input_range, labelled=self.labelled)
         return ImageFiles(self.names, self.transform, self.image_shape, any_size=self.sizes_vary)  # type: ignore[arg-type]
+
+
+T = TypeVar("T")  # what rank 0 plans beside the inputs (a dump's plan)
+
+
+@dataclass(frozen=True)
+class _SharedInputs:
+    """What rank 0 sends the other ranks of ``Inputs``: the file names it listed (``None`` for a dataset,
+    which every rank holds itself), the image shape and transform."""
+
+    names: list[str] | None
+    image_shape: tuple[int, ...]
+    transform: ImageTransform | None
+    labelled: bool
+    sizes_vary: bool
+
+    def inputs(self, source: SourceSpec) -> Inputs:
+        if self.names is not None:
+            return Inputs(self.names, None, self.image_shape, self.transform, sizes_vary=self.sizes_vary)
+        dataset = TensorDataset(source) if isinstance(source, Tensor) else source
+        names = [f"dataset[{i}]" for i in range(len(dataset))]  # type: ignore[arg-type]
+        return Inputs(names, dataset, self.image_shape, None, labelled=self.labelled)  # type: ignore[arg-type]
+
+
+def planned_on_main(ranks: Distributed, source: SourceSpec, plan: Callable[[], tuple[T, Inputs]]) -> tuple[T, Inputs]:
+    """``plan()`` (which resolves ``source``) on rank 0 only, its value and inputs on every rank: the ranks
+    share one listing of the files, so a folder that changes meanwhile cannot give them different rows."""
+
+    def on_main() -> tuple[T, _SharedInputs]:
+        value, inputs = plan()
+        names = inputs.names if inputs.dataset is None else None
+        shared = _SharedInputs(names, inputs.image_shape, inputs.transform, inputs.labelled, inputs.sizes_vary)
+        return value, shared
+
+    if ranks.world_size == 1:
+        return plan()
+    value, shared = ranks.from_main(on_main)
+    return value, shared.inputs(source)
 
 
 def file_identity(names: list[str]) -> np.ndarray:

@@ -20,14 +20,17 @@ from ..errors import FeatureHooksError, RunFailedError
 from ..layers import list_layers
 from ._common import (
     UserError,
+    add_command,
     add_model_options,
+    add_stream_options,
+    add_weights_option,
     at_least,
     build_extractor,
     cli_message,
     is_main_rank,
-    non_negative,
     positive,
     sizes,
+    stream_options,
     weights_from,
 )
 from ._dists import add_dists_command
@@ -72,12 +75,12 @@ def _extract(args: argparse.Namespace) -> int:
     sources = list_images(args.sources)  # fail on a missing input before building the model
     result = _dump(build_extractor(args, args.output_format), sources, args)
     if is_main_rank():
-        manifest = result.manifest
-        shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in manifest["shapes"].items())
-        skipped = len(manifest["skipped"])
+        settings = result.manifest.settings
+        shapes = ", ".join(f"{name} {shape}" for name, shape in settings.shapes.items())
+        skipped = len(result.skipped)
         note = f"; {skipped} unreadable input(s) zero-filled, see manifest.json" if skipped else ""
-        done = f"wrote {manifest['num_rows']} rows to" if result.rows_computed else "already complete:"
-        print(f"{done} {result.out_dir}: {shapes} {manifest['dtype']}{note}")
+        done = f"wrote {result.num_rows} rows to" if result.rows_computed else "already complete:"
+        print(f"{done} {result.out_dir}: {shapes} {settings.dtype}{note}")
     return 0
 
 
@@ -90,14 +93,11 @@ def _dump(extractor: FeatureExtractor, sources: list[str], args: argparse.Namesp
             extractor,
             sources,
             args.out,
-            batch_size=args.batch_size,
-            num_workers=args.workers,
             pool=None if args.pool == "none" else args.pool,
             dtype=args.dtype,
             resume=args.resume,
             overwrite=args.overwrite,
-            progress=not args.quiet,
-            **sizes(args),
+            **stream_options(args),
         )
     except FileExistsError as exc:
         raise UserError(str(exc)) from None
@@ -167,20 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    extract = commands.add_parser(
+    extract = add_command(
+        commands,
         "extract",
         help="dump features of image files to <layer>.npy + manifest.json (resumable, torchrun-aware)",
         description="Extract features of every image in SRC and write them to --out, one .npy per layer.",
         epilog=_EXTRACT_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     extract.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
     extract.add_argument("--out", required=True, metavar="DIR", help="output folder")
     add_model_options(extract)
-    extract.add_argument("--batch-size", type=positive, default=64, metavar="N", help="images per batch (default: 64)")
-    extract.add_argument(
-        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
-    )
+    add_stream_options(extract)
     extract.add_argument(
         "--pool",
         choices=("avg", "max", "cls", "none"),
@@ -199,27 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     mode = extract.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="finish an interrupted dump in DIR")
     mode.add_argument("--overwrite", action="store_true", help="replace the dump in DIR")
-    extract.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     extract.set_defaults(run=_extract)
 
     layers = commands.add_parser(
         "layers", help="list a backbone's layer calls: name, alias, path, type, layout, channels, stride, calls"
     )
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
-    layers.add_argument(
-        "--weights", type=weights_from, default="DEFAULT", help="weights whose architecture to list (SWAG ViTs differ)"
-    )
+    add_weights_option(layers, "weights whose architecture to list (SWAG ViTs differ)", type=weights_from)
     layers.add_argument(
         "--input-size", type=positive, default=None, metavar="N", help="spatial size used to derive strides"
     )
     layers.set_defaults(run=_layers)
 
-    show = commands.add_parser(
+    show = add_command(
+        commands,
         "show",
         help="save a PNG grid of each layer's most active feature maps for one image",
         description="Draw, for each layer, the input image and its most active channels (viridis, min-max scaled).",
         epilog="example:\n  featurehooks show cat.jpg --backbone vgg16 --layers relu2_2 relu3_3 relu4_3 --out grid.png",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     show.add_argument("image", metavar="IMAGE", help="an image file")
     show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")

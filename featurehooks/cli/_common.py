@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UserError",
+    "add_command",
+    "add_device_option",
     "add_model_options",
     "add_precision_option",
+    "add_seed_option",
+    "add_size_options",
+    "add_stream_options",
+    "add_weights_option",
     "at_least",
     "build_extractor",
     "check_output_file",
@@ -31,6 +37,7 @@ __all__ = [
     "positive",
     "size",
     "sizes",
+    "stream_options",
     "weights_arg",
     "weights_from",
 ]
@@ -219,14 +226,71 @@ def check_output_file(path: str) -> None:
         raise UserError(f"cannot write {path}: it is not a regular file (a FIFO, socket or device); name a file")
 
 
+def add_command(commands: Any, name: str, *, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand whose epilog (examples, notes) keeps its line breaks."""
+    return commands.add_parser(
+        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_weights_option(parser: argparse.ArgumentParser, help: str, **how: Any) -> None:
+    """``--weights`` (``how``: argparse's default, type or metavar where a command differs)."""
+    parser.add_argument("--weights", help=help, **{"default": "DEFAULT", **how})
+
+
+def add_seed_option(parser: argparse.ArgumentParser) -> None:
+    """``--seed`` of the random init with ``--weights none``."""
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """``--device``."""
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+def add_size_options(parser: argparse.ArgumentParser, default: str = "from the weights") -> None:
+    """``--resize`` and ``--crop``; not given, the library's default (``"weights"``), which ``default`` says."""
+    parser.add_argument(
+        "--resize", type=size, default=..., metavar="N", help=f"shorter-side resize, or 'none' (default: {default})"
+    )
+    parser.add_argument(
+        "--crop", type=size, default=..., metavar="N", help=f"then center crop to N x N, or 'none' (default: {default})"
+    )
+
+
+def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images") -> None:
+    """``--batch-size``, ``--workers`` and ``-q``: the ``StreamOptions`` a command passes on (``stream_options``)."""
+    from .._stream import Streaming
+
+    parser.add_argument(
+        "--batch-size",
+        type=positive,
+        default=Streaming.batch_size,
+        metavar="N",
+        help=f"{unit} per batch, at most (default: {Streaming.batch_size})",
+    )
+    parser.add_argument(
+        "--workers",
+        "--num-workers",
+        dest="workers",
+        type=non_negative,
+        default=None,
+        metavar="N",
+        help="decoding processes (default: up to 4)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """``resize_size``/``crop_size`` keyword arguments for the sizes given on the command line (none: the weights')."""
-    sizes: dict[str, Any] = {}
-    if args.resize is not ...:
-        sizes["resize_size"] = args.resize
-    if args.crop is not ...:
-        sizes["crop_size"] = args.crop
-    return sizes
+    """``resize_size``/``crop_size`` keyword arguments for the sizes given on the command line (none given: the
+    library's default)."""
+    given = {"resize_size": getattr(args, "resize", ...), "crop_size": getattr(args, "crop", ...)}
+    return {option: value for option, value in given.items() if value is not ...}
+
+
+def stream_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``StreamOptions`` the command line gives: batch size, workers, progress, and sizes where given."""
+    return {"batch_size": args.batch_size, "num_workers": args.workers, "progress": not args.quiet, **sizes(args)}
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -241,24 +305,15 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="LAYER",
         help="layer names or module paths (see `featurehooks layers`)",
     )
-    parser.add_argument(
-        "--weights",
-        default=...,  # not given: DEFAULT (see weights_arg); fd compares only weights that were given
-        help="DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
+    add_weights_option(
+        parser,
+        "DEFAULT, a weights name (IMAGENET1K_V1), a local .pth/.safetensors file, "
         "or 'none' for seeded random init (default: DEFAULT)",
+        default=...,  # not given: DEFAULT (see weights_arg); fd compares only weights that were given
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
-    parser.add_argument(
-        "--resize",
-        type=size,
-        default=...,
-        metavar="N",
-        help="shorter-side resize, or 'none' (default: from the weights)",
-    )
-    parser.add_argument(
-        "--crop", type=size, default=..., metavar="N", help="center crop, or 'none' (default: from the weights)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_seed_option(parser)
+    add_size_options(parser)
+    add_device_option(parser)
     parser.add_argument(
         "--memory-format",
         choices=("auto", "channels_last", "contiguous"),

@@ -12,7 +12,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ._common import check_precision, device_from, weights_from
+from ._common import add_command, check_precision, device_from, weights_from
 from ._pairs import add_pair_options, folder_pairs, report_scores, score_folder_pairs
 
 if TYPE_CHECKING:
@@ -46,16 +46,16 @@ _FLAGS = (
 
 def add_dists_command(commands: Any) -> None:
     """Add ``dists`` to the ``featurehooks`` command's subparsers."""
-    dists = commands.add_parser(
+    dists = add_command(
+        commands,
         "dists",
         help="DISTS between the images of two folders, paired by relative path",
         description="Score every pair of images with the same relative path in two folders with DISTS "
         "(deep image structure and texture similarity); print the mean ± std and the count, and write the "
         "per-pair scores with --out.",
         epilog=_DISTS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_pair_options(dists, "DISTS")
+    add_pair_options(dists)
     dists.add_argument("--uncalibrated", action="store_true", help="weigh every channel alike (no learned alpha/beta)")
     dists.add_argument("--alpha-beta", metavar="FILE", default=None, help="a file with the learned alpha and beta")
     dists.set_defaults(run=_dists)

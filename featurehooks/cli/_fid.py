@@ -13,14 +13,18 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ._common import (
     UserError,
+    add_command,
+    add_device_option,
     add_precision_option,
+    add_seed_option,
+    add_stream_options,
+    add_weights_option,
     check_output_file,
     check_precision,
     device_from,
     is_main_rank,
-    non_negative,
-    positive,
     print_warnings,
+    stream_options,
     weights_from,
 )
 
@@ -61,13 +65,13 @@ Side = Union["FeatureStatistics", "tuple[torch.Tensor, torch.Tensor]"]
 
 def add_fid_command(commands: Any) -> None:
     """Add ``fid`` to the ``featurehooks`` command's subparsers."""
-    fid = commands.add_parser(
+    fid = add_command(
+        commands,
         "fid",
         help="FID between two image sets (or statistics files), the number python -m pytorch_fid prints",
         description="Fréchet Inception Distance between two image sets (folders, globs or files) or statistics "
         "files, on the TensorFlow Inception network of pytorch-fid, with its preprocessing.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fid.add_argument("set_a", metavar="A", help="image folder (recursive), glob or file; or a statistics .npz")
     fid.add_argument(
@@ -87,27 +91,16 @@ def add_fid_command(commands: Any) -> None:
         default=2048,
         help="features: 2048 (pool3) is FID; 64, 192, 768 are pytorch-fid's earlier blocks (default: 2048)",
     )
-    fid.add_argument(
-        "--weights",
-        default="DEFAULT",
-        metavar="FILE",
-        help="the weights file (default: DEFAULT, pt_inception-2015-12-05-6726825d.pth from the torch hub cache), "
+    add_weights_option(
+        fid,
+        "the weights file (default: DEFAULT, pt_inception-2015-12-05-6726825d.pth from the torch hub cache), "
         "or 'none' for a seeded random init, which is not the FID network",
+        metavar="FILE",
     )
-    fid.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none (default: 0)")
-    fid.add_argument("--batch-size", type=positive, default=50, metavar="N", help="images per batch (default: 50)")
-    fid.add_argument(
-        "--workers",
-        "--num-workers",
-        dest="workers",
-        type=non_negative,
-        default=None,
-        metavar="N",
-        help="decoding processes (default: up to 4)",
-    )
-    fid.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_seed_option(fid)
+    add_stream_options(fid)
+    add_device_option(fid)
     add_precision_option(fid)
-    fid.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     fid.set_defaults(run=_fid)
 
 
@@ -236,9 +229,7 @@ def _computed(args: argparse.Namespace, files: list[str], model: Callable[[], Fe
         stats = fid_statistics(
             files,
             extractor=model(),
-            batch_size=args.batch_size,
-            num_workers=args.workers,
-            progress=not args.quiet,
+            **stream_options(args),
         )
     print_warnings(caught)
     return stats

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 from .._layout import Pool, as_pool
 from ._common import (
     UserError,
+    add_command,
     add_model_options,
+    add_stream_options,
     at_least,
     build_extractor,
     check_output_file,
@@ -23,7 +25,7 @@ from ._common import (
     non_negative,
     positive,
     print_warnings,
-    sizes,
+    stream_options,
     weights_arg,
     weights_from,
 )
@@ -59,11 +61,7 @@ def _statistics_options(parser: argparse.ArgumentParser) -> None:
         help="how each image's output becomes one vector: avg/max over positions, the class token (cls), "
         "or none for layers that return vectors (default: avg)",
     )
-    parser.add_argument("--batch-size", type=positive, default=64, metavar="N", help="images per batch (default: 64)")
-    parser.add_argument(
-        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_stream_options(parser)
 
 
 _LPIPS_EPILOG = """\
@@ -83,28 +81,28 @@ installed lpips (or torchmetrics) package, or from --heads FILE.
 
 def add_metric_commands(commands: Any) -> None:
     """Add ``lpips``, ``fd`` and ``stats`` to the ``featurehooks`` command's subparsers."""
-    lpips = commands.add_parser(
+    lpips = add_command(
+        commands,
         "lpips",
         help="LPIPS between the images of two folders, paired by relative path",
         description="Score every pair of images with the same relative path in two folders with calibrated "
         "LPIPS; print the mean ± std and the count, and write the per-pair scores with --out.",
         epilog=_LPIPS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_pair_options(lpips, "LPIPS")
+    add_pair_options(lpips)
     lpips.add_argument("--net", choices=("alex", "vgg", "squeeze"), default="alex", help="backbone (default: alex)")
     lpips.add_argument("--version", choices=("0.0", "0.1"), default="0.1", help="LPIPS version (default: 0.1)")
     lpips.add_argument("--uncalibrated", action="store_true", help="the baseline without the learned heads")
     lpips.add_argument("--heads", metavar="FILE", default=None, help="a file with the calibrated linear heads")
     lpips.set_defaults(run=_lpips)
 
-    fd = commands.add_parser(
+    fd = add_command(
+        commands,
         "fd",
         help="Fréchet distance (and KID) between the features of two image sets",
         description="Fréchet distance between the pooled features of two image sets (folders, globs or "
         "statistics files), per layer, from streaming statistics: no feature file is written.",
         epilog=_FD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fd.add_argument("set_a", metavar="A", help="image folder, glob or file; or a statistics .npz")
     fd.add_argument("set_b", metavar="B", help="image folder, glob or file; or a statistics .npz")
@@ -135,13 +133,13 @@ def add_metric_commands(commands: Any) -> None:
     )
     fd.set_defaults(run=_fd)
 
-    stats = commands.add_parser(
+    stats = add_command(
+        commands,
         "stats",
         help="save the feature statistics of an image set (a reference for fd)",
         description="Stream an image set through a backbone and save the mean and covariance of one layer's "
         "pooled features (and a sample of them for KID) to a .npz file that `featurehooks fd` reads.",
         epilog=_FD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     stats.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
     stats.add_argument("--out", required=True, metavar="NPZ", help="where to write the statistics")
@@ -198,11 +196,8 @@ def _stats(args: argparse.Namespace) -> int:
         build_extractor(args),
         sources,
         pool=_pool(args),
-        batch_size=args.batch_size,
-        num_workers=args.workers,
         keep=args.keep,
-        progress=not args.quiet,
-        **sizes(args),
+        **stream_options(args),
     )
     if is_main_rank():  # under torchrun every rank holds the merged statistics; one writes them
         path = stats.save(args.out)
@@ -345,9 +340,6 @@ def _computed(
         list_images([source]),
         layers=args.layers,
         pool=_pool(args),
-        batch_size=args.batch_size,
-        num_workers=args.workers,
         keep=keep,
-        progress=not args.quiet,
-        **sizes(args),
+        **stream_options(args),
     )

@@ -12,12 +12,16 @@ from typing import TYPE_CHECKING
 from ..metrics.pairs import BATCH_PIXELS
 from ._common import (
     UserError,
+    add_device_option,
     add_precision_option,
+    add_seed_option,
+    add_size_options,
+    add_stream_options,
+    add_weights_option,
     check_output_file,
-    non_negative,
     positive,
     print_warnings,
-    size,
+    stream_options,
 )
 
 if TYPE_CHECKING:
@@ -26,22 +30,17 @@ if TYPE_CHECKING:
 __all__ = ["add_pair_options", "folder_pairs", "report_scores", "score_folder_pairs"]
 
 
-def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
+def add_pair_options(parser: argparse.ArgumentParser) -> None:
     """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
     --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, --precision, -q."""
     parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
     parser.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
-    parser.add_argument(
-        "--weights", default="DEFAULT", help="backbone weights: DEFAULT, a member name, a local file, or none"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random init with --weights none")
+    add_weights_option(parser, "backbone weights: DEFAULT, a member name, a local file, or none (default: DEFAULT)")
+    add_seed_option(parser)
     parser.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
     parser.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
-    parser.add_argument("--resize", type=size, default=None, metavar="N", help="resize the shorter side first")
-    parser.add_argument("--crop", type=size, default=None, metavar="N", help="then center-crop to N x N")
-    parser.add_argument(
-        "--batch-size", type=positive, default=16, metavar="N", help="pairs per batch, at most (default: 16)"
-    )
+    add_size_options(parser, default="none")
+    add_stream_options(parser, unit="pairs")
     parser.add_argument(
         "--batch-pixels",
         type=positive,
@@ -50,12 +49,8 @@ def add_pair_options(parser: argparse.ArgumentParser, metric: str) -> None:
         help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
         f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
     )
-    parser.add_argument(
-        "--workers", type=non_negative, default=None, metavar="N", help="decoding processes (default: up to 4)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    add_device_option(parser)
     add_precision_option(parser)
-    parser.add_argument("-q", "--quiet", action="store_true", help=f"no progress bar while {metric} runs")
 
 
 def folder_pairs(args: argparse.Namespace) -> list[ImagePair]:
@@ -88,12 +83,8 @@ def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: list
     return score_pairs(
         metric,
         pairs,
-        batch_size=args.batch_size,
         batch_pixels=args.batch_pixels,
-        num_workers=args.workers,
-        resize_size=args.resize,
-        crop_size=args.crop,
-        progress=not args.quiet,
+        **stream_options(args),
     )
 
 

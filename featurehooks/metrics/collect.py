@@ -3,9 +3,9 @@
 ``feature_statistics`` streams images through a ``FeatureExtractor`` with the input pipeline dumps use
 (``featurehooks._stream``: listing, decoding, resize and crop, DataLoader workers, pooling, torchrun ranks) and
 writes no feature file; ``feature_statistics_by_layer`` does it for several layers in one pass, and
-``fid_statistics`` with pytorch-fid's preprocessing: each builds one ``PassSettings`` of the keywords they share and
-forwards it to ``collect``. ``statistics_from_dump`` reads the pooled features of a finished dump in memory-mapped
-chunks.
+``fid_statistics`` with pytorch-fid's preprocessing: each builds one ``PassSettings`` (the pool, the kept sample
+and the ``StreamOptions``) and forwards it to ``collect``. ``statistics_from_dump`` reads the pooled features of
+a finished dump in memory-mapped chunks.
 """
 
 from __future__ import annotations
@@ -18,12 +18,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from typing_extensions import Unpack
 
-from .._layout import Pool
-from .._stream import Inputs, Progress, SourceSpec, check_options, extract_batches, resolve_inputs
+from .._layout import Pool, as_pool
+from .._stream import (
+    Inputs,
+    Progress,
+    SourceSpec,
+    Streaming,
+    StreamOptions,
+    extract_batches,
+    planned_on_main,
+    resolve_inputs,
+)
 from .._stream.sharding import Distributed, split_contiguous
 from ..dump import DumpResult, read_manifest
-from ..errors import InputNotFoundError, InvalidValueError, LayerNotFoundError, RunFailedError, did_you_mean
+from ..errors import InputNotFoundError, InvalidValueError, LayerNotFoundError, did_you_mean
 from .statistics import FeatureOrigin, FeatureStatistics, check_count
 
 if TYPE_CHECKING:
@@ -38,20 +48,19 @@ _DUMP_CHUNK_ROWS = 8192
 
 @dataclass(frozen=True)
 class PassSettings:
-    """How images stream into statistics: the keywords the collection functions share, in their order, checked
-    when built (before any image is read)."""
+    """How images stream into statistics: the pool, the sample kept for KID and the ``StreamOptions``,
+    checked when built (before any image is read)."""
 
     pool: Pool | None
-    batch_size: int
-    num_workers: int | None
-    resize_size: int | None | str
-    crop_size: int | None | str
     keep: int
     seed: int
-    progress: bool
+    streaming: Streaming
+
+    @classmethod
+    def of(cls, pool: Pool | None, keep: int, seed: int, options: Mapping[str, object]) -> PassSettings:
+        return cls(as_pool(pool), keep, seed, Streaming.of(options))
 
     def __post_init__(self) -> None:
-        check_options(self.batch_size, self.num_workers, self.pool, "float32")
         check_count(self.keep, "keep")
         check_count(self.seed, "seed")
 
@@ -105,14 +114,14 @@ def _accumulate(
     """Add the pooled features of ``batches`` (this rank's share of the rows) to ``stats``; the rows skipped."""
     skipped: list[tuple[str, str]] = []
     label = "statistics" if rank == 0 else f"statistics rank {rank}"
-    with Progress(sum(map(len, batches)), settings.progress, label=label, rank=rank) as bar:
+    with Progress(sum(map(len, batches)), settings.streaming.progress, label=label, rank=rank) as bar:
         found = extract_batches(
             extractor,
             inputs,
             batches,
             pool=settings.pool,
             dtype="float32",
-            num_workers=settings.num_workers,
+            num_workers=settings.streaming.num_workers,
             progress=bar,
         )
         for batch in found:
@@ -128,36 +137,16 @@ def _accumulate(
     return skipped
 
 
-def _on_ranks(
-    stats: dict[str, FeatureStatistics],
-    extractor: FeatureExtractor,
-    inputs: Inputs,
-    batches: list[list[int]],
-    settings: PassSettings,
-) -> tuple[dict[str, FeatureStatistics], list[tuple[str, str]], bool]:
-    """``_accumulate`` of each torchrun rank's run of ``batches``, merged in rank order (one rank: this one's);
-    the rows skipped, and whether this is the main rank."""
-    ranks = Distributed.from_environment(extractor.device)
-    try:
-        try:
-            mine = split_contiguous(batches, ranks.world_size, ranks.rank)
-            skipped = _accumulate(stats, extractor, inputs, mine, settings, ranks.rank)
-        except Exception as exc:
-            if ranks.world_size > 1:  # the other ranks wait for this one's share: tell them why it is missing
-                ranks.all_gather(f"{type(exc).__name__}: {exc}")
-            raise
-        shares = ranks.all_gather((stats, skipped))  # in rank order: rank r holds the r-th run of rows
-    finally:
-        ranks.close()
-    failed = [f"rank {rank}: {share}" for rank, share in enumerate(shares) if isinstance(share, str)]
-    if failed:
-        raise RunFailedError(f"the statistics failed on {'; '.join(failed)}")
+def _merged(
+    shares: list[tuple[dict[str, FeatureStatistics], list[tuple[str, str]]]],
+) -> tuple[dict[str, FeatureStatistics], list[tuple[str, str]]]:
+    """The statistics and skipped rows of every rank's share, merged in rank order (rank r holds the r-th run)."""
     stats, skipped = shares[0]
     for other, other_skipped in shares[1:]:
         for name in stats:
             stats[name].merge(other[name])
         skipped.extend(other_skipped)
-    return stats, skipped, ranks.is_main
+    return stats, skipped
 
 
 def collect(
@@ -174,13 +163,30 @@ def collect(
             raise LayerNotFoundError(
                 f"the extractor returns no layer {name!r} (it returns {available}); {did_you_mean(name, available)}"
             )
-    inputs = resolve_inputs(extractor, source, settings.resize_size, settings.crop_size, settings.pool)
-    origins = _origins(extractor, wanted, settings.pool, inputs.transform)
-    stats = {name: FeatureStatistics(keep=settings.keep, seed=settings.seed, origin=origins[name]) for name in wanted}
-    total, size = len(inputs.names), settings.batch_size
-    batches = [list(range(start, min(start + size, total))) for start in range(0, total, size)]
-    stats, skipped, is_main = _on_ranks(stats, extractor, inputs, batches, settings)
-    if is_main:
+    streaming = settings.streaming
+
+    def resolve() -> tuple[None, Inputs]:
+        return None, resolve_inputs(extractor, source, streaming.resize_size, streaming.crop_size, settings.pool)
+
+    ranks = Distributed.from_environment(extractor.device)
+    try:
+        _, inputs = planned_on_main(ranks, source, resolve)
+        origins = _origins(extractor, wanted, settings.pool, inputs.transform)
+        stats = {
+            name: FeatureStatistics(keep=settings.keep, seed=settings.seed, origin=origin)
+            for name, origin in origins.items()
+        }
+        total, size = len(inputs.names), streaming.batch_size
+        batches = [list(range(start, min(start + size, total))) for start in range(0, total, size)]
+        mine = split_contiguous(batches, ranks.world_size, ranks.rank)
+        shares = ranks.each(
+            lambda: (stats, _accumulate(stats, extractor, inputs, mine, settings, ranks.rank)),
+            "computing the statistics",
+        )
+    finally:
+        ranks.close()
+    stats, skipped = _merged(shares)
+    if ranks.is_main:
         _warn_skipped(skipped, total)
     return stats
 
@@ -191,13 +197,9 @@ def feature_statistics_by_layer(
     *,
     layers: Sequence[str] | None = None,
     pool: Pool | None = "avg",
-    batch_size: int = 64,
-    num_workers: int | None = None,
-    resize_size: int | None | str = "weights",
-    crop_size: int | None | str = "weights",
     keep: int = 0,
     seed: int = 0,
-    progress: bool = False,
+    **options: Unpack[StreamOptions],
 ) -> dict[str, FeatureStatistics]:
     """``feature_statistics`` of several layers of one extractor in one pass over the images.
 
@@ -216,8 +218,7 @@ def feature_statistics_by_layer(
         >>> {name: stats.dim for name, stats in feature_statistics_by_layer(ext, images).items()}
         {'layer3': 256, 'layer4': 512}
     """
-    settings = PassSettings(pool, batch_size, num_workers, resize_size, crop_size, keep, seed, progress)
-    return collect(extractor, source, layers, settings)
+    return collect(extractor, source, layers, PassSettings.of(pool, keep, seed, options))
 
 
 def feature_statistics(
@@ -226,13 +227,9 @@ def feature_statistics(
     *,
     layer: str | None = None,
     pool: Pool | None = "avg",
-    batch_size: int = 64,
-    num_workers: int | None = None,
-    resize_size: int | None | str = "weights",
-    crop_size: int | None | str = "weights",
     keep: int = 0,
     seed: int = 0,
-    progress: bool = False,
+    **options: Unpack[StreamOptions],
 ) -> FeatureStatistics:
     """Statistics of one layer's pooled features over an image collection; no feature file is written.
 
@@ -248,13 +245,10 @@ def feature_statistics(
         layer: the output to summarize; ``None`` for an extractor with a single output.
         pool: ``"avg"`` or ``"max"`` over positions (spatial, or patch tokens), ``"cls"`` for the
             class token, or ``None`` for outputs that already are ``(B, C)`` vectors.
-        batch_size: images per forward.
-        num_workers: DataLoader processes that decode while the model runs (default: up to 4).
-        resize_size: shorter-side resize; ``"weights"`` for the weights' own, ``None`` for none.
-        crop_size: center crop; ``"weights"`` for the weights' own, ``None`` for none.
         keep: keep a uniform random sample of at most this many vectors (for the kernel inception distance).
         seed: seed of that sample.
-        progress: show a tqdm bar on stderr.
+        **options: the ``StreamOptions`` (``batch_size``, ``num_workers``, ``resize_size``, ``crop_size``,
+            ``progress``).
 
     Shape:
         the statistics are of ``(N, C)`` vectors: ``C`` the layer's channels, ``N`` the readable inputs.
@@ -278,12 +272,12 @@ def feature_statistics(
         Heusel, Ramsauer, Unterthiner, Nessler, Hochreiter (2017). GANs Trained by a Two Time-Scale
         Update Rule Converge to a Local Nash Equilibrium. NeurIPS.
     """
+    settings = PassSettings.of(pool, keep, seed, options)
     if layer is None:
         names = _output_names(extractor)
         if len(names) != 1:
             raise InvalidValueError(f"the extractor returns {len(names)} outputs {names}: pass layer=<one of them>")
         layer = names[0]
-    settings = PassSettings(pool, batch_size, num_workers, resize_size, crop_size, keep, seed, progress)
     return collect(extractor, source, [layer], settings)[layer]
 
 
@@ -337,12 +331,12 @@ def statistics_from_dump(
             raise InputNotFoundError(f"no featurehooks dump (manifest.json) in {os.fspath(dump)}")
         result = DumpResult(Path(dump), manifest)
     manifest = result.manifest
-    if manifest.get("status") != "complete":
+    if manifest.status != "complete":
         raise InvalidValueError(
-            f"the dump in {result.out_dir} is unfinished (status {manifest.get('status')!r}); finish it with "
+            f"the dump in {result.out_dir} is unfinished (status {manifest.status!r}); finish it with "
             "dump_features(..., resume=True) first"
         )
-    files = manifest["files"]
+    files = manifest.files
     if layer not in files:
         raise LayerNotFoundError(f"the dump in {result.out_dir} has no layer {layer!r}; {did_you_mean(layer, files)}")
     array = result.load(layer)
@@ -352,16 +346,17 @@ def statistics_from_dump(
             "dump it with pool='avg' (or 'max', 'cls')"
         )
     invalid = np.zeros(array.shape[0], dtype=bool)
-    invalid[[int(entry["row"]) for entry in manifest.get("skipped", [])]] = True
-    preprocessing = _preprocessing(manifest.get("preprocessing", {}))
+    invalid[[skipped.row for skipped in manifest.skipped or ()]] = True
+    settings = manifest.settings
+    digest = settings.weights_sha256
     origin = FeatureOrigin(
-        backbone=manifest["backbone"],
+        backbone=settings.backbone,
         layer=layer,
-        pool=manifest.get("pool"),
-        weights=manifest.get("weights"),
-        weights_sha256=manifest.get("weights_sha256"),
-        preprocessing=preprocessing,
-        precision=manifest.get("precision", "float32"),  # written only when not float32
+        pool=settings.pool,
+        weights=settings.weights,
+        weights_sha256=digest if isinstance(digest, str) else None,  # None: not recorded, or not hashable
+        preprocessing=_preprocessing(settings.preprocessing),
+        precision=settings.precision,
     )
     stats = FeatureStatistics(array.shape[1], keep=keep, seed=seed, origin=origin)
     for start in range(0, array.shape[0], chunk_rows):

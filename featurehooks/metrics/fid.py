@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 import zipfile
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InputNotFoundError, InvalidValueError
@@ -40,7 +41,7 @@ from .collect import PassSettings, collect
 from .statistics import FeatureStatistics
 
 if TYPE_CHECKING:
-    from .._stream import SourceSpec
+    from .._stream import SourceSpec, StreamOptions
     from ..extractor import FeatureExtractor, Precision
 
 __all__ = ["FID_LAYERS", "fid_extractor", "fid_statistics", "load_mu_sigma"]
@@ -58,7 +59,6 @@ Examples:
 
 WeightsArg = Union[str, "os.PathLike[str]", None]
 _DEFAULT_DIMS = 2048
-_DEFAULT_BATCH = 50  # pytorch-fid's
 _MAX_DIMS = 1 << 16  # a (D, D) float64 covariance of more features than this is 32 GiB: no FID file holds one
 
 
@@ -77,20 +77,20 @@ def fid_extractor(
     *,
     dims: int = _DEFAULT_DIMS,
     device: str | torch.device | None = None,
-    precision: Precision = "float32",
+    **extractor_options: Any,
 ) -> FeatureExtractor:
     """A ``FeatureExtractor`` of the FID Inception's layer of ``dims`` features, on ``device``, without a graph.
 
-    It computes in NCHW, as pytorch-fid does (``memory_format="contiguous"``); build
-    ``FeatureExtractor("fid_inception", ["avgpool"], memory_format=...)`` for another format.
+    It computes in NCHW and float32, as pytorch-fid does (``memory_format="contiguous"``,
+    ``precision="float32"``); ``extractor_options`` change that as for any extractor.
 
     Args:
         weights: ``"DEFAULT"`` (pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth``, read from the torch hub
             cache), a local copy of that file, or ``None`` for random init (the architecture, not the FID network).
         dims: 2048 for FID (the pool layer), or 64, 192, 768 for pytorch-fid's earlier blocks (``FID_LAYERS``).
         device: where it computes; ``None``: CUDA when available, else the CPU (as pytorch-fid chooses).
-        precision: what the network computes in, as for ``FeatureExtractor``: ``"float32"`` (default, what
-            pytorch-fid computes), ``"bf16"`` or ``"fp16"`` (faster, but not the number papers report).
+        **extractor_options: ``FeatureExtractor`` keyword arguments, e.g. ``precision="bf16"`` (faster, but not
+            the number papers report) or ``memory_format="auto"``.
 
     Shape:
         input: ``(B, 3, H, W)`` in [0, 1], any size; output: ``{layer: (B, dims, h, w)}`` (1x1 for 2048).
@@ -108,9 +108,8 @@ def fid_extractor(
     layer = _check_dims(dims)
     # NCHW, as pytorch-fid computes: the same statistics to 1e-16. "auto" picks channels-last for large images on
     # the CPU, with FIDs 3e-7 apart (measured on 512x512 photos) and no measured gain in speed
-    extractor = FeatureExtractor(
-        FID_INCEPTION, [layer], weights=weights, mode="detach", memory_format="contiguous", precision=precision
-    )
+    options = {"mode": "detach", "memory_format": "contiguous", **extractor_options}
+    extractor = FeatureExtractor(FID_INCEPTION, [layer], weights=weights, **options)
     return extractor.to(_default_device() if device is None else device)
 
 
@@ -134,11 +133,9 @@ def fid_statistics(
     device: str | torch.device | None = None,
     precision: Precision = "float32",
     extractor: FeatureExtractor | None = None,
-    batch_size: int = _DEFAULT_BATCH,
-    num_workers: int | None = None,
     keep: int = 0,
     seed: int = 0,
-    progress: bool = False,
+    **options: Unpack[StreamOptions],
 ) -> FeatureStatistics:
     """FID statistics of an image collection: pytorch-fid's ``calculate_activation_statistics``, streamed.
 
@@ -162,11 +159,10 @@ def fid_statistics(
         precision: see ``fid_extractor``.
         extractor: a ``fid_extractor()`` to reuse (e.g. for two sets with one random init); it fixes weights,
             dims, device and precision, which must then be left as they are.
-        batch_size: images per forward (pytorch-fid's default, 50).
-        num_workers: decoding processes (default: up to 4).
         keep: also keep a sample of at most this many feature vectors (for ``kernel_inception_distance``).
         seed: seed of that sample.
-        progress: a progress bar on stderr.
+        **options: the ``StreamOptions``; ``resize_size`` and ``crop_size`` default to the FID network's own:
+            none outside the network.
 
     Returns:
         ``FeatureStatistics`` of ``(N, dims)`` vectors, their origin naming ``"fid_inception"``, the layer, the
@@ -203,9 +199,7 @@ def fid_statistics(
             "weights=/dims=/device=/precision="
         )
     layer = _layer_of(extractor)
-    # pooled by "avg", and no resize or crop outside the network (it resizes inside, as pytorch-fid does)
-    settings = PassSettings("avg", batch_size, num_workers, None, None, keep, seed, progress)
-    return collect(extractor, source, [layer], settings)[layer]
+    return collect(extractor, source, [layer], PassSettings.of("avg", keep, seed, options))[layer]
 
 
 def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:

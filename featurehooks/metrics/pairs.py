@@ -25,8 +25,19 @@ import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import InterpolationMode
+from typing_extensions import Unpack
 
-from .._stream import Progress, Sample, feature_batches, list_images, loader_workers, placement, row_loader
+from .._stream import (
+    Progress,
+    Sample,
+    Streaming,
+    StreamOptions,
+    feature_batches,
+    list_images,
+    loader_workers,
+    placement,
+    row_loader,
+)
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
 
@@ -247,13 +258,9 @@ def score_pairs(
     metric: PairMetric,
     pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
     *,
-    batch_size: int = 16,
     batch_pixels: int = BATCH_PIXELS,
-    num_workers: int | None = None,
-    resize_size: int | None = None,
-    crop_size: int | None = None,
     interpolation: str = "bilinear",
-    progress: bool = False,
+    **options: Unpack[StreamOptions],
 ) -> list[float]:
     """One score per pair of image files: ``metric(a, b)`` for each pair, in the order of ``pairs``.
 
@@ -263,8 +270,8 @@ def score_pairs(
     after that; pairs of different sizes are scored in separate forwards.
 
     A batch holds at most ``batch_size`` pairs and at most ``batch_pixels`` pixels, so the memory of a
-    forward is bounded whatever the image size: 1024 × 1024 pairs are scored one at a time with the
-    defaults. Batches end where the sizes of the images and the two bounds say, not where a worker
+    forward is bounded whatever the image size: 1024 × 1024 pairs are scored one at a time, 256 × 256 pairs
+    16 at a time with the defaults. Batches end where the sizes of the images and the two bounds say, not where a worker
     does; a pair's score does not depend on the other pairs of its batch (other batch sizes change it
     by float rounding only, as a batched convolution does).
 
@@ -272,15 +279,13 @@ def score_pairs(
         metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")`` or
             ``DISTS(reduction="none")``.
         pairs: the ``ImagePair`` items of ``pair_files``, or ``(path_a, path_b)`` items.
-        batch_size: pairs per forward, at most.
         batch_pixels: pixels per forward, at most: the sum over its pairs of height × width (of one
             image, after resize and crop); a pair larger than this is scored alone. See ``BATCH_PIXELS``.
-        num_workers: decoding processes (default: up to 4, one less than the CPU cores; 0 decodes
-            in this process).
-        resize_size: resize the shorter side of both images to this size first (``None``: keep).
-        crop_size: then center-crop a square of this size (``None``: keep).
         interpolation: ``"bilinear"`` or ``"bicubic"`` for the resize.
-        progress: show a tqdm bar (pairs) on stderr.
+        **options: the ``StreamOptions``: ``batch_size`` (pairs per forward, at most), ``num_workers``,
+            ``resize_size`` (the shorter side of both images), ``crop_size`` (a center square, after the
+            resize), ``progress``. A pair metric has no preprocessing of its own: ``"weights"`` (the default)
+            keeps the images' size.
 
     Returns:
         The scores as floats, aligned with ``pairs``.
@@ -304,18 +309,11 @@ def score_pairs(
         >>> len(scores), all(score >= 0 for score in scores)
         (2, True)
     """
-    for name, bound in (("batch_size", batch_size), ("batch_pixels", batch_pixels)):
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
-            raise InvalidValueError(f"{name} must be a positive int, got {bound!r}")
-    if num_workers is not None and (
-        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
-    ):
-        raise InvalidValueError(f"num_workers must be a non-negative int or None, got {num_workers!r}")
+    streaming = Streaming.of(options)
+    if isinstance(batch_pixels, bool) or not isinstance(batch_pixels, int) or batch_pixels < 1:
+        raise InvalidValueError(f"batch_pixels must be a positive int, got {batch_pixels!r}")
     if not callable(metric):
         raise InvalidTypeError(f"metric must be callable as metric(a, b), got {type(metric).__name__}")
-    for name, size in (("resize_size", resize_size), ("crop_size", crop_size)):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise InvalidValueError(f"{name} must be a positive int or None, got {size!r}")
     try:
         InterpolationMode(interpolation)
     except ValueError:
@@ -324,12 +322,18 @@ def score_pairs(
     if not pairs:
         return []
     input_range = tuple(float(v) for v in getattr(metric, "input_range", (0.0, 1.0)))
-    transform = ImageTransform(resize_size, crop_size, interpolation, (input_range[0], input_range[1]))
-    workers = loader_workers(num_workers, -(-len(pairs) // batch_size))
-    rows = _PairBatches(pairs, transform, batch_size, batch_pixels)
+    resize, crop = streaming.resize_size, streaming.crop_size  # a str is "weights": a pair metric has none
+    transform = ImageTransform(
+        None if isinstance(resize, str) else resize,
+        None if isinstance(crop, str) else crop,
+        interpolation,
+        (input_range[0], input_range[1]),
+    )
+    workers = loader_workers(streaming.num_workers, -(-len(pairs) // streaming.batch_size))
+    rows = _PairBatches(pairs, transform, streaming.batch_size, batch_pixels)
     loader = row_loader(rows, None, workers, pin=placement(metric)[0].type == "cuda")
     scores = [0.0] * len(pairs)
-    with Progress(len(pairs), progress, label="score", unit="pair") as bar:
+    with Progress(len(pairs), streaming.progress, label="score", unit="pair") as bar:
         for batch in feature_batches(partial(_pair_scores, metric), loader, model=metric, progress=bar):
             reason = next((reason for reason in batch.reasons if reason), None)
             if reason is not None:

@@ -1,0 +1,83 @@
+"""The options every streaming entry point takes, with their one set of defaults and their one check."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, TypedDict
+
+from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
+
+__all__ = ["FROM_WEIGHTS", "StreamOptions", "Streaming"]
+
+FROM_WEIGHTS = "weights"
+
+
+class StreamOptions(TypedDict, total=False):
+    """How images stream through a model: the keyword options of ``dump_features``, ``feature_statistics``,
+    ``feature_statistics_by_layer``, ``fid_statistics`` and ``score_pairs``, with one set of defaults.
+
+    Keys (all optional):
+        batch_size: images per forward (pairs for ``score_pairs``); a dump's unit of commit and resume.
+            Default: 64.
+        num_workers: DataLoader processes that decode while the model runs; 0 decodes in this process.
+            Default: ``None``, up to 4 (one less than the CPU cores, at most one per batch).
+        resize_size: resize of image files, the shorter side to this size; ``"weights"`` for the weights'
+            own (none for a model without preprocessing, such as ``LPIPS``), ``None`` for none. Default:
+            ``"weights"``.
+        crop_size: center crop of image files to this square, after the resize; ``"weights"`` or ``None``
+            as for ``resize_size``. Default: ``"weights"``.
+        progress: a tqdm bar on stderr. Default: ``False`` (the command line shows one unless ``-q``).
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor, StreamOptions, feature_statistics
+        >>> options: StreamOptions = {"batch_size": 4, "num_workers": 0}
+        >>> ext = FeatureExtractor("resnet18", ["layer4"], weights=None)
+        >>> feature_statistics(ext, torch.rand(8, 3, 64, 64), **options).count
+        8
+    """
+
+    batch_size: int
+    num_workers: int | None
+    resize_size: int | Literal["weights"] | None
+    crop_size: int | Literal["weights"] | None
+    progress: bool
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """``StreamOptions`` checked, with the defaults filled in (built before any image is read)."""
+
+    batch_size: int = 64
+    num_workers: int | None = None
+    resize_size: int | str | None = FROM_WEIGHTS
+    crop_size: int | str | None = FROM_WEIGHTS
+    progress: bool = False
+
+    @classmethod
+    def of(cls, options: Mapping[str, object]) -> Streaming:
+        """The options a caller passed as keywords; an unknown name is refused with the closest known one."""
+        known = [field.name for field in fields(cls)]
+        for name in options:
+            if name not in known:
+                hint = did_you_mean(name, known)
+                listed = f"unexpected option {name!r} (the streaming options are {', '.join(known)})"
+                raise InvalidTypeError(listed + (f"; {hint}" if hint else ""))
+        return cls(**options)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if _not_int(self.batch_size) or self.batch_size < 1:
+            raise InvalidValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if self.num_workers is not None and (_not_int(self.num_workers) or self.num_workers < 0):
+            raise InvalidValueError(f"num_workers must be an int >= 0 or None, got {self.num_workers!r}")
+        for name in ("resize_size", "crop_size"):
+            size = getattr(self, name)
+            if size is not None and size != FROM_WEIGHTS and (_not_int(size) or size < 1):
+                raise InvalidValueError(f"{name} must be a positive int, None or {FROM_WEIGHTS!r}, got {size!r}")
+        if not isinstance(self.progress, bool):
+            raise InvalidTypeError(f"progress must be True or False, got {self.progress!r}")
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
