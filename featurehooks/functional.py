@@ -35,7 +35,9 @@ __all__ = [
     "batch_frobenius",
     "channel_normalize",
     "check_batch",
+    "check_images",
     "check_reduction",
+    "check_rgb_pair",
     "feature_distance",
     "gram_matrix",
     "per_sample_mean",
@@ -205,6 +207,53 @@ def check_batch(values: Tensor, name: str) -> None:
         raise InvalidValueError(f"{name} is a 0-D tensor; expected a batch of shape (B, ...)")
     if values.shape[0] == 0:
         raise InvalidValueError(f"{name} is an empty batch, shape {tuple(values.shape)}; pass at least one sample")
+
+
+def check_images(images: object, name: str) -> None:
+    """Raise unless ``images`` is a non-empty ``(B, C, H, W)`` tensor; ``name`` is the argument's name.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import check_images
+        >>> check_images(torch.zeros(2, 3, 8, 8), "input")  # fine
+        >>> check_images(torch.zeros(3, 8, 8), "input")
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: input must be (B, C, H, W) images, got shape (3, 8, 8)
+    """
+    if not isinstance(images, Tensor):
+        raise InvalidTypeError(f"{name} must be a Tensor, got {type(images).__name__}")
+    if images.dim() != 4:
+        raise InvalidValueError(f"{name} must be (B, C, H, W) images, got shape {tuple(images.shape)}")
+    check_batch(images, name)
+
+
+def check_rgb_pair(input: Tensor, target: Tensor, metric: str) -> None:
+    """Raise unless ``input`` and ``target`` are RGB images of one size on one device, the target's batch 1 or the
+    input's: what a full-reference metric (LPIPS, DISTS) compares; ``metric`` names it in the message.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.functional import check_rgb_pair
+        >>> check_rgb_pair(torch.zeros(2, 3, 8, 8), torch.zeros(1, 3, 8, 8), "LPIPS")  # fine: one target for all
+        >>> check_rgb_pair(torch.zeros(2, 1, 8, 8), torch.zeros(2, 1, 8, 8), "LPIPS")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        featurehooks.errors.InvalidValueError: input must have 3 channels (RGB), got shape (2, 1, 8, 8); repeat ...
+    """
+    check_images(input, "input")
+    check_images(target, "target")
+    for name, images in (("input", input), ("target", target)):
+        if images.shape[1] != 3:
+            hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
+            raise InvalidValueError(f"{name} must have 3 channels (RGB), got shape {tuple(images.shape)}{hint}")
+    if input.shape[1:] != target.shape[1:] or target.shape[0] not in (1, input.shape[0]):
+        raise InvalidValueError(
+            f"input {tuple(input.shape)} and target {tuple(target.shape)} do not match: {metric} compares images "
+            "of one size, and the target's batch must be 1 or the input's"
+        )
+    if input.device != target.device:
+        raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
 
 
 def reduce_loss(values: Tensor, reduction: Reduction = "mean") -> Tensor:

@@ -27,6 +27,7 @@ from ..functional import (
     Distance,
     Reduction,
     check_batch,
+    check_images,
     check_reduction,
     feature_distance,
     reduce_loss,
@@ -114,33 +115,6 @@ def takes_old_resize(function: Callable[P, R]) -> Callable[P, R]:
         return function(*args, **kwargs)
 
     return renamed
-
-
-def check_images(images: object, name: str) -> None:
-    """Raise unless ``images`` is a non-empty ``(B, C, H, W)`` tensor; ``name`` is the argument's name."""
-    if not isinstance(images, Tensor):
-        raise InvalidTypeError(f"{name} must be a Tensor, got {type(images).__name__}")
-    if images.dim() != 4:
-        raise InvalidValueError(f"{name} must be (B, C, H, W) images, got shape {tuple(images.shape)}")
-    check_batch(images, name)
-
-
-def check_rgb_pair(input: Tensor, target: Tensor, metric: str) -> None:
-    """Raise unless ``input`` and ``target`` are RGB images of one size on one device, the target's batch 1 or the
-    input's: what a full-reference metric (LPIPS, DISTS) compares."""
-    check_images(input, "input")
-    check_images(target, "target")
-    for name, images in (("input", input), ("target", target)):
-        if images.shape[1] != 3:
-            hint = "; repeat grayscale with images.expand(-1, 3, -1, -1)" if images.shape[1] == 1 else ""
-            raise InvalidValueError(f"{name} must have 3 channels (RGB), got shape {tuple(images.shape)}{hint}")
-    if input.shape[1:] != target.shape[1:] or target.shape[0] not in (1, input.shape[0]):
-        raise InvalidValueError(
-            f"input {tuple(input.shape)} and target {tuple(target.shape)} do not match: {metric} compares images "
-            "of one size, and the target's batch must be 1 or the input's"
-        )
-    if input.device != target.device:
-        raise InvalidValueError(f"input is on {input.device} but target on {target.device}; move one of them")
 
 
 def as_layer_list(layers: str | Sequence[str]) -> list[str]:

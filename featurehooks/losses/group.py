@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 
 from ..errors import InvalidTypeError, InvalidValueError
-from ._base import FeatureLoss, check_images
+from ..functional import check_images
+from ._base import FeatureLoss
 
 __all__ = ["LossGroup"]
 

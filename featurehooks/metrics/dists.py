@@ -30,8 +30,7 @@ from .._precision import autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ..functional import Reduction, check_reduction, reduce_loss
-from ..losses._base import check_rgb_pair
+from ..functional import Reduction, check_reduction, check_rgb_pair, reduce_loss
 from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]

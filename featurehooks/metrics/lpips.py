@@ -28,8 +28,7 @@ from .._compute import KeepsPrecision
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ..functional import Reduction, channel_normalize, check_reduction, reduce_loss
-from ..losses._base import check_rgb_pair
+from ..functional import Reduction, channel_normalize, check_reduction, check_rgb_pair, reduce_loss
 from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
