@@ -40,6 +40,10 @@ ADDITIVE = 4
 _TINY = 2.0**-40
 _HUGE = 2.0**56
 
+# values up to which a call is taken in float64 at once: a handful of operations, each costing more than its
+# arithmetic at that size, where the float32 row sums take more of them
+_SMALL = 1 << 14
+
 # the mean may exceed the spread by this factor (squared) before the squares are summed again around the mean:
 # float32 row sums are good to about 1e-8 of the sum of squares, so the variance then keeps about 1e-6
 _CANCELLATION = 100.0
@@ -110,11 +114,11 @@ def call_moments(
     if not need.flags:
         return torch.zeros(ADDITIVE + 2, dtype=accumulate, device=x.device)
     flat = _flat(x.detach())
+    if read_now and flat.dtype in _FAST_DTYPES:  # reductions of a detached tensor: no graph, no autocast policy
+        fast = _fast_moments(flat, need, scratch, float(shift), fused)
+        if fast is not None:
+            return torch.tensor(fast, dtype=accumulate)
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        if read_now and flat.dtype in _FAST_DTYPES:
-            fast = _fast_moments(flat, need, scratch, float(shift), fused)
-            if fast is not None:
-                return torch.tensor(fast, dtype=accumulate)
         return _exact_moments(flat.to(accumulate), need, torch.as_tensor(shift, dtype=accumulate, device=x.device))
 
 
@@ -156,7 +160,10 @@ def _fast_moments(flat: Tensor, need: Need, scratch: Scratch, shift: float, fuse
     maximum lies outside the range where float32 squares are exact enough."""
     n = flat.numel()
     if fused and n >= 2 * ROW:
-        low, high, total, squares, nonzero = fused_moments(flat)
+        with torch.autocast(flat.device.type, enabled=False):
+            low, high, total, squares, nonzero = fused_moments(flat)
+    elif n <= _SMALL:
+        low, high, total, squares, nonzero = _small_moments(flat, need.zeros)
     else:
         low, high, total, squares, nonzero = _row_moments(flat, need.zeros, scratch)
     top = max(abs(low), abs(high))
@@ -173,6 +180,16 @@ def _fast_moments(flat: Tensor, need: Need, scratch: Scratch, shift: float, fuse
         total = mean * n
     about_shift = max(central, 0.0) + n * (mean - shift) ** 2
     return [0.0, total, about_shift, nonzero if need.zeros else 0.0, -low, high]
+
+
+def _small_moments(flat: Tensor, zeros: bool) -> list[float]:
+    """``_row_moments`` of a tensor of at most ``_SMALL`` values: all of it in float64 at once, one host read."""
+    wide = flat.double()
+    parts = [*torch.aminmax(wide), wide.sum(), torch.dot(wide, wide)]
+    if zeros:
+        parts.append(torch.count_nonzero(wide).double())
+    read: list[float] = torch.stack(parts).tolist()
+    return read if zeros else [*read, 0.0]
 
 
 def _row_moments(flat: Tensor, zeros: bool, scratch: Scratch) -> list[float]:

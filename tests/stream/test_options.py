@@ -30,9 +30,16 @@ from helpers import tiny_extractor, write_pngs
 OPTIONS = ("batch_size", "num_workers", "resize_size", "crop_size", "progress")
 
 
-def _entry_points(tmp_path: Path) -> dict[str, Callable[..., Any]]:
+@pytest.fixture(scope="module")
+def models() -> tuple[fh.FeatureExtractor, fh.FeatureExtractor]:
+    return tiny_extractor(), fid_extractor(weights=None, dims=64, device="cpu")
+
+
+def _entry_points(
+    tmp_path: Path, models: tuple[fh.FeatureExtractor, fh.FeatureExtractor]
+) -> dict[str, Callable[..., Any]]:
     """Each streaming entry point, called on a source that does not exist: options are checked before it is read."""
-    extractor = tiny_extractor()
+    extractor, fid = models
     missing = str(tmp_path / "no such folder")
     return {
         "dump_features": lambda **options: fh.dump_features(extractor, missing, tmp_path / "out", **options),
@@ -40,9 +47,7 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[..., Any]]:
         "feature_statistics_by_layer": lambda **options: feature_statistics_by_layer(
             extractor, missing, pool="avg", **options
         ),
-        "fid_statistics": lambda **options: fid_statistics(
-            missing, extractor=fid_extractor(weights=None, device="cpu"), **options
-        ),
+        "fid_statistics": lambda **options: fid_statistics(missing, extractor=fid, **options),
         "score_pairs": lambda **options: score_pairs(
             lambda a, b: (a - b).abs().mean((1, 2, 3)), [("x", "y")], **options
         ),
@@ -83,9 +88,13 @@ def test_every_entry_point_takes_the_options_and_nothing_else(name: str) -> None
     ],
 )
 def test_a_bad_option_is_refused_alike_by_every_entry_point_before_any_input_is_read(
-    tmp_path: Path, options: dict[str, Any], error: type[Exception], words: str
+    tmp_path: Path,
+    models: tuple[fh.FeatureExtractor, fh.FeatureExtractor],
+    options: dict[str, Any],
+    error: type[Exception],
+    words: str,
 ) -> None:
-    for name, call in _entry_points(tmp_path).items():
+    for name, call in _entry_points(tmp_path, models).items():
         with pytest.raises(error, match=words.replace("(", r"\(")):
             call(**options)
         assert not (tmp_path / "out").exists(), name
