@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -99,27 +100,38 @@ class Scratch:
             self._buffers.clear()
 
 
+@overload
+def call_moments(
+    x: Tensor, need: Need, scratch: Scratch, shift: float, *, read_now: Literal[True], fused: bool
+) -> list[float]: ...
+@overload
+def call_moments(
+    x: Tensor, need: Need, scratch: Scratch, shift: Tensor, *, read_now: Literal[False], fused: bool
+) -> Tensor: ...
 def call_moments(
     x: Tensor, need: Need, scratch: Scratch, shift: Tensor | float, *, read_now: bool, fused: bool
-) -> Tensor:
+) -> list[float] | Tensor:
     """One call's statistics by slot: the number of non-finite values (``NONFINITE``), the sum of the finite values
     (``SUM``) and of their squared distances to ``shift`` (``SQUARES``), the number of non-zero finite values, minus
     the minimum and the maximum of the finite values (``NEG_MIN``, ``MAX``; -inf both when none is finite).
 
-    ``read_now`` (a CPU tensor, which the host reads at no cost): the fast path where it applies (``fused``: its
-    compiled pass), else the exact one. A vector of the accumulators' dtype on ``x``'s device; the exact path reads
-    nothing on the host. Grad mode and autocast do not reach the arithmetic.
+    ``read_now`` (a CPU tensor, which the host reads at no cost): Python floats, from the fast path where it applies
+    (``fused``: its compiled pass), else from the exact one. Otherwise a vector of the accumulators' dtype on
+    ``x``'s device from the exact path, which reads nothing on the host. Grad mode and autocast do not reach the
+    arithmetic.
     """
     accumulate = accumulator_dtype(x.device)
     if not need.flags:
-        return torch.zeros(ADDITIVE + 2, dtype=accumulate, device=x.device)
+        zeros = torch.zeros(ADDITIVE + 2, dtype=accumulate, device=x.device)
+        return zeros.tolist() if read_now else zeros
     flat = _flat(x.detach())
     if read_now and flat.dtype in _FAST_DTYPES:  # reductions of a detached tensor: no graph, no autocast policy
         fast = _fast_moments(flat, need, scratch, float(shift), fused)
         if fast is not None:
-            return torch.tensor(fast, dtype=accumulate)
+            return fast
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        return _exact_moments(flat.to(accumulate), need, torch.as_tensor(shift, dtype=accumulate, device=x.device))
+        exact = _exact_moments(flat.to(accumulate), need, torch.as_tensor(shift, dtype=accumulate, device=x.device))
+    return exact.tolist() if read_now else exact
 
 
 def accumulator_dtype(device: torch.device) -> torch.dtype:

@@ -143,7 +143,7 @@ class _HostSums:
     def take(self, tensor: Tensor, watch: Watch) -> None:
         """Add the statistics of one call's ``tensor``, read at once."""
         shift = self.values[_SHIFT]
-        values = call_moments(tensor, watch._need, watch._scratch, shift, read_now=True, fused=watch.fused).tolist()
+        values = call_moments(tensor, watch._need, watch._scratch, shift, read_now=True, fused=watch.fused)
         with watch._lock:
             sums = self.values
             for slot in range(ADDITIVE):
