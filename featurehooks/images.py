@@ -71,7 +71,7 @@ Examples:
     True
 """
 
-_FROM_WEIGHTS = "weights"
+FROM_WEIGHTS = "weights"
 
 
 def read_image(path: str | os.PathLike[str]) -> Tensor:
@@ -338,8 +338,8 @@ class ImageTransform:
 def transform_for(
     preprocessing: Preprocessing,
     input_range: tuple[float, float],
-    resize_size: int | None | str = _FROM_WEIGHTS,
-    crop_size: int | None | str = _FROM_WEIGHTS,
+    resize_size: int | None | str = FROM_WEIGHTS,
+    crop_size: int | None | str = FROM_WEIGHTS,
 ) -> ImageTransform:
     """The backbone's own resize and crop unless overridden (an int; ``None`` turns a step off), then ``input_range``.
 
@@ -357,20 +357,20 @@ def transform_for(
         >>> transform_for(preprocessing, (0.0, 1.0), resize_size=None, crop_size=128).prepared_size(300, 400)
         (128, 128)
     """
-    resize = preprocessing.resize_size if resize_size == _FROM_WEIGHTS else _checked_size("resize_size", resize_size)
-    crop = preprocessing.crop_size if crop_size == _FROM_WEIGHTS else _checked_size("crop_size", crop_size)
+    resize = preprocessing.resize_size if resize_size == FROM_WEIGHTS else checked_size("resize_size", resize_size)
+    crop = preprocessing.crop_size if crop_size == FROM_WEIGHTS else checked_size("crop_size", crop_size)
     interpolation = preprocessing.interpolation or "bilinear"
     return ImageTransform(
         resize, crop, interpolation, _bounds(input_range), preprocessing.crop_mode, preprocessing.fill
     )
 
 
-def _checked_size(name: str, value: object) -> int | None:
-    """A size the user gave: a positive int, or None to skip the step."""
+def checked_size(name: str, value: object) -> int | None:
+    """A size the user gave instead of the weights' (``FROM_WEIGHTS``): a positive int, or None to skip the step."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidValueError(f"{name} must be a positive int, None or {_FROM_WEIGHTS!r}, got {value!r}")
+        raise InvalidValueError(f"{name} must be a positive int, None or {FROM_WEIGHTS!r}, got {value!r}")
     return value
 
 
@@ -378,8 +378,8 @@ def prepare_image(
     image: ImageSpec,
     extractor: FeatureExtractor,
     *,
-    resize_size: int | None | str = _FROM_WEIGHTS,
-    crop_size: int | None | str = _FROM_WEIGHTS,
+    resize_size: int | None | str = FROM_WEIGHTS,
+    crop_size: int | None | str = FROM_WEIGHTS,
 ) -> Tensor:
     """An image file or tensor made ready for ``extractor``: resized, cropped, scaled, batched and moved.
 

@@ -20,7 +20,7 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 
 from .forward import placement, row_shapes
 from .loader import Batch, loader_workers, row_loader
-from .options import FROM_WEIGHTS, Streaming, StreamOptions
+from .options import Streaming, StreamOptions
 from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
 from .progress import Progress
 from .sources import (
@@ -35,7 +35,6 @@ from .sources import (
 )
 
 __all__ = [
-    "FROM_WEIGHTS",
     "IMAGE_SUFFIXES",
     "Batch",
     "FeatureBatch",

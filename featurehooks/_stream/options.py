@@ -7,10 +7,9 @@ from dataclasses import dataclass, fields
 from typing import Literal, TypedDict
 
 from ..errors import InvalidTypeError, InvalidValueError, did_you_mean
+from ..images import FROM_WEIGHTS, checked_size
 
-__all__ = ["FROM_WEIGHTS", "StreamOptions", "Streaming"]
-
-FROM_WEIGHTS = "weights"
+__all__ = ["StreamOptions", "Streaming"]
 
 
 class StreamOptions(TypedDict, total=False):
@@ -72,9 +71,8 @@ class Streaming:
         if self.num_workers is not None and (_not_int(self.num_workers) or self.num_workers < 0):
             raise InvalidValueError(f"num_workers must be an int >= 0 or None, got {self.num_workers!r}")
         for name in ("resize_size", "crop_size"):
-            size = getattr(self, name)
-            if size is not None and size != FROM_WEIGHTS and (_not_int(size) or size < 1):
-                raise InvalidValueError(f"{name} must be a positive int, None or {FROM_WEIGHTS!r}, got {size!r}")
+            if getattr(self, name) != FROM_WEIGHTS:
+                checked_size(name, getattr(self, name))
         if not isinstance(self.progress, bool):
             raise InvalidTypeError(f"progress must be True or False, got {self.progress!r}")
 

@@ -305,6 +305,11 @@ class Inputs:
         return ImageFiles(self.names, self.transform, self.image_shape, any_size=self.sizes_vary)  # type: ignore[arg-type]
 
 
+def _dataset_names(dataset: Dataset) -> list[str]:
+    """The rows' names of a dataset source: its indices."""
+    return [f"dataset[{i}]" for i in range(len(dataset))]  # type: ignore[arg-type]
+
+
 T = TypeVar("T")  # what rank 0 plans beside the inputs (a dump's plan)
 
 
@@ -323,8 +328,7 @@ class _SharedInputs:
         if self.names is not None:
             return Inputs(self.names, None, self.image_shape, self.transform, sizes_vary=self.sizes_vary)
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
-        names = [f"dataset[{i}]" for i in range(len(dataset))]  # type: ignore[arg-type]
-        return Inputs(names, dataset, self.image_shape, None, labelled=self.labelled)  # type: ignore[arg-type]
+        return Inputs(_dataset_names(dataset), dataset, self.image_shape, None, labelled=self.labelled)  # type: ignore[arg-type]
 
 
 def planned_on_main(ranks: Distributed, source: SourceSpec, plan: Callable[[], tuple[T, Inputs]]) -> tuple[T, Inputs]:
@@ -369,8 +373,7 @@ def resolve_inputs(
         source = TensorDataset(source)
     if isinstance(source, Dataset):
         layout = dataset_layout(source)  # the first readable item: one that raises is an invalid row
-        names = [f"dataset[{i}]" for i in range(len(source))]  # type: ignore[arg-type]
-        return Inputs(names, source, layout.shape, None, labelled=layout.labelled)
+        return Inputs(_dataset_names(source), source, layout.shape, None, labelled=layout.labelled)
     if not isinstance(source, (str, os.PathLike, list, tuple)):
         raise InvalidTypeError(
             "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
