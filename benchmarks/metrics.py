@@ -17,11 +17,14 @@ each contender apart from the timing (memory the call allocates).
 
 FID: ``featurehooks fid A B`` against ``python -m pytorch_fid A B`` on the same two folders of PNGs and
 the same seeded weights file, each call a fresh process as a user runs it (start-up, decoding, the
-network, the distance), with the same batch size, decoding workers, device and threads; images/s and
-the peak resident memory of the largest process.
+network, the distance), with the same batch size, decoding workers, device and threads (``--fid-defaults``: each
+with its own default workers and threads, as a user runs it); images/s and the peak resident memory of the largest
+process. ``--load`` times them again under background load (``_load.py``: two processes of multi-threaded torch
+convolutions, or two busy pure-Python processes), one group per load, each row recording its load.
 
     python benchmarks/metrics.py                  # CPU, about 15 minutes on 2 cores
     python benchmarks/metrics.py --metrics fid    # one metric (lpips, dists, fid)
+    python benchmarks/metrics.py --metrics fid --fid-defaults --load none,torch,python   # quiet and busy: ~1 hour
     python benchmarks/metrics.py --device cuda    # adds bf16 autocast + channels_last groups
     python benchmarks/metrics.py --quick          # seconds: checks the script, not speed
 """
@@ -52,6 +55,7 @@ from featurehooks.metrics.dists import DISTS
 from featurehooks.metrics.lpips import LPIPS, LPIPS_NETS
 
 import _harness as H
+import _load as L
 import _report as R
 from _machine import reduced_precisions
 from _weights import seeded_fid_weights, seeded_hub_weights, seeded_torch_home
@@ -284,26 +288,46 @@ class Process:
         self.fid = float(match.group(1))
 
 
-def fid_commands(a: Path, b: Path, dims: int, batch: int, cfg: H.Settings) -> dict[str, Process]:
-    """The two command lines on the same folders, batch size, workers, device and threads."""
-    workers = "0" if cfg.quick else str(min(4, os.cpu_count() or 1))
+def fid_commands(a: Path, b: Path, dims: int, batch: int, cfg: H.Settings, own_defaults: bool) -> dict[str, Process]:
+    """The two command lines on the same folders, batch size and device; the same workers and threads, or with
+    ``own_defaults`` neither (no ``--workers``/``--num-workers``, no thread variables: each tool chooses)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONWARNINGS": "ignore"}
     same = [str(a), str(b), "--dims", str(dims), "--batch-size", str(batch), "--device", str(cfg.device)]
+    ours, theirs = [*same, "-q"], list(same)
+    if own_defaults:
+        for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(variable, None)
+    else:
+        workers = "0" if cfg.quick else str(min(4, os.cpu_count() or 1))
+        ours, theirs = [*ours, "--workers", workers], [*theirs, "--num-workers", workers]
     return {
-        FH_FID: Process([sys.executable, "-m", "featurehooks", "fid", *same, "--workers", workers, "-q"], env),
-        REF_FID: Process([sys.executable, "-m", "pytorch_fid", *same, "--num-workers", workers], env),
+        FH_FID: Process([sys.executable, "-m", "featurehooks", "fid", *ours], env),
+        REF_FID: Process([sys.executable, "-m", "pytorch_fid", *theirs], env),
     }
 
 
-def run_fid(root: Path, cfg: H.Settings) -> R.Group:
-    count, side, dims, batch = FID_SETS["quick" if cfg.quick else cfg.device.type]
-    a, b = write_folders(root, count, side)
+def write_fid_folders(root: Path, cfg: H.Settings) -> tuple[Path, Path]:
+    """The two folders of PNGs every FID group reads, and the seeded weights file in the hub cache."""
+    count, side, _, _ = fid_set(cfg)
     seeded_fid_weights()
-    processes = fid_commands(a, b, dims, batch, cfg)
-    if cfg.quick:  # checks the script and that both print one FID: each command once
-        timing = H.Timing({name: [H.timed(process)] for name, process in processes.items()}, 1, 1)
-    else:
-        timing = H.time_interleaved(dict(processes), dataclasses.replace(cfg, warmup=1), budget=0.0)
+    return write_folders(root, count, side)
+
+
+def fid_set(cfg: H.Settings) -> tuple[int, int, int, int]:
+    """Images per folder, their side, FID features and images per batch, by mode and device."""
+    return FID_SETS["quick" if cfg.quick else cfg.device.type]
+
+
+def run_fid(folders: tuple[Path, Path], cfg: H.Settings, load: str, own_defaults: bool) -> R.Group:
+    """Both commands on ``folders``, timed under the background ``load`` (``_load.LOADS``): one group."""
+    count, side, dims, batch = fid_set(cfg)
+    processes = fid_commands(*folders, dims, batch, cfg, own_defaults)
+    with L.background(load) as running:
+        if cfg.quick:  # checks the script and that both print one FID: each command once
+            timing = H.Timing({name: [H.timed(process)] for name, process in processes.items()}, 1, 1)
+        else:
+            timing = H.time_interleaved(dict(processes), dataclasses.replace(cfg, warmup=1), budget=0.0)
+        during = running.record()
     reference = processes[REF_FID].fid
     extras = {
         name: {
@@ -311,14 +335,16 @@ def run_fid(root: Path, cfg: H.Settings) -> R.Group:
             "images_per_s": 2 * count / timing.median(name),
             "distance": process.fid,
             "max_abs_diff": abs(process.fid - reference) / max(abs(reference), 1e-30),
+            **during,
         }
         for name, process in processes.items()
     }
-    params = {"metric": "fid", "images": f"{count}+{count}", "size": side, "dims": dims, "batch": batch}
+    params = {"metric": "fid", "images": f"{count}+{count}", "size": side, "dims": dims, "batch": batch, "load": load}
     group = R.make_group(FID, params, timing, REF_FID, extras)
     H.log(
         f"{FID} {params}: "
         + ", ".join(f"{r.name}={r.ratio:.3f} ({r.extra['peak_rss_mib']:.0f} MiB)" for r in group.rows)
+        + f"; load average {during['load_average']}, load cores busy {during['load_cores_busy']}"
     )
     return group
 
@@ -400,11 +426,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--metrics", default=",".join(METRICS), help="subset of lpips, dists, fid")
     p.add_argument("--nets", default=",".join(NETS), help="LPIPS trunks: subset of alex, vgg, squeeze")
     p.add_argument("--modes", default="metric,loss", help="LPIPS and DISTS groups: subset of metric, loss")
+    p.add_argument("--load", default="none", help="FID groups: " + L.load_option_help())
+    p.add_argument(
+        "--fid-defaults",
+        action="store_true",
+        help="FID: each command with its own default decoding workers and threads (as a user runs it), "
+        "not the same ones for both",
+    )
     SHAPES.add_option(p)
     args = p.parse_args(argv)
     cfg = H.settings(args, budget=10.0)
     shapes = SHAPES.parse(args.shapes, cfg)
     metrics, nets = args.metrics.split(","), args.nets.split(",")
+    loads = L.parse_loads(args.load)
     modes = [{"metric": METRIC, "loss": LOSS}[m] for m in args.modes.split(",")]
     notes = [
         "ratio = median / median of the reference in the same group (lower is faster); every contender reads the "
@@ -416,6 +450,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak MiB: memory allocated during one call above what was allocated before it "
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events).")
         + " peak RSS MiB (FID): the largest process's peak resident memory, median over the calls.",
+        "FID groups: *load* (params) is the background load they ran under: none (quiet), torch (two processes of "
+        "multi-threaded torch convolutions), python (two busy pure-Python processes), started before and stopped "
+        "after the group; *load average* the 1/5/15-minute load average at the group's end; *load cores busy* the "
+        "cores the load processes kept busy during it (their CPU seconds over the wall seconds). "
+        + (
+            "Each command with its own default workers and threads."
+            if args.fid_defaults
+            else "Both commands with the same decoding workers and threads (OMP_NUM_THREADS)."
+        ),
         "*precision='bf16'* rows (where the device runs bfloat16 natively): opt-in, the frozen trunk stored in "
         "bfloat16, distances reduced in float32; their max abs diff is what bf16 costs in accuracy.",
         f"*{FH_ONE}* and *{FH_TWO}* are the module forced to one way; *forward* says which way featurehooks "
@@ -428,7 +471,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "modes": modes,
         "shapes": shapes,
         "precisions": H.precisions(cfg),
-        "fid_set": FID_SETS["quick" if cfg.quick else cfg.device.type],
+        "fid_set": fid_set(cfg),
+        "fid_loads": loads,
+        "fid_own_defaults": args.fid_defaults,
         **cfg.timing_config(),
     }
     results = R.Results(
@@ -445,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("max_abs_diff", "max abs diff", ".2g"),
             ("distance", "distance", ".4g"),
             ("forward", "forward", ""),
+            ("load_average", "load average", ""),
+            ("load_cores_busy", "load cores busy", ".2f"),
         ],
     )
     with seeded_torch_home(args.torch_home) as home:
@@ -465,7 +512,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 gc.collect()
         if "fid" in metrics:
             with tempfile.TemporaryDirectory(prefix="fh_fid_", dir=home) as root:
-                results.add(run_fid(Path(root), cfg))
+                folders = write_fid_folders(Path(root), cfg)
+                for load in loads:
+                    results.add(run_fid(folders, cfg, load, args.fid_defaults))
     return results.finish()
 
 

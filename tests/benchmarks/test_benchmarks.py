@@ -286,14 +286,26 @@ def test_metrics_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> 
 
 
 def test_metrics_quick_fid(tmp_path: Path, torch_home: Path) -> None:
-    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "fid")
-    rows = _single_group_rows(payload)
-    assert list(rows) == [metrics.FH_FID, metrics.REF_FID]
-    for row in rows.values():  # both print the same FID (--dims 64), from a process of bounded size
-        assert row["max_abs_diff"] <= 1e-6 and row["distance"] > 0, row
-        assert 100 < row["peak_rss_mib"] < 8000 and row["images_per_s"] > 0, row
+    metrics, payload = _run_quick("metrics", tmp_path, torch_home, "--metrics", "fid", "--load", "none,python")
+    groups = payload["groups"]
+    assert [g["params"]["load"] for g in groups] == ["none", "python"] and payload["config"]["fid_loads"] == [
+        "none",
+        "python",
+    ]
+    for group in groups:
+        rows = {row["name"]: row for row in group["rows"]}
+        assert list(rows) == [metrics.FH_FID, metrics.REF_FID]
+        for row in rows.values():  # both print the same FID (--dims 64), from a process of bounded size
+            assert row["max_abs_diff"] <= 1e-6 and row["distance"] > 0, row
+            assert 100 < row["peak_rss_mib"] < 8000 and row["images_per_s"] > 0, row
+            # each row says which load it ran under, how many processes made it, and the load average then
+            assert row["load"] == group["params"]["load"] and len(row["load_average"]) == 3, row
+            assert row["load_processes"] == (2 if row["load"] == "python" else 0), row
+            if row["load"] == "python":  # the busy processes really ran during the group
+                assert row["load_cores_busy"] is None or row["load_cores_busy"] > 0.1, row
     claims = {t["claim"].split(" (")[0] for t in payload["targets"]}
     assert claims == {
         "fid: pytorch_fid time / featurehooks time",
         "fid: featurehooks peak RSS / pytorch_fid peak RSS",
     }
+    assert {t["group"].split("load=")[1] for t in payload["targets"]} == {"none", "python"}
