@@ -4,10 +4,12 @@ Modules, in the order data flows through them:
 
 - ``sources``: a folder, glob, file list, dataset or tensor resolved to ``Inputs`` (the rows, the image
   shape every row gets, the transform), and one row decoded into a ``Sample``;
-- ``loader``: rows decoded in DataLoader worker processes and collated into batches;
+- ``loader``: rows decoded in DataLoader worker processes and collated into batches cut to a pixel budget;
+- ``cpus``: the CPUs this process may use (affinity, cgroup quota), shared by decoding workers and torch's threads;
 - ``forward``: features of one batch, pooled and cast to arrays; a row's shapes before any forward
   (from the extractor's meta trace); where a model computes (``placement``);
-- ``tiling``: CPU micro-batches whose largest activation fits the cache;
+- ``tiling``: CPU micro-batches whose largest activation fits the cache, for models whose rows are provably
+  independent of their batch (``independence``);
 - ``pipeline``: ``feature_batches``, the one loop from batches of rows to batches of features, and
   ``extract_batches``, that loop for a ``FeatureExtractor`` over ``Inputs``;
 - ``options``: the keyword options every streaming entry point takes (``StreamOptions``), checked once;
@@ -19,7 +21,7 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 """
 
 from .forward import placement, row_shapes
-from .loader import Batch, loader_workers, row_loader
+from .loader import Batch, loader_workers, row_loader, worker_deaths
 from .options import Streaming, StreamOptions
 from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
 from .progress import Progress
@@ -56,4 +58,5 @@ __all__ = [
     "resolve_inputs",
     "row_loader",
     "row_shapes",
+    "worker_deaths",
 ]

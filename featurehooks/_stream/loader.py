@@ -1,18 +1,21 @@
-"""Decoding rows in DataLoader worker processes while the model runs, and collating them into batches."""
+"""Decoding rows in DataLoader worker processes while the model runs, and collating them into batches: batches
+cut to a pixel budget, the workers' count, and a worker's death as one error."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from ..errors import RunFailedError
+from .cpus import available_cpus
 from .sources import Sample
 
-__all__ = ["Batch", "collate_batch", "loader_workers", "row_loader"]
+__all__ = ["Batch", "collate_batch", "cut_to_pixels", "loader_workers", "row_loader", "worker_deaths"]
 
 
 class Batch(NamedTuple):
@@ -33,25 +36,47 @@ def collate_batch(samples: list[Sample]) -> Batch:
     return Batch([s.row for s in samples], stacked, [s.reason for s in samples], [s.label for s in samples])
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def loader_workers(requested: int | None, batches: int) -> int:
-    """DataLoader workers: up to 4 by default; never more than 4 per core, nor more than there are batches.
+def loader_workers(requested: int | None, batches: int, *, cpu_forward: bool = True) -> int:
+    """DataLoader workers: ``requested``, or by default one per 4 of the CPUs this process may use when the forward
+    runs on them too (torch's threads take the rest: see ``cpus``), one less than those CPUs when it runs on an
+    accelerator; up to 4 by default, never more than 4 per CPU, nor more than there are batches.
 
     Decoding is partly I/O-bound, so a few workers per core can pay; past that, each worker is a process
     that only costs memory (``--workers 100000`` would fork until the OOM killer stepped in).
     """
-    wanted = min(4, max(_cores() - 1, 0)) if requested is None else requested
-    return min(wanted, 4 * _cores(), batches)
+    cores = available_cpus()
+    if requested is None:
+        requested = min(4, cores // 4 if cpu_forward else cores - 1)
+    return min(requested, 4 * cores, batches)
+
+
+def cut_to_pixels(
+    batches: Iterable[list[int]], pixels: Callable[[int], int], budget: int | None
+) -> Iterator[list[int]]:
+    """``batches`` of rows, each cut where its next row would take it over ``budget`` pixels (``pixels(row)``: the
+    row's height × width once prepared); a row larger than the budget goes alone, ``None`` cuts nothing.
+
+    Lazy: the DataLoader asks for the next batch as it decodes, so sizes read from files' headers are read then.
+    """
+    for batch in batches:
+        if budget is None:
+            yield batch
+            continue
+        piece: list[int] = []
+        total = 0
+        for row in batch:
+            area = pixels(row)
+            if piece and total + area > budget:
+                yield piece
+                piece, total = [], 0
+            piece.append(row)
+            total += area
+        if piece:
+            yield piece
 
 
 def row_loader(
-    rows: Dataset | IterableDataset, batches: Sequence[list[int]] | None, workers: int, pin: bool
+    rows: Dataset | IterableDataset, batches: Iterable[list[int]] | None, workers: int, pin: bool
 ) -> DataLoader:
     """Batches of ``rows`` decoded by ``workers`` processes (0: in this one), two batches ahead per worker.
 
@@ -60,10 +85,26 @@ def row_loader(
     """
     return DataLoader(
         rows,
-        batch_sampler=batches,
+        batch_sampler=batches,  # type: ignore[arg-type]  # any iterable of lists of indices
         batch_size=None if batches is None else 1,
         num_workers=workers,
         collate_fn=collate_batch,
         pin_memory=pin,
         prefetch_factor=2 if workers > 0 else None,
     )
+
+
+@contextmanager
+def worker_deaths() -> Iterator[None]:
+    """A decoding worker that dies (killed for memory, a crash in a decoder) raised as one ``RunFailedError`` line
+    instead of the DataLoader's traceback, wherever the main process was when it learned of it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        message = str(exc)
+        if not message.startswith("DataLoader worker (pid"):
+            raise
+        raise RunFailedError(
+            f"a decoding worker died ({message.splitlines()[0].rstrip('. ')}), maybe for lack of memory; use fewer "
+            "or no decoding workers (num_workers=0, --workers 0), or a smaller batch_size or batch_pixels"
+        ) from None

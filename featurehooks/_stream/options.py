@@ -20,7 +20,12 @@ class StreamOptions(TypedDict, total=False):
         batch_size: images per forward (pairs for ``score_pairs``); a dump's unit of commit and resume.
             Default: 64.
         num_workers: DataLoader processes that decode while the model runs; 0 decodes in this process.
-            Default: ``None``, up to 4 (one less than the CPU cores, at most one per batch).
+            Default: ``None``, up to 4 (of the CPUs this process may use: one per 4 when the model runs on
+            them, one less than their number on a GPU; at most one per batch).
+        batch_pixels: pixels per forward, at most: height × width summed over a batch's images once prepared;
+            a batch is cut where the next image would go over it (an image larger than it goes alone), which
+            leaves the rows of a per-sample model as they are. ``None`` for no limit. Default: ``2**24``
+            (64 images of 512 × 512).
         resize_size: resize of image files, the shorter side to this size; ``"weights"`` for the weights'
             own (none for a model without preprocessing, such as ``LPIPS``), ``None`` for none. Default:
             ``"weights"``.
@@ -42,6 +47,7 @@ class StreamOptions(TypedDict, total=False):
     resize_size: int | Literal["weights"] | None
     crop_size: int | Literal["weights"] | None
     progress: bool
+    batch_pixels: int | None
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Streaming:
     resize_size: int | str | None = FROM_WEIGHTS
     crop_size: int | str | None = FROM_WEIGHTS
     progress: bool = False
+    batch_pixels: int | None = 2**24
 
     @classmethod
     def of(cls, options: Mapping[str, object]) -> Streaming:
@@ -70,6 +77,8 @@ class Streaming:
             raise InvalidValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.num_workers is not None and (_not_int(self.num_workers) or self.num_workers < 0):
             raise InvalidValueError(f"num_workers must be an int >= 0 or None, got {self.num_workers!r}")
+        if self.batch_pixels is not None and (_not_int(self.batch_pixels) or self.batch_pixels < 1):
+            raise InvalidValueError(f"batch_pixels must be a positive int or None, got {self.batch_pixels!r}")
         for name in ("resize_size", "crop_size"):
             if getattr(self, name) != FROM_WEIGHTS:
                 checked_size(name, getattr(self, name))

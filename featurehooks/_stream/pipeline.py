@@ -9,7 +9,7 @@ scorer with a forward of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -19,8 +19,11 @@ from torch import Tensor
 
 from .._layout import Pool
 from ..errors import InvalidValueError
+from .cpus import forward_threads, threads_for
 from .forward import features_as_arrays, placement
-from .loader import Batch, loader_workers, row_loader
+from .independence import rows_independent
+from .loader import Batch, cut_to_pixels, loader_workers, row_loader
+from .options import Streaming
 from .progress import Progress
 from .sources import Inputs
 from .tiling import WORKERS_BUDGET, cache_budget
@@ -116,18 +119,26 @@ def extract_batches(
     *,
     pool: Pool | None,
     dtype: str,
-    num_workers: int | None,
+    streaming: Streaming,
     progress: Progress,
-) -> Iterator[FeatureBatch]:
-    """``feature_batches`` of ``extractor`` over ``batches`` (lists of rows) of ``inputs``, decoded by up to
-    ``num_workers`` processes; features pooled with ``pool`` and cast to ``dtype``.
+) -> Generator[FeatureBatch, None, None]:
+    """``feature_batches`` of ``extractor`` over ``batches`` (lists of rows) of ``inputs``, each cut to
+    ``streaming.batch_pixels`` (so a batch may come back in several pieces, in row order), decoded by up to
+    ``streaming.num_workers`` processes; features pooled with ``pool`` and cast to ``dtype``.
 
-    CPU forwards run in micro-batches (see ``tiling``): cache-sized without decoding workers, else bounded to
-    ``WORKERS_BUDGET`` for the largest activation.
+    CPU forwards run in micro-batches (see ``tiling``) where the rows are provably independent of their batch
+    (see ``independence``; else one forward a batch): cache-sized without decoding workers, else bounded to
+    ``WORKERS_BUDGET`` for the largest activation. While they run, torch's threads leave a core to each
+    decoding worker chosen by default (see ``cpus``).
     """
-    workers = loader_workers(num_workers, len(batches))
-    rows = inputs.rows(extractor.input_range)
-    loader = row_loader(rows, batches, workers, pin=extractor.device.type == "cuda")
-    budget = cache_budget() if workers == 0 else WORKERS_BUDGET
+    on_cpu = extractor.device.type == "cpu"
+    workers = loader_workers(streaming.num_workers, len(batches), cpu_forward=on_cpu)
+    pieces = cut_to_pixels(batches, inputs.pixels, streaming.batch_pixels)
+    loader = row_loader(inputs.rows(extractor.input_range), pieces, workers, pin=extractor.device.type == "cuda")
+    budget = None
+    if rows_independent(extractor.backbone):
+        budget = cache_budget() if workers == 0 else WORKERS_BUDGET
     forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, budget=budget)
-    return feature_batches(forward, loader, model=extractor, progress=progress)
+    decoding = workers if streaming.num_workers is None else 0  # workers the user asked for take no thread
+    with forward_threads(threads_for(decoding) if on_cpu else None):
+        yield from feature_batches(forward, loader, model=extractor, progress=progress)

@@ -304,6 +304,17 @@ class Inputs:
             return TensorRows(self.dataset, self.image_shape, input_range, labelled=self.labelled)
         return ImageFiles(self.names, self.transform, self.image_shape, any_size=self.sizes_vary)  # type: ignore[arg-type]
 
+    def pixels(self, row: int) -> int:
+        """Height × width of row ``row`` once prepared: ``image_shape``'s, or where sizes vary, the file header's
+        through the transform (0 for a file whose header cannot be read: it becomes an invalid row)."""
+        if not self.sizes_vary or self.transform is None:
+            return self.image_shape[-2] * self.image_shape[-1]
+        try:
+            height, width = self.transform.prepared_size(*image_size(self.names[row]))
+        except Exception:  # noqa: BLE001 - unreadable: reported as an invalid row when it is decoded
+            return 0
+        return height * width
+
 
 def _dataset_names(dataset: Dataset) -> list[str]:
     """The rows' names of a dataset source: its indices."""

@@ -258,8 +258,9 @@ def add_size_options(parser: argparse.ArgumentParser, default: str = "from the w
     )
 
 
-def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images") -> None:
-    """``--batch-size``, ``--workers`` and ``-q``: the ``StreamOptions`` a command passes on (``stream_options``)."""
+def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images", batch_pixels: int | None = None) -> None:
+    """``--batch-size``, ``--workers``, ``--batch-pixels`` (default: ``batch_pixels``, else the library's) and
+    ``-q``: the ``StreamOptions`` a command passes on (``stream_options``)."""
     from .._stream import Streaming
 
     parser.add_argument(
@@ -276,7 +277,16 @@ def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images") ->
         type=non_negative,
         default=None,
         metavar="N",
-        help="decoding processes (default: up to 4)",
+        help="decoding processes (default: up to 4, from the CPUs this process may use)",
+    )
+    pixels = Streaming.batch_pixels if batch_pixels is None else batch_pixels
+    parser.add_argument(
+        "--batch-pixels",
+        type=size,
+        default=pixels,
+        metavar="N",
+        help=f"pixels per batch, at most: height x width summed over its {unit} once prepared; a larger "
+        f"{unit.removesuffix('s')} goes alone; 'none' for no limit (default: {pixels})",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -289,8 +299,15 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stream_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``StreamOptions`` the command line gives: batch size, workers, progress, and sizes where given."""
-    return {"batch_size": args.batch_size, "num_workers": args.workers, "progress": not args.quiet, **sizes(args)}
+    """The ``StreamOptions`` the command line gives: batch size, workers, pixel budget, progress, and sizes where
+    given."""
+    return {
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+        "batch_pixels": args.batch_pixels,
+        "progress": not args.quiet,
+        **sizes(args),
+    }
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,6 @@ from ._common import (
     add_stream_options,
     add_weights_option,
     check_output_file,
-    positive,
     print_warnings,
     stream_options,
 )
@@ -40,15 +39,7 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
     parser.add_argument("--ignore-suffix", action="store_true", help="pair x/1.png with x/1.jpg")
     add_size_options(parser, default="none")
-    add_stream_options(parser, unit="pairs")
-    parser.add_argument(
-        "--batch-pixels",
-        type=positive,
-        default=BATCH_PIXELS,
-        metavar="N",
-        help="pixels per batch, at most: height x width summed over its pairs; a larger pair goes alone "
-        f"(default: {BATCH_PIXELS}, 16 pairs of 256x256, one of 1024x1024)",
-    )
+    add_stream_options(parser, unit="pairs", batch_pixels=BATCH_PIXELS)
     add_device_option(parser)
     add_precision_option(parser)
 
@@ -80,12 +71,7 @@ def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: list
     """``score_pairs`` with the command's options."""
     from ..metrics import score_pairs
 
-    return score_pairs(
-        metric,
-        pairs,
-        batch_pixels=args.batch_pixels,
-        **stream_options(args),
-    )
+    return score_pairs(metric, pairs, **stream_options(args))
 
 
 def report_scores(args: argparse.Namespace, label: str, pairs: list[ImagePair], scores: list[float]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 from typing_extensions import Unpack
 
 from .._layout import as_pool
+from .._precision import check_device
 from .._stream import (
     Inputs,
     Progress,
@@ -23,6 +25,7 @@ from .._stream import (
     extract_batches,
     planned_on_main,
     resolve_inputs,
+    worker_deaths,
 )
 from .._stream.sharding import Distributed, chunk_rows, split_contiguous
 from ..errors import InvalidValueError
@@ -125,7 +128,8 @@ def dump_features(
         resume: finish an unfinished dump in ``out_dir`` (with the same settings and inputs).
         overwrite: replace whatever dump ``out_dir`` holds.
         **options: the ``StreamOptions`` (``batch_size``, also the unit of commit and resume; ``num_workers``;
-            ``resize_size`` and ``crop_size`` of image files; ``progress``).
+            ``batch_pixels``, which may cut a batch's forward, not its commit; ``resize_size`` and ``crop_size``
+            of image files; ``progress``).
 
     Returns:
         A ``DumpResult`` with the output folder and the manifest.
@@ -145,6 +149,7 @@ def dump_features(
         (8, 512)
     """
     streaming = Streaming.of(options)
+    check_device(extractor.precision, extractor.device)  # before any file is listed (a forward would refuse it)
     dtype = dtype_name(dtype)
     pooling = as_pool(pool)
     if resume and overwrite:
@@ -193,28 +198,30 @@ def _compute(
     dist: Distributed,
     streaming: Streaming,
 ) -> None:
-    """Write and commit this rank's chunks."""
+    """Write this rank's chunks, committing each once all its rows are written (a chunk the pixel budget cut comes
+    back in several pieces)."""
     batches = [list(range(*chunk_rows(c, manifest.chunk_size, len(inputs.names)))) for c in chunks]
     store.open_arrays(manifest.settings.layers)
     store.open_journal(dist.rank)
     if batches:
         settings = manifest.settings
         name = "extract" if dist.world_size == 1 else f"extract rank {dist.rank}"
-        with Progress(sum(map(len, batches)), streaming.progress, label=name, rank=dist.rank) as bar:
+        pending = iter(zip(chunks, batches))
+        chunk, rows = next(pending)
+        skipped: list[tuple[int, str]] = []
+        with worker_deaths(), Progress(sum(map(len, batches)), streaming.progress, label=name, rank=dist.rank) as bar:
             found = extract_batches(
-                extractor,
-                inputs,
-                batches,
-                pool=settings.pool,
-                dtype=settings.dtype,
-                num_workers=streaming.num_workers,
-                progress=bar,
+                extractor, inputs, batches, pool=settings.pool, dtype=settings.dtype, streaming=streaming, progress=bar
             )
-            for chunk, batch in zip(chunks, found):
-                start, stop = batch.rows[0], batch.rows[-1] + 1
-                store.write_rows(start, batch.arrays)
-                if inputs.labelled:
-                    store.write_labels(start, [-1 if label is None else label for label in batch.labels])
-                store.commit(chunk, start, stop, batch.skipped)
+            with closing(found):
+                for piece in found:
+                    store.write_rows(piece.rows[0], piece.arrays)
+                    if inputs.labelled:
+                        store.write_labels(piece.rows[0], [-1 if label is None else label for label in piece.labels])
+                    skipped.extend(piece.skipped)
+                    if piece.rows[-1] == rows[-1]:
+                        store.commit(chunk, rows[0], rows[-1] + 1, skipped)
+                        chunk, rows = next(pending, (chunk, rows))
+                        skipped = []
     store.close_journal()
     store.close_arrays()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import numpy as np
 from typing_extensions import Unpack
 
 from .._layout import Pool, as_pool
+from .._precision import check_device
 from .._stream import (
     Inputs,
     Progress,
@@ -30,6 +32,7 @@ from .._stream import (
     extract_batches,
     planned_on_main,
     resolve_inputs,
+    worker_deaths,
 )
 from .._stream.sharding import Distributed, split_contiguous
 from ..dump import DumpResult, read_manifest
@@ -103,6 +106,17 @@ def _warn_skipped(skipped: list[tuple[str, str]], total: int) -> None:
     )
 
 
+def _set_name(source: SourceSpec) -> str | None:
+    """What a progress bar calls a set of images (two sets run one after the other for FID): the name of its
+    folder, glob or file (the first of a list); ``None`` for a tensor or dataset."""
+    items = source if isinstance(source, (list, tuple)) else [source]
+    if not items or not isinstance(items[0], (str, os.PathLike)):
+        return None
+    first = os.fspath(items[0])
+    name = os.path.basename(os.path.normpath(first)) or first
+    return name if len(items) == 1 else f"{name} and {len(items) - 1} more"
+
+
 def _accumulate(
     stats: dict[str, FeatureStatistics],
     extractor: FeatureExtractor,
@@ -110,30 +124,28 @@ def _accumulate(
     batches: list[list[int]],
     settings: PassSettings,
     rank: int,
+    set_name: str | None,
 ) -> list[tuple[str, str]]:
-    """Add the pooled features of ``batches`` (this rank's share of the rows) to ``stats``; the rows skipped."""
+    """Add the pooled features of ``batches`` (this rank's share of the rows of the set ``set_name``) to
+    ``stats``; the rows skipped."""
     skipped: list[tuple[str, str]] = []
-    label = "statistics" if rank == 0 else f"statistics rank {rank}"
-    with Progress(sum(map(len, batches)), settings.streaming.progress, label=label, rank=rank) as bar:
+    label = "statistics" + (f" of {set_name}" if set_name else "") + (f", rank {rank}" if rank else "")
+    streaming = settings.streaming
+    with worker_deaths(), Progress(sum(map(len, batches)), streaming.progress, label=label, rank=rank) as bar:
         found = extract_batches(
-            extractor,
-            inputs,
-            batches,
-            pool=settings.pool,
-            dtype="float32",
-            num_workers=settings.streaming.num_workers,
-            progress=bar,
+            extractor, inputs, batches, pool=settings.pool, dtype="float32", streaming=streaming, progress=bar
         )
-        for batch in found:
-            skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
-            for name, into in stats.items():
-                vectors = batch.arrays[name]
-                if vectors.ndim != 2:
-                    raise InvalidValueError(
-                        f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, not "
-                        "vectors; pool them (pool='avg', 'max' or 'cls')"
-                    )
-                into.update(vectors[batch.valid])
+        with closing(found):
+            for batch in found:
+                skipped.extend((inputs.names[row], reason) for row, reason in batch.skipped)
+                for name, into in stats.items():
+                    vectors = batch.arrays[name]
+                    if vectors.ndim != 2:
+                        raise InvalidValueError(
+                            f"layer {name!r} returns features of shape {(len(batch.rows), *vectors.shape[1:])}, "
+                            "not vectors; pool them (pool='avg', 'max' or 'cls')"
+                        )
+                    into.update(vectors[batch.valid])
     return skipped
 
 
@@ -163,6 +175,7 @@ def collect(
             raise LayerNotFoundError(
                 f"the extractor returns no layer {name!r} (it returns {available}); {did_you_mean(name, available)}"
             )
+    check_device(extractor.precision, extractor.device)  # before any file is listed (a forward would refuse it)
     streaming = settings.streaming
 
     def resolve() -> tuple[None, Inputs]:
@@ -180,7 +193,7 @@ def collect(
         batches = [list(range(start, min(start + size, total))) for start in range(0, total, size)]
         mine = split_contiguous(batches, ranks.world_size, ranks.rank)
         shares = ranks.each(
-            lambda: (stats, _accumulate(stats, extractor, inputs, mine, settings, ranks.rank)),
+            lambda: (stats, _accumulate(stats, extractor, inputs, mine, settings, ranks.rank, _set_name(source))),
             "computing the statistics",
         )
     finally:
@@ -247,8 +260,8 @@ def feature_statistics(
             class token, or ``None`` for outputs that already are ``(B, C)`` vectors.
         keep: keep a uniform random sample of at most this many vectors (for the kernel inception distance).
         seed: seed of that sample.
-        **options: the ``StreamOptions`` (``batch_size``, ``num_workers``, ``resize_size``, ``crop_size``,
-            ``progress``).
+        **options: the ``StreamOptions`` (``batch_size``, ``num_workers``, ``batch_pixels``, ``resize_size``,
+            ``crop_size``, ``progress``).
 
     Shape:
         the statistics are of ``(N, C)`` vectors: ``C`` the layer's channels, ``N`` the readable inputs.

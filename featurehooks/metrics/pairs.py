@@ -195,7 +195,7 @@ class _PairBatches(IterableDataset):
         pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
         transform: ImageTransform,
         batch_size: int,
-        batch_pixels: int,
+        batch_pixels: int | None,
     ) -> None:
         self.pairs = [_paths(item) for item in pairs]
         self.transform = transform
@@ -216,7 +216,7 @@ class _PairBatches(IterableDataset):
         for index in indices:
             item = self._prepare(index)
             area = item.image.shape[-2] * item.image.shape[-1] if item.image is not None else 0
-            if batch and pixels + area > self.batch_pixels:
+            if batch and self.batch_pixels is not None and pixels + area > self.batch_pixels:
                 yield batch
                 batch, pixels = [], 0
             batch.append(item)
@@ -258,7 +258,6 @@ def score_pairs(
     metric: PairMetric,
     pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
     *,
-    batch_pixels: int = BATCH_PIXELS,
     interpolation: str = "bilinear",
     **options: Unpack[StreamOptions],
 ) -> list[float]:
@@ -279,10 +278,10 @@ def score_pairs(
         metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")`` or
             ``DISTS(reduction="none")``.
         pairs: the ``ImagePair`` items of ``pair_files``, or ``(path_a, path_b)`` items.
-        batch_pixels: pixels per forward, at most: the sum over its pairs of height × width (of one
-            image, after resize and crop); a pair larger than this is scored alone. See ``BATCH_PIXELS``.
         interpolation: ``"bilinear"`` or ``"bicubic"`` for the resize.
-        **options: the ``StreamOptions``: ``batch_size`` (pairs per forward, at most), ``num_workers``,
+        **options: the ``StreamOptions``: ``batch_size`` (pairs per forward, at most), ``batch_pixels`` (pixels
+            per forward, at most: the sum over its pairs of height × width of one image, after resize and crop; a
+            pair larger than this is scored alone; ``BATCH_PIXELS`` by default here), ``num_workers``,
             ``resize_size`` (the shorter side of both images), ``crop_size`` (a center square, after the
             resize), ``progress``. A pair metric has no preprocessing of its own: ``"weights"`` (the default)
             keeps the images' size.
@@ -309,9 +308,7 @@ def score_pairs(
         >>> len(scores), all(score >= 0 for score in scores)
         (2, True)
     """
-    streaming = Streaming.of(options)
-    if isinstance(batch_pixels, bool) or not isinstance(batch_pixels, int) or batch_pixels < 1:
-        raise InvalidValueError(f"batch_pixels must be a positive int, got {batch_pixels!r}")
+    streaming = Streaming.of({"batch_pixels": BATCH_PIXELS, **options})  # a pair's budget: two images each
     if not callable(metric):
         raise InvalidTypeError(f"metric must be callable as metric(a, b), got {type(metric).__name__}")
     try:
@@ -329,9 +326,12 @@ def score_pairs(
         interpolation,
         (input_range[0], input_range[1]),
     )
-    workers = loader_workers(streaming.num_workers, -(-len(pairs) // streaming.batch_size))
-    rows = _PairBatches(pairs, transform, streaming.batch_size, batch_pixels)
-    loader = row_loader(rows, None, workers, pin=placement(metric)[0].type == "cuda")
+    device = placement(metric)[0]
+    workers = loader_workers(
+        streaming.num_workers, -(-len(pairs) // streaming.batch_size), cpu_forward=device.type == "cpu"
+    )
+    rows = _PairBatches(pairs, transform, streaming.batch_size, streaming.batch_pixels)
+    loader = row_loader(rows, None, workers, pin=device.type == "cuda")
     scores = [0.0] * len(pairs)
     with Progress(len(pairs), streaming.progress, label="score", unit="pair") as bar:
         for batch in feature_batches(partial(_pair_scores, metric), loader, model=metric, progress=bar):

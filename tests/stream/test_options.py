@@ -16,6 +16,7 @@ from torch import nn
 import featurehooks as fh
 from featurehooks._stream import Streaming
 from featurehooks.cli import build_parser
+from featurehooks.cli._common import stream_options
 from featurehooks.errors import InvalidTypeError, InvalidValueError
 from featurehooks.metrics import (
     feature_statistics,
@@ -85,6 +86,8 @@ def test_every_entry_point_takes_the_options_and_nothing_else(name: str) -> None
         ({"crop_size": "center"}, InvalidValueError, "crop_size must be a positive int, None or 'weights'"),
         ({"crop_size": 2.5}, InvalidValueError, "crop_size must be a positive int, None or 'weights'"),
         ({"progress": "yes"}, InvalidTypeError, "progress must be True or False"),
+        ({"batch_pixels": 0}, InvalidValueError, "batch_pixels must be a positive int"),
+        ({"batch_pixels": 2.5}, InvalidValueError, "batch_pixels must be a positive int"),
     ],
 )
 def test_a_bad_option_is_refused_alike_by_every_entry_point_before_any_input_is_read(
@@ -131,6 +134,15 @@ def test_the_command_line_defaults_are_the_librarys(argv: list[str]) -> None:
         assert (given.resize, given.crop) == (None, 8)
 
 
+@pytest.mark.parametrize("argv", [["extract", "x", "--out", "o"], ["stats", "x", "--out", "o.npz"], ["fd", "a", "b"]])
+def test_every_image_streaming_command_takes_a_pixel_budget(argv: list[str]) -> None:
+    model = ["--backbone", "vgg16", "--layers", "relu1_1"]
+    for command in ([*argv, *model], ["fid", "a", "b"]):
+        assert stream_options(_parsed(command))["batch_pixels"] == Streaming.batch_pixels == 2**24
+        assert stream_options(_parsed([*command, "--batch-pixels", "1000"]))["batch_pixels"] == 1000
+        assert stream_options(_parsed([*command, "--batch-pixels", "none"]))["batch_pixels"] is None
+
+
 def test_pairs_keep_their_size_by_default_and_resize_on_request(tmp_path: Path) -> None:
     folder = write_pngs(tmp_path / "a", count=2, size=(40, 44))
     files = sorted(str(path) for path in folder.iterdir())
@@ -155,3 +167,24 @@ def test_a_module_without_preprocessing_streams_at_the_images_size(tmp_path: Pat
     with torch.no_grad():
         expected = net(images).double()
     torch.testing.assert_close(stats.mean, expected.mean(0), rtol=0, atol=1e-7)
+
+
+def test_a_precision_the_device_cannot_run_is_refused_before_any_input_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from featurehooks import _precision
+
+    monkeypatch.setattr(_precision, "_unsupported", lambda precision, kind, index: "no bfloat16 here")
+    bf16 = tiny_extractor(precision="bf16")
+    fid = fid_extractor(weights=None, dims=64, device="cpu", precision="bf16")
+    missing = str(tmp_path / "no such folder")  # listed first, it would raise InputNotFoundError
+    calls = [
+        lambda: fh.dump_features(bf16, missing, tmp_path / "out"),
+        lambda: feature_statistics(bf16, missing, layer="relu1"),
+        lambda: feature_statistics_by_layer(bf16, missing),
+        lambda: fid_statistics(missing, extractor=fid),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidValueError, match="precision='bf16' cannot run on cpu: no bfloat16 here"):
+            call()
+    assert not (tmp_path / "out").exists()

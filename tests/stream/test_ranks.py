@@ -108,3 +108,38 @@ def test_one_process_runs_the_work_itself_and_raises_its_own_error() -> None:
         alone.each(lambda: {}["missing"], "adding")
     with pytest.raises(RunFailedError, match="no"):
         alone.from_main(lambda: (_ for _ in ()).throw(RunFailedError("no")))
+
+
+_LISTS_ON_MAIN = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    import featurehooks as fh
+    from featurehooks._stream import sources
+    from featurehooks.metrics import fid_extractor, fid_statistics
+    from helpers import tiny_extractor
+
+    folder, rank = sys.argv[1], int(os.environ["RANK"])
+    if rank:  # only rank 0 may list the folder: the ranks would count another listing's files
+        def listed_here(source):
+            raise AssertionError("rank 1 listed the folder itself")
+        sources.list_images = listed_here
+    extractor = tiny_extractor()
+    torch.manual_seed(0)
+    fid = fid_extractor(weights=None, dims=64, device="cpu")
+    options = {"num_workers": 0, "batch_size": 1, "resize_size": None, "crop_size": None}
+    stats = fh.feature_statistics(extractor, folder, layer="relu1", pool="avg", **options)
+    fid_stats = fid_statistics(folder, extractor=fid, **options)
+    dump = fh.dump_features(extractor, folder, Path(folder).parent / "dump", pool="avg", **options)
+    print(json.dumps([stats.count, fid_stats.count, dump.num_rows, dump.rows_computed]))
+    """
+)
+
+
+def test_statistics_fid_and_dumps_use_rank_zeros_listing(tmp_path: Path) -> None:
+    script = tmp_path / "lists.py"
+    script.write_text(_LISTS_ON_MAIN)
+    folder = write_pngs(tmp_path / "images", count=3, size=(12, 14))
+    rank0, rank1 = _two_ranks(script, folder)
+    assert rank0[:3] == rank1[:3] == [3, 3, 3]  # type: ignore[comparison-overlap]

@@ -3,6 +3,8 @@ device and dtype, the range check left to real images, and the one loop over bat
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import OrderedDict
 from pathlib import Path
 
@@ -10,11 +12,14 @@ import numpy as np
 import pytest
 import timm
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import featurehooks as fh
-from featurehooks._stream import Batch, FeatureBatch, Progress, feature_batches, placement, row_shapes
+from featurehooks._stream import Batch, FeatureBatch, Progress, feature_batches, pipeline, placement, row_shapes
+from featurehooks._stream.loader import cut_to_pixels
+from featurehooks.dump.store import DumpStore
 
 
 def tiny_net() -> nn.Module:
@@ -133,3 +138,109 @@ def test_feature_batches_put_sizes_back_in_order_and_zero_unreadable_rows() -> N
     assert found.arrays["sum"].tolist() == [4.0, 9.0, 0.0, 0.0]  # an unreadable row is zeros, computed or not
     assert found.arrays["size"].tolist() == [[2, 2], [3, 3], [0, 0], [0, 0]]
     assert found.valid == [0, 1] and found.skipped == [(6, "cannot read"), (7, "too small")]
+
+
+def test_batches_are_cut_to_the_pixel_budget() -> None:
+    areas = {0: 100, 1: 100, 2: 300, 3: 50, 4: 50, 5: 100}
+    batches = [[0, 1, 2, 3], [4, 5]]
+    assert list(cut_to_pixels(batches, areas.__getitem__, 250)) == [[0, 1], [2], [3], [4, 5]]  # 300 goes alone
+    assert list(cut_to_pixels(batches, areas.__getitem__, None)) == batches
+
+
+def _sized_pngs(folder: Path) -> Path:
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i, (height, width) in enumerate([(20, 24), (20, 24), (40, 30), (12, 12), (20, 24), (16, 20)]):
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.fixture
+def forwards(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shape of the images of every forward the pipeline runs (each size of a batch: one forward)."""
+    seen: list[tuple[int, ...]] = []
+    whole = pipeline.features_as_arrays
+
+    def spied(extractor: fh.FeatureExtractor, images: torch.Tensor, **options: object) -> dict[str, np.ndarray]:
+        seen.append(tuple(images.shape))
+        return whole(extractor, images, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline, "features_as_arrays", spied)
+    return seen
+
+
+def test_statistics_under_a_pixel_budget_equal_the_unbudgeted_ones(
+    tmp_path: Path, forwards: list[tuple[int, ...]]
+) -> None:
+    folder = _sized_pngs(tmp_path / "images")
+    ext = fh.FeatureExtractor(tiny_net(), ["relu"])
+    options = {"pool": "avg", "batch_size": 6, "num_workers": 0, "resize_size": None, "crop_size": None}
+    whole = fh.feature_statistics(ext, folder, **options)
+    assert sum(shape[0] for shape in forwards) == 6 and forwards[0][0] == 3  # the three 20x24 images at once
+    forwards.clear()
+    budget = fh.feature_statistics(ext, folder, batch_pixels=1000, **options)
+    assert all(shape[0] * shape[2] * shape[3] <= 1000 or shape[0] == 1 for shape in forwards)
+    assert sum(shape[0] for shape in forwards) == 6 and any(shape[2:] == (40, 30) for shape in forwards)
+    assert budget.count == whole.count == 6
+    torch.testing.assert_close(budget.mean, whole.mean, rtol=1e-6, atol=0)  # float32 rounding of other batch sizes
+    torch.testing.assert_close(budget.covariance, whole.covariance, rtol=1e-5, atol=1e-9)
+
+
+def test_a_dump_under_a_pixel_budget_commits_whole_batches_with_the_unbudgeted_rows(
+    tmp_path: Path, forwards: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commits: list[tuple[int, int, int]] = []
+    commit = DumpStore.commit
+
+    def recorded(store: DumpStore, chunk: int, start: int, stop: int, skipped: list[tuple[int, str]]) -> None:
+        commits.append((chunk, start, stop))
+        commit(store, chunk, start, stop, skipped)
+
+    monkeypatch.setattr(DumpStore, "commit", recorded)
+    images = torch.rand(7, 3, 10, 10)
+    ext = fh.FeatureExtractor(tiny_net(), ["relu"])
+    options = {"batch_size": 4, "num_workers": 0, "progress": False}
+    whole = fh.dump_features(ext, images, tmp_path / "whole", **options)
+    forwards.clear()
+    commits.clear()
+    budget = fh.dump_features(ext, images, tmp_path / "budget", batch_pixels=250, **options)
+    assert [shape[0] for shape in forwards] == [2, 2, 2, 1]  # 100 pixels an image
+    assert budget.manifest.chunk_size == 4 and budget.manifest.status == "complete"
+    np.testing.assert_allclose(budget.load("relu"), whole.load("relu"), rtol=1e-6, atol=1e-7)
+    assert commits == [(0, 0, 4), (1, 4, 7)]  # the unit of commit and resume is still the batch
+
+
+class KillsItsWorker(torch.utils.data.Dataset):
+    """Images whose reading kills the DataLoader worker that reads them (as the OOM killer would)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(3, 8, 8)
+
+
+def test_a_dead_decoding_worker_is_one_error_line(tmp_path: Path) -> None:
+    ext = fh.FeatureExtractor(tiny_net(), ["relu"])
+    runs = [
+        lambda: fh.dump_features(ext, KillsItsWorker(), tmp_path / "out", batch_size=2, num_workers=1),
+        lambda: fh.feature_statistics(ext, KillsItsWorker(), pool="avg", batch_size=2, num_workers=1),
+    ]
+    for run in runs:
+        with pytest.raises(fh.RunFailedError) as caught:
+            run()
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("a decoding worker died (DataLoader worker (pid")
+        assert "num_workers=0, --workers 0" in message
+
+
+def test_the_progress_bar_names_the_set_of_images(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ext = fh.FeatureExtractor(tiny_net(), ["relu"])
+    for name in ("real", "fake"):
+        folder = _sized_pngs(tmp_path / name)
+        fh.feature_statistics(ext, folder, pool="avg", num_workers=0, resize_size=None, crop_size=None, progress=True)
+    fh.feature_statistics(ext, torch.rand(2, 3, 8, 8), pool="avg", progress=True)
+    err = capsys.readouterr().err
+    assert "statistics of real:" in err and "statistics of fake:" in err and "statistics:" in err
