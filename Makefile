@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
-	$(PY) examples/style_transfer.py --side-by-side --out demo-output/style_transfer.png
+	$(PY) examples/style_transfer.py --demo --side-by-side --out demo-output/style_transfer.png
 
 test: $(STAMP)
 	$(PYTEST) --ignore=tests/docs

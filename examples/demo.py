@@ -43,7 +43,7 @@ def main() -> None:
         grid = fh.save_feature_grid(
             OUT / "feature_maps.png", {k: v[:1] for k, v in features.items()}, images[:1], caption=caption
         )
-    print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> weights {extractor.weights}")
+    print(f"\n{len(IMAGES)} images from {IMAGES[0].parent} -> {weights_caption('VGG16', extractor.weights)}")
     for name, value in features.items():
         print(f"  {name}: shape {tuple(value.shape)}, mean activation {value.mean():.4f}")
     shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in dump.manifest.settings.shapes.items())

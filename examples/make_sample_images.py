@@ -1,11 +1,13 @@
 """Draw the bundled sample images (examples/images, examples/style) from a fixed seed.
 
 The pictures are the project's own: simple scenes and textures that exercise colour, edges and
-scale, so the demo, the tests and the style-transfer example run offline. Re-run to regenerate.
+scale, so the demo, the tests and the style-transfer example run offline. Re-run to regenerate (the same
+bytes: the seed is fixed); ``--help`` only prints the usage.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +68,8 @@ def style_waves() -> Image.Image:
     return Image.fromarray(pixels.astype(np.uint8)).filter(ImageFilter.EDGE_ENHANCE_MORE)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help exits here
     rng = np.random.default_rng(2026)
     makers = [shapes, shapes, shapes, stripes, stripes, texture, texture, shapes]
     for number, make in enumerate(makers):

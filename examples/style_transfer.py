@@ -7,6 +7,7 @@ are computed once, and LossGroup dispatches the features of the image being opti
     python examples/style_transfer.py                       # bundled images, about 2 minutes on 2 CPU cores
     python examples/style_transfer.py --content me.jpg --style starry.jpg --size 384 --steps 300 --out out.png
     python examples/style_transfer.py --precision bf16      # VGG19 stored in bfloat16 (AVX512-BF16 CPUs, GPUs)
+    python examples/style_transfer.py --demo                # the short run of `make demo`: 60 steps at 128 px
 
 Pretrained VGG19 weights are used when cached (or downloadable); otherwise the example says so in
 one line and goes on with seeded random weights (``--seed``), which still transfer colours and
@@ -38,6 +39,8 @@ HERE = Path(__file__).parent
 
 CONTENT_LAYERS = ["relu4_2"]
 STYLE_LAYERS = ["relu1_1", "relu2_1", "relu3_1", "relu4_1", "relu5_1"]
+DEFAULTS = {"size": 192, "steps": 200}
+DEMO = {"size": 128, "steps": 60}  # make demo: an eighth of the work, the same picture in outline
 
 
 def load_image(path: Path, size: int) -> torch.Tensor:
@@ -71,8 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--content", type=Path, default=HERE / "images" / "sample_00_shapes.png", help="content image")
     parser.add_argument("--style", type=Path, default=HERE / "style" / "waves.png", help="style image")
-    parser.add_argument("--size", type=int, default=192, help="longer side of the images, in pixels (default 192)")
-    parser.add_argument("--steps", type=int, default=200, help="optimization steps (default 200)")
+    parser.add_argument(
+        "--size", type=int, default=None, help="longer side of the images, in pixels (default 192; 128 with --demo)"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="optimization steps (default 200; 60 with --demo)")
+    parser.add_argument(
+        "--demo", action="store_true", help="the short run of `make demo`, enough to show the mechanics"
+    )
     parser.add_argument("--out", type=Path, default=Path("demo-output/style_transfer.png"), help="output PNG")
     parser.add_argument("--side-by-side", action="store_true", help="write content | style | result in one PNG")
     parser.add_argument("--content-weight", type=float, default=1.0)
@@ -88,7 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--precision", choices=["float32", "bf16", "fp16"], default="float32", help="what VGG19 computes in"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, value in (DEMO if args.demo else DEFAULTS).items():  # what --size and --steps leave unsaid
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -3,8 +3,9 @@
 ``featurehooks.images`` builds ``read_image`` and ``image_size`` on this module and holds the limit it applies
 (``MAX_DECODED_PIXELS``), so that assigning the public constant changes what is read. A FIFO or a device is
 refused before it is opened, an image too large is refused before a pixel is decoded, EXIF (or XMP) orientation
-is applied, 16-bit, 32-bit and float images keep their depth as float32, and RGB and grayscale JPEGs are decoded
-by torchvision's libjpeg-turbo where it gives Pillow's pixels.
+is applied, 16-bit, 32-bit and float images keep their depth as float32 (integer ones scaled by the depth their
+file declares, not by their content), and RGB and grayscale JPEGs are decoded by torchvision's libjpeg-turbo where
+it gives Pillow's pixels.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
 import stat
 import warnings
 from typing import BinaryIO
 
 import numpy as np
 import torch
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from .errors import InvalidValueError
@@ -60,9 +62,10 @@ def read_pixels(path: str | os.PathLike[str], max_pixels: int) -> Tensor:
             pixels = _decode_jpeg(handle)
             if pixels is not None:
                 return _exif_transpose(pixels, image)
+        full_scale = _full_scale(image)  # from the file's declared depth, which load() forgets
         image.load()  # a truncated file fails here, not later
         ImageOps.exif_transpose(image, in_place=True)
-        return _high_depth_rgb(image) if image.mode in _HIGH_DEPTH else _rgb8(image)
+        return _high_depth_rgb(image, full_scale) if image.mode in _HIGH_DEPTH else _rgb8(image)
 
 
 def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -129,17 +132,37 @@ def _check_decoded_size(size: tuple[int, int], max_pixels: int) -> None:
         )
 
 
-def _high_depth_rgb(image: Image.Image) -> Tensor:
+def _full_scale(image: Image.Image) -> float:
+    """The pixel value that reads as 1.0 in an integer grayscale image of more than 8 bits, from the depth its file
+    declares (read before ``load()``, which forgets it), never from its content.
+
+    Pillow opens 16-bit files of some formats (PGM, PNG in older Pillows) in its 32-bit mode "I": the raw mode
+    their decoder was given (``I;16B``) keeps the file's 16 bits, so they scale by 65535 as a 16-bit PNG does. A
+    32-bit integer file scales by its 32 bits (``2**31 - 1`` when signed, as Pillow's mode "I" is), whatever range
+    its pixels use: 16-bit data stored in 32 bits reads dark. Pillow stretches a PGM's ``maxval`` to 16 bits.
+    """
+    if image.mode != "I" or image.format == "PPM":
+        return 65535.0  # the I;16 modes, and a PGM's pixels, which Pillow stretches to 16 bits
+    tiles = image.tile if isinstance(image, ImageFile.ImageFile) else []  # what Image.open returns
+    args = tiles[0].args if tiles else None
+    rawmode = args if isinstance(args, str) else args[0] if isinstance(args, tuple) and args else "I"
+    declared = re.fullmatch(r"I;(\d+)[BLN]?(S?)", str(rawmode))  # I;16B, I;32S, I;16BS; a bare I is 32-bit signed
+    bits, signed = (int(declared[1]), bool(declared[2])) if declared else (32, True)
+    return float((1 << (bits - signed)) - 1)
+
+
+def _high_depth_rgb(image: Image.Image, full_scale: float) -> Tensor:
     """(3, H, W) float32 in [0, 1] from a 16-bit, 32-bit integer or float grayscale image.
 
-    Float pixels are taken as they are (NaN or infinite ones are refused); 16-bit are divided by 65535.
+    Float pixels are taken as they are (NaN or infinite ones are refused); integer ones are divided by
+    ``full_scale``, the largest value of the depth their file declares (see ``_full_scale``).
     """
     gray = np.array(image, dtype=np.float32)
     if image.mode == "F":
         if not np.isfinite(gray).all():
             raise InvalidValueError("float image with NaN or infinite pixels")
-    else:  # 16-bit; mode "I" may also hold 8-bit values
-        gray /= 65535.0 if image.mode != "I" or gray.max(initial=0) > 255 else 255.0
+    else:
+        gray /= full_scale
     np.clip(gray, 0.0, 1.0, out=gray)
     return torch.from_numpy(gray).expand(3, *gray.shape).contiguous()
 

@@ -1,11 +1,12 @@
 """The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid),
-and the metrics ``fd`` and ``stats`` (see ``cli._metrics``).
+the metrics ``lpips``, ``fd`` and ``stats`` (see ``cli._metrics``), ``dists`` and ``fid``.
 
 Exit status: 0 success, 1 the run failed (I/O error, another rank), 2 bad input (unknown backbone
 or layer, missing images, unusable weights, an existing output without ``--resume``/``--overwrite``),
 130 interrupted (finish with ``--resume``), 141 output pipe closed (``featurehooks layers vgg16 | head``).
-Errors print one line. Only featurehooks' own errors (``FeatureHooksError``) and command-line
-mistakes count as bad input; any other exception is a bug and keeps its traceback.
+Errors print one line; a dump that fails once started says in it to finish with ``--resume``. Only
+featurehooks' own errors (``FeatureHooksError``) and command-line mistakes count as bad input; any other
+exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FeatureHooksError, RunFailedError
@@ -73,6 +75,7 @@ def _extract(args: argparse.Namespace) -> int:
     from .._stream import list_images
 
     sources = list_images(args.sources)  # fail on a missing input before building the model
+    _check_dump_folder(args.out)
     result = _dump(build_extractor(args, args.output_format), sources, args)
     if is_main_rank():
         settings = result.manifest.settings
@@ -84,10 +87,25 @@ def _extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_dump_folder(out: str) -> None:
+    """Refuse, before the model is built, an ``--out`` that is a file or lies under one: a dump is a folder."""
+    for path in (Path(out), *Path(out).parents):
+        if path.is_dir():
+            return
+        if os.path.lexists(path):
+            where = f"--out {out} is" if path == Path(out) else f"--out {out}: {path} is"
+            raise UserError(
+                f"{where} a file, not a dump folder; name a new folder, or one that holds a dump (finished with "
+                "--resume, replaced with --overwrite)"
+            )
+
+
 def _dump(extractor: FeatureExtractor, sources: list[str], args: argparse.Namespace) -> DumpResult:
-    """``dump_features`` with the command's options; an output that needs --resume/--overwrite is a UserError."""
+    """``dump_features`` with the command's options; an output that needs --resume/--overwrite is a UserError, and
+    an error once the dump has started says how to finish it (``_resume_hint``)."""
     from ..dump import dump_features
 
+    before = _manifest_file(args.out)
     try:
         return dump_features(
             extractor,
@@ -101,6 +119,52 @@ def _dump(extractor: FeatureExtractor, sources: list[str], args: argparse.Namesp
         )
     except FileExistsError as exc:
         raise UserError(str(exc)) from None
+    except Exception as exc:
+        hint = _resume_hint(args.out, before, exc)
+        if hint is None:
+            raise
+        if isinstance(exc, (RunFailedError, OSError)):
+            raise RunFailedError(f"{_first_line(exc)}; {hint}") from exc
+        if isinstance(exc, FeatureHooksError):
+            raise UserError(f"{_first_line(exc)}; {hint}") from exc
+        print(f"featurehooks: {hint}", file=sys.stderr)  # a bug keeps its traceback, and how to go on once fixed
+        raise
+
+
+def _manifest_file(out: str) -> tuple[int, int] | None:
+    """Which ``manifest.json`` ``out`` holds now (inode and modification time), to tell whether a run wrote it."""
+    try:
+        found = os.stat(Path(out) / "manifest.json")
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns
+
+
+def _resume_hint(out: str, before: tuple[int, int] | None, exc: Exception) -> str | None:
+    """The hint to rerun with --resume, for an error once the dump in ``out`` has started; None for one before it.
+
+    Started: the manifest says "running" and either this run wrote it, or (resuming an unfinished dump with
+    the manifest as it was) the error is a failed run or a bug, which planning never raises.
+    """
+    from ..dump import DumpLockedError, Manifest
+
+    if isinstance(exc, DumpLockedError) or "--resume" in cli_message(str(exc)):
+        return None
+    try:
+        manifest = Manifest.read(Path(out) / "manifest.json")
+    except FeatureHooksError:
+        return None
+    if manifest is None or manifest.status != "running":
+        return None
+    wrote = _manifest_file(out) != before
+    if not wrote and isinstance(exc, FeatureHooksError) and not isinstance(exc, RunFailedError):
+        return None
+    return f"the dump in {out} is unfinished: rerun with --resume to finish it"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return cli_message(lines[0]) if lines else type(exc).__name__
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -4,9 +4,10 @@ between two image sets) and ``stats`` (save a reference set's feature statistics
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -192,13 +193,14 @@ def _stats(args: argparse.Namespace) -> int:
         raise UserError(f"a statistics file holds one layer; got --layers {' '.join(args.layers)}")
     check_output_file(args.out)
     sources = list_images(args.sources)
-    stats = feature_statistics(
-        build_extractor(args),
-        sources,
-        pool=_pool(args),
-        keep=args.keep,
-        **stream_options(args),
-    )
+    with _warnings_as_lines():
+        stats = feature_statistics(
+            build_extractor(args),
+            sources,
+            pool=_pool(args),
+            keep=args.keep,
+            **stream_options(args),
+        )
     if is_main_rank():  # under torchrun every rank holds the merged statistics; one writes them
         path = stats.save(args.out)
         print(f"wrote {path}: {args.layers[0]}, {stats.count} images, {stats.dim} features")
@@ -335,11 +337,23 @@ def _computed(
     from .._stream import list_images
     from ..metrics import feature_statistics_by_layer
 
-    return feature_statistics_by_layer(
-        model(),
-        list_images([source]),
-        layers=args.layers,
-        pool=_pool(args),
-        keep=keep,
-        **stream_options(args),
-    )
+    with _warnings_as_lines():
+        return feature_statistics_by_layer(
+            model(),
+            list_images([source]),
+            layers=args.layers,
+            pool=_pool(args),
+            keep=keep,
+            **stream_options(args),
+        )
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """The library's warnings (unreadable inputs left out) as one line each on stderr, not in Python's form."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            print_warnings(caught)

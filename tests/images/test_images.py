@@ -148,3 +148,33 @@ def test_manifest_description_is_unchanged() -> None:
         "interpolation": "bilinear",
         "input_range": [0.0, 1.0],
     }
+
+
+def _gray_file(path: Path, header: bytes, pixels: object) -> Path:
+    """``path`` written as ``header`` followed by the raw bytes of ``pixels`` (a numpy array)."""
+    path.write_bytes(header + pixels.tobytes())  # type: ignore[attr-defined]
+    return path
+
+
+@pytest.mark.parametrize("value", [200, 1000, 65535])
+def test_a_32_bit_mode_image_of_16_bit_data_scales_by_the_files_16_bits(tmp_path: Path, value: int) -> None:
+    """A 16-bit PGM opens in Pillow's 32-bit mode "I": it scales by its declared 16 bits (as a 16-bit PNG does),
+    whatever its content; a dark one (every pixel at most 255) was once divided by 255, 257 times too bright."""
+    import numpy as np
+
+    path = _gray_file(tmp_path / "gray.pgm", b"P5 4 3 65535\n", np.full((3, 4), value, dtype=">u2"))
+    with Image.open(path) as image:
+        assert image.mode == "I"  # the case: 16-bit data in the 32-bit mode
+    assert torch.equal(read_image(path), torch.full((3, 3, 4), value / 65535.0))
+
+
+@pytest.mark.parametrize("value", [200, 1 << 20, (1 << 31) - 1])
+def test_a_32_bit_integer_image_scales_by_its_32_bits(tmp_path: Path, value: int) -> None:
+    """A 32-bit integer TIFF scales by the range of its 32 bits, never by its content (it was divided by 255 or
+    65535 depending on its brightest pixel, and clipped)."""
+    import numpy as np
+
+    path = tmp_path / "gray32.tif"
+    Image.fromarray(np.full((3, 4), value, dtype=np.int32), mode="I").save(path)
+    expected = torch.full((3, 3, 4), value / float((1 << 31) - 1))
+    assert torch.allclose(read_image(path), expected, rtol=1e-6, atol=0)
