@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FeatureHooksError, RunFailedError
+from ..errors import FeatureHooksError, InvalidValueError, RunFailedError
 from ..layers import list_layers
 from ._common import (
     UserError,
@@ -89,15 +89,12 @@ def _extract(args: argparse.Namespace) -> int:
 
 def _check_dump_folder(out: str) -> None:
     """Refuse, before the model is built, an ``--out`` that is a file or lies under one: a dump is a folder."""
-    for path in (Path(out), *Path(out).parents):
-        if path.is_dir():
-            return
-        if os.path.lexists(path):
-            where = f"--out {out} is" if path == Path(out) else f"--out {out}: {path} is"
-            raise UserError(
-                f"{where} a file, not a dump folder; name a new folder, or one that holds a dump (finished with "
-                "--resume, replaced with --overwrite)"
-            )
+    from ..dump.store import check_dump_folder
+
+    try:
+        check_dump_folder(out)
+    except InvalidValueError as exc:
+        raise UserError(f"--out {exc}") from None
 
 
 def _dump(extractor: FeatureExtractor, sources: list[str], args: argparse.Namespace) -> DumpResult:

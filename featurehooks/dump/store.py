@@ -44,7 +44,7 @@ from numpy.lib import format as npy
 from numpy.lib.format import open_memmap
 
 from .._atomic import fsync_dir, set_mode, space_for, temporary, write_all, write_atomic
-from ..errors import CorruptDumpError, DumpLockedError, NoSpaceError
+from ..errors import CorruptDumpError, DumpLockedError, InvalidValueError, NoSpaceError
 from .manifest import INDEX, LABELS, MANIFEST, START_OVER, Manifest, is_count, layer_file_name
 
 try:
@@ -272,10 +272,26 @@ def _holder(fd: int) -> str:
         return "pid unknown"
 
 
+def check_dump_folder(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse an ``out_dir`` that is a file or lies under one: a dump is a folder (else ``mkdir`` says only
+    ``File exists``)."""
+    out = Path(out_dir)
+    for path in (out, *out.parents):
+        if path.is_dir():
+            return
+        if os.path.lexists(path):
+            where = f"{out} is" if path == out else f"{out}: {path} is"
+            raise InvalidValueError(
+                f"{where} a file, not a dump folder; name a new folder, or one that holds a dump (finished with "
+                "resume=True (--resume), replaced with overwrite=True (--overwrite))"
+            )
+
+
 class DumpStore:
     """Files of one dump in ``out_dir``; every method is safe to call from any rank unless noted."""
 
     def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        check_dump_folder(out_dir)
         self.root = Path(out_dir)
         self.manifest_path = self.root / MANIFEST
         self.index_path = self.root / INDEX

@@ -72,6 +72,17 @@ def write_odd_and_corrupt(folder: Path) -> tuple[list[str], list[str]]:
     return sorted(readable), sorted(corrupt)
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_an_output_folder_that_is_a_file_is_refused_in_one_line(tmp_path: Path, under: bool) -> None:
+    """``out_dir`` naming a file (or a path under one) is refused before any work, not as ``[Errno 17]``."""
+    existing = tmp_path / "features.npy"
+    existing.write_bytes(b"not a folder")
+    out = existing / "sub" if under else existing
+    with pytest.raises(ValueError, match="is a file, not a dump folder") as info:
+        dump(tiny_extractor(), torch.rand(2, 3, CROP, CROP), out)
+    assert "Errno" not in str(info.value) and existing.read_bytes() == b"not a folder"
+
+
 def test_odd_modes_decode_to_rgb_in_unit_range(tmp_path: Path) -> None:
     Image.new("L", (4, 4), 51).save(tmp_path / "gray.png")
     Image.fromarray(np.full((4, 4), 32768, dtype=np.uint16)).save(tmp_path / "gray16.png")
