@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
@@ -20,7 +21,7 @@ from ._tap_session import TapSession
 from .errors import InvalidTypeError, InvalidValueError
 from .layers import LayerIndex, LayerSpec
 
-__all__ = ["CapturedFeatures", "CapturedGrads", "Mode", "capture"]
+__all__ = ["CapturedFeatures", "CapturedGrads", "Mode", "capture", "refuse_torchscript"]
 
 Mode = Literal["detach", "grad"]
 
@@ -28,6 +29,28 @@ Mode = Literal["detach", "grad"]
 def check_mode(mode: str) -> None:
     if mode not in ("detach", "grad"):
         raise InvalidValueError(f"mode must be 'detach' or 'grad', not {mode!r}")
+
+
+def refuse_torchscript(module: nn.Module, paths: Iterable[str], who: str) -> None:
+    """Refuse a TorchScript module (``torch.jit.trace``/``script``), or a tap inside one: forward hooks never fire
+    inside TorchScript, so its layers would silently give nothing. ``who`` (``"capture"``, ``"FeatureExtractor"``)
+    names the caller in the error."""
+    verb = "capture" if who == "capture" else "pass"
+    eager = f"{verb} the eager module (the nn.Module before torch.jit.trace/script)"
+    if isinstance(module, torch.jit.ScriptModule):
+        raise InvalidTypeError(
+            f"{who}: the module is a TorchScript module (torch.jit.trace/script), and hooks do not fire inside "
+            f"TorchScript, so none of its layers can be captured; {eager}"
+        )
+    for path in paths:
+        parts = path.split(".") if path else []
+        for depth in range(1, len(parts) + 1):
+            inner = ".".join(parts[:depth])
+            if isinstance(module.get_submodule(inner), torch.jit.ScriptModule):
+                raise InvalidTypeError(
+                    f"{who}: {inner!r} is a TorchScript module (torch.jit.trace/script), and hooks do not fire "
+                    f"inside TorchScript, so {path!r} would capture nothing; tap a layer outside it, or {eager}"
+                )
 
 
 @contextmanager
@@ -56,6 +79,8 @@ def capture(
 
     Raises:
         InvalidValueError: ``grads=True`` with ``mode="detach"`` (a detached output has no gradient).
+        InvalidTypeError: ``module``, or a requested layer's module or one above it, is TorchScript
+            (``torch.jit.trace``/``script``), where hooks do not fire: capture the eager module.
 
     Examples:
         >>> import torch
@@ -74,7 +99,9 @@ def capture(
         raise InvalidValueError(
             "grads=True needs mode='grad': detached outputs are not part of the graph, so no gradient reaches them"
         )
+    refuse_torchscript(module, (), "capture")
     taps = LayerIndex(module, type(module).__name__).taps(layers)
+    refuse_torchscript(module, taps.paths, "capture")
     # With grads, the session hands each output, as the module returned it, to _GradSlots (before any clone
     # of a tap changed in place later: a hook on a clone would never fire, the model does not use it).
     session = TapSession(module, taps, detach=mode == "detach", stop_early=False, keep=_GradSlots if grads else None)

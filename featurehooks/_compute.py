@@ -1,11 +1,11 @@
 """The compute policy of a frozen backbone: the precision it computes in and the memory format it runs in.
 
 ``ComputePolicy`` is one small object that ``FeatureExtractor`` holds (and through it the losses and metrics): the
-precision (``_precision``: stored once, the device checked at each forward, any enclosing autocast off), the
+precision (``_precision``: stored once, the device checked at each forward, any enclosing autocast off) and the
 memory format (``_formats``: forced, or chosen per forward under ``"auto"`` from the convolution work the meta
-trace counted) and the fallback of ``"auto"`` to NCHW when a channels-last forward fails. ``KeepsPrecision`` is
-the one definition of the rule that ``.to()``/``.half()``/... only move the tensors of a module computing in
-bf16/fp16, never recast them: the extractor, LPIPS and DISTS inherit it.
+trace counted, once a channels-last meta forward ran). ``KeepsPrecision`` is the one definition of the rule that
+``.to()``/``.half()``/... only move the tensors of a module computing in bf16/fp16, never recast them: the
+extractor, LPIPS and DISTS inherit it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,18 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from ._formats import TORCH_FORMATS, ConvWork, MemoryFormat, auto_format, check_memory_format, in_format
+from ._formats import (
+    CONV_SHARE,
+    TORCH_FORMATS,
+    ConvWork,
+    MemoryFormat,
+    auto_format,
+    check_memory_format,
+    in_format,
+)
 from ._precision import COMPUTE_DTYPES, Precision, applied_under, autocast_off, check_device, check_precision
-from .errors import FeatureHooksError
+from ._taps import Site
+from ._trace import Trace
 
 __all__ = ["ComputePolicy", "KeepsPrecision"]
 
@@ -29,8 +38,8 @@ class ComputePolicy:
     """What a frozen backbone computes in (``precision``) and how its activations lie in memory (``memory_format``).
 
     ``conv_work`` is the evidence ``"auto"`` decides by (the convolution work of what the forward runs, from the
-    meta trace; None: not counted, or no evidence that channels-last runs), ``fell_back`` whether a channels-last
-    forward under ``"auto"`` raised, so that NCHW is used from then on.
+    meta trace; None: not counted, or no evidence that channels-last runs). A forward runs once, in the format
+    chosen before it: whatever it raises is the model's, passed on as it is.
     """
 
     def __init__(self, memory_format: MemoryFormat, precision: Precision) -> None:
@@ -39,12 +48,31 @@ class ComputePolicy:
         self.memory_format: MemoryFormat = memory_format
         self.precision: Precision = precision
         self.conv_work: ConvWork | None = None
-        self.fell_back = False
+        self._unchecked: tuple[Trace, Site | None] | None = None  # the trace and stop of a check still to run
 
     def counts_conv(self, graph: bool) -> bool:
         """Whether the meta trace should count the convolution work: ``"auto"`` uses channels-last only without a
         graph (or in bf16/fp16), so only such a policy needs it."""
         return self.memory_format == "auto" and (not graph or self.precision != "float32")
+
+    def weigh(self, found: Trace | None, stop: Site | None) -> None:
+        """Take ``conv_work`` from the construction's trace: the work up to the call ``stop`` (None: the whole
+        forward). Where it says channels-last could pay, whether the model runs in it at all is left to ``evidence``,
+        so that a backbone never run channels-last never pays for the check."""
+        self.conv_work = found.conv_work.get(stop) if found is not None else None
+        pays_somewhere = self.conv_work is not None and self.conv_work.share >= CONV_SHARE
+        self._unchecked = (found, stop) if found is not None and pays_somewhere else None
+
+    def evidence(self, model: nn.Module) -> ConvWork | None:
+        """``conv_work``, once ``model`` was found to run channels-last on the meta device up to where the forward
+        stops (``Trace.runs_channels_last``, once): None for a model that fails there, which is never run in it."""
+        unchecked = self._unchecked
+        if unchecked is not None:
+            found, stop = unchecked
+            if not found.runs_channels_last(model, stop):
+                self.conv_work = None
+            self._unchecked = None  # after conv_work: another thread that sees no check left sees its outcome
+        return self.conv_work
 
     @property
     def weights_format(self) -> str:
@@ -66,46 +94,27 @@ class ComputePolicy:
         """The dtype the backbone computes in: the precision's for bf16/fp16, else ``dtype`` (that of the images)."""
         return COMPUTE_DTYPES[self.precision] if self.precision != "float32" else dtype
 
-    def format_for(self, shape: tuple[int, ...], *, graph: bool, device_type: str) -> str:
-        """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in (see
-        ``FeatureExtractor.memory_format_for``)."""
+    def format_for(self, shape: tuple[int, ...], *, graph: bool, device_type: str, model: nn.Module) -> str:
+        """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` through ``model``
+        runs in (see ``FeatureExtractor.memory_format_for``); the first that would run channels-last checks that
+        ``model`` can (``evidence``)."""
         if self.memory_format != "auto":
             return self.memory_format
-        if (graph and self.precision == "float32") or self.fell_back:
+        if graph and self.precision == "float32":
             return "contiguous"
+        if self._unchecked is not None and auto_format(self.conv_work, device_type, shape) == "channels_last":
+            self.evidence(model)
         return auto_format(self.conv_work, device_type, shape)
 
-    def run(self, forward: Callable[[Tensor], R], x: Tensor, chosen: str) -> tuple[R, str]:
-        """``forward`` of ``x`` (normalized images) in the precision and the ``chosen`` format, and the format it ran
-        in. Under bf16/fp16, ``x`` is cast to the precision's dtype (its gradient comes back in its own), on a device
-        that can compute in it, with any enclosing autocast off: the precision says what runs."""
+    def run(self, forward: Callable[[Tensor], R], x: Tensor, chosen: str) -> R:
+        """``forward`` of ``x`` (normalized images) in the precision and the ``chosen`` format, once. Under bf16/fp16,
+        ``x`` is cast to the precision's dtype (its gradient comes back in its own), on a device that can compute in
+        it, with any enclosing autocast off: the precision says what runs."""
         if self.precision == "float32":
-            return self._run(forward, x, chosen)
+            return forward(in_format(x, chosen))
         check_device(self.precision, x.device)
         with autocast_off(x.device.type):
-            return self._run(forward, x.to(COMPUTE_DTYPES[self.precision]), chosen)
-
-    def _run(self, forward: Callable[[Tensor], R], x: Tensor, chosen: str) -> tuple[R, str]:
-        """``forward`` with the images in the ``chosen`` format (the weights are in it already: NCHW under
-        ``"auto"``), and the format it ran in.
-
-        Under ``"auto"``, a channels-last forward that fails (a ``.view`` that needs NCHW strides, which no
-        meta check sees for every op) runs again in NCHW; when that succeeds, the policy stays NCHW from
-        then on: a default never crashes a model that runs in NCHW. Out-of-memory and featurehooks' own
-        errors are raised as they are.
-        """
-        converted = in_format(x, chosen)
-        if chosen != "channels_last" or self.memory_format != "auto":
-            return forward(converted), chosen
-        try:
-            return forward(converted), chosen
-        except (torch.cuda.OutOfMemoryError, FeatureHooksError):
-            raise
-        except RuntimeError:
-            del converted
-            result = forward(in_format(x, "contiguous"))
-            self.fell_back = True
-            return result, "contiguous"
+            return forward(in_format(x.to(COMPUTE_DTYPES[self.precision]), chosen))
 
 
 class KeepsPrecision(nn.Module):

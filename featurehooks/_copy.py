@@ -5,7 +5,7 @@ its full size again in each copy. The copies here copy the module structure and 
 does, but the data of tensors only where it is the model's own: parameters and buffers. Every other
 tensor is shared with the original (the private copy of ``FeatureExtractor``, which
 ``.to()`` and ``.half()`` never touch beyond parameters and buffers either), or stood in for by an empty
-meta tensor (the copy a meta trace runs on).
+meta tensor (the copy a meta trace runs on, which carries none of the model's hooks either).
 """
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["meta_copy", "private_copy"]
+
+# The hook dicts a module call reads (``nn.Module._call_impl``): a meta copy gets them empty.
+_CALL_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 
 
 class _ReferencedTensors(TorchFunctionMode):
@@ -48,11 +59,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
     The trace runs on this copy, never on the caller's model: a forward in another thread at the same
     time sees neither meta weights nor trace hooks, and caches a forward fills stay in the copy.
     Tensors the model only references (a dataset, a trainer's state) become meta tensors too, as do
-    cached results of a forward with grad, which ``copy.deepcopy`` cannot copy at all.
+    cached results of a forward with grad, which ``copy.deepcopy`` cannot copy at all. The copy has no
+    forward or backward hooks: the user's hooks are never handed meta tensors, nor copied (with what they hold).
     """
     memo: dict[int, Any] = {
         id(param): nn.Parameter(_meta_like(param), param.requires_grad) for param in model.parameters()
     }
+    for module in model.modules():
+        for name in _CALL_HOOKS:
+            hooks = vars(module).get(name)
+            if hooks is not None:
+                memo[id(hooks)] = type(hooks)()
     with _ReferencedTensors((), _meta_like):
         return copy.deepcopy(model, memo)
 

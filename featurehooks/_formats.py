@@ -8,8 +8,10 @@
   opt-in (``memory_format="channels_last"``).
 - A forward without a graph runs channels-last on CPUs and CUDA devices for a backbone whose 2-D
   convolutions do most of the work up to the deepest requested layer (``ConvWork.share``, counted in FLOPs by
-  the meta trace, which runs channels-last for it and must not fail there) when each convolution weight is used
-  at least ``MIN_REUSE`` times in one image's forward (``ConvWork.reuse``). Only the images are converted:
+  the meta trace) when each convolution weight is used at least ``MIN_REUSE`` times in one image's forward
+  (``ConvWork.reuse``), and when the backbone runs channels-last on the meta device up to there
+  (``Trace.runs_channels_last``, checked once, before the first forward that would): a forward runs once, in
+  the format chosen before it, and never again in another after a failure. Only the images are converted:
   a channels-last forward then converts each weight again, a cost that grows with the weights while the
   gain grows with the work done on them. ``benchmarks/memory_formats.py --sizes`` measured channels-last
   1.1–1.9x *slower* than NCHW on the CPU for ResNet-18/50 at small images (each weight used 10–500 times),

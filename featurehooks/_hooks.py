@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _trace
 from ._taps import Selection
+from ._trace import StopForward
 
 __all__ = [
     "Bracket",
@@ -61,13 +62,6 @@ __all__ = [
 T = TypeVar("T")  # an observer's state of one forward
 F = TypeVar("F", bound="Bracket")  # a session's record of one forward in progress
 S = TypeVar("S", bound="HookSession[Any]")
-
-
-class StopForward(BaseException):
-    """Raised by the last hook to end a forward early; never escapes the session's ``run``.
-
-    A BaseException, like KeyboardInterrupt, so a model's own ``except Exception:`` cannot swallow it.
-    """
 
 
 class _Inert:

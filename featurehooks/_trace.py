@@ -3,7 +3,9 @@ request the convolution work the forward does.
 
 Layer listings, ``feature_info``, hook sessions and the ``memory_format="auto"`` rule all read the same ``Trace``: no
 compute, no download. It runs on a meta copy of the model, so the caller's model is never touched (attributes and
-caches a forward fills included), also while other threads run it. Each in-place change of a watched output is
+caches a forward fills included), also while other threads run it. Every module call of the copy goes to the trace's
+own recorder instead of ``nn.Module``'s call machinery, so no hook runs on meta tensors: neither the user's (which the
+copy does not carry) nor global ones (``register_module_forward_hook``). Each in-place change of a watched output is
 recorded with the module call it happened in, when that call was handed exactly that tensor (an in-place ReLU right
 after a tapped convolution), so an owner of the model can tell which changes switching such a module out of place
 would remove.
@@ -12,8 +14,9 @@ With ``count_conv`` the forward also counts FLOPs as it goes: after each module 
 done by convolutions and how often each convolution weight was used (``ConvWork``, the evidence
 ``featurehooks._formats`` decides by). The work does not depend on the memory format, so the trace runs as every
 trace does, in the images' own format: the in-place changes it records (which taps a session clones) are those of
-the NCHW forward ``memory_format="auto"`` runs by default. A model that fails in channels-last is found by its first
-real channels-last forward, which the extractor runs again in NCHW.
+the NCHW forward ``memory_format="auto"`` runs by default. Whether the model runs in channels-last at all is a second
+meta forward (``Trace.runs_channels_last``), with the channels-last strides the CPU and CUDA kernels give, so that
+``"auto"`` never needs to run a user's forward again after a failure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -41,6 +45,7 @@ __all__ = [
     "CallOutput",
     "Change",
     "ConvWork",
+    "StopForward",
     "Trace",
     "fixed_input_size",
     "trace",
@@ -50,6 +55,31 @@ __all__ = [
 
 # aten ops that count as convolutions (``aten.convolution.default`` -> ``convolution``)
 _CONVOLUTIONS = ("convolution", "_convolution", "conv2d", "cudnn_convolution")
+# aten ops whose meta kernels give NCHW strides where the CPU kernels keep those of a channels-last input (measured
+# on torch 2.14 over the 4-D ops of the usual backbones: convolutions, norms, pools, pads, resizes, shuffles,
+# activations and arithmetic; the others agree)
+_KEEPS_CHANNELS_LAST = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "convolution",
+        "native_group_norm",
+        "pixel_shuffle",
+        "channel_shuffle",
+        "native_channel_shuffle",
+        "reflection_pad2d",
+        "replication_pad2d",
+        "roll",
+        "max_unpool2d",
+    )
+)
+
+
+class StopForward(BaseException):
+    """Raised to end a forward early: by the last tap of a session (never escapes the session's ``run``), and by the
+    channels-last check of a trace once the deepest requested call returned.
+
+    A BaseException, like KeyboardInterrupt, so a model's own ``except Exception:`` cannot swallow it.
+    """
 
 
 class _TraceState(threading.local):
@@ -157,6 +187,34 @@ class Trace:
         """Trace ``model`` (this one, changed since) the same way again; ``check_reads`` as in ``trace()``."""
         return _run(model, self.inputs, watch, check_reads, {})
 
+    def runs_channels_last(self, model: nn.Module, stop: Site | None) -> bool:
+        """Whether ``model`` (this one, in whatever dtype it has now) runs this trace's forward up to the call
+        ``stop`` (None: to its end) with its images in channels-last and its weights as they are, as
+        ``memory_format="auto"`` runs it: a meta forward whose convolutions (and the few other ops
+        ``_KEEPS_CHANNELS_LAST`` lists) give channels-last outputs, as the real kernels do, so that a ``.view``
+        needing NCHW strides, or a layout check of the user's, fails here rather than in a real forward. Any
+        exception means no. The CPU's random state is left as it was (a forward may draw on the CPU)."""
+        copied = meta_copy(model)
+        dtype = next((p.dtype for p in copied.parameters() if p.is_floating_point()), None)
+        images = partial(_channels_last_image, dtype=dtype)
+        args, kwargs = tree_map_only(torch.Tensor, images, (self.inputs.args, dict(self.inputs.kwargs)))
+        try:
+            with (
+                torch.random.fork_rng(devices=[]),
+                _calls_to(copied, _StopAfter(stop)),
+                _ChannelsLast(),  # type: ignore[no-untyped-call]  # untyped in torch
+                torch.inference_mode(False),
+                torch.no_grad(),
+            ):
+                if self.inputs.eval_mode:
+                    copied.eval()
+                copied(*args, **kwargs)
+        except StopForward:
+            pass
+        except Exception:  # the model's own error in channels-last: "auto" keeps it NCHW
+            return False
+        return True
+
 
 class _ConvCounter:
     """Counts FLOPs while a trace runs, and after each module call notes the convolution work so far."""
@@ -199,12 +257,18 @@ class _Recorder:
         self._pending: list[list[Any]] = []  # [site, leaf, version last seen] of every watched output
         self._open: list[tuple[str, Any]] = []  # calls in progress, innermost last: (path, first argument)
 
-    def enter(self, path: str, _module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Forward pre-hook: changes seen now happened outside this call; open it."""
+    def call(self, path: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """One call of ``module``: changes seen before it happened outside it; it is open while it runs."""
         self.note_changes(len(self.outputs))
         self._open.append((path, args[0] if args else None))
+        try:
+            output = module.forward(*args, **kwargs)
+            self._returned(path, module, output)
+        finally:
+            self._close(path)
+        return output
 
-    def hook(self, path: str, module: nn.Module, _args: Any, output: Any) -> None:
+    def _returned(self, path: str, module: nn.Module, output: Any) -> None:
         order = len(self.outputs)
         self.note_changes(order)
         call = self.calls.get(path, 0)
@@ -218,8 +282,8 @@ class _Recorder:
             if self.counter is not None:
                 self.counter.note(site, module)
 
-    def leave(self, path: str, _module: nn.Module, _args: Any, _output: Any) -> None:
-        """Forward hook that also runs after an exception: close the innermost call (of ``path``)."""
+    def _close(self, path: str) -> None:
+        """Close the innermost call (of ``path``), also after an exception."""
         _, first = self._open.pop()
         if self.reads is not None and path in self.reads.paths and isinstance(first, torch.Tensor):
             self.reads.retire(first, path)
@@ -304,18 +368,13 @@ def _run(
     reads = _Reads(check_reads) if check_reads else None
     counter = _ConvCounter(math.prod(shape[:1] + shape[2:]), work) if inputs.count_conv else None
     recorder = _Recorder(watch, reads, counter)
-    for path, module in copied.named_modules():
-        module.register_forward_pre_hook(partial(recorder.enter, path))
-        module.register_forward_hook(partial(recorder.hook, path))
-        module.register_forward_hook(partial(recorder.leave, path), always_call=True)
 
     def fresh(t: torch.Tensor) -> torch.Tensor:  # new meta tensors each run: a model may change its inputs in place
         return torch.empty_like(t)
 
     args, kwargs = tree_map_only(torch.Tensor, fresh, (inputs.args, dict(inputs.kwargs)))
     counting = counter.flops if counter is not None else contextlib.nullcontext()
-    STATE.active, was_tracing = True, STATE.active
-    try:
+    with _calls_to(copied, recorder.call):
         with torch.inference_mode(False), torch.no_grad(), reads or contextlib.nullcontext(), counting:
             if inputs.eval_mode:  # versioned tensors, no graph
                 copied.eval()
@@ -323,21 +382,77 @@ def _run(
             if counter is not None:
                 counter.note(None, None)
         recorder.note_changes(len(recorder.outputs))
-    finally:
-        STATE.active = was_tracing
-        _drop_hooks(copied)
     changes = {site: tuple(found) for site, found in recorder.changes.items()}
     reread = frozenset(reads.reread) if reads is not None else frozenset()
     return Trace(shape, recorder.calls, recorder.outputs, changes, reread, work, inputs)
 
 
-def _drop_hooks(copied: nn.Module) -> None:
-    """Empty the hook dicts of a traced copy: copies of hook objects (a session's own taps) point back at
-    the copied model, and that cycle would keep the copy, and what its hooks hold, alive until a gc run."""
-    for module in copied.modules():
-        for name, value in vars(module).items():
-            if name.endswith("hooks") and isinstance(value, dict):
-                value.clear()
+@contextlib.contextmanager
+def _calls_to(copied: nn.Module, call: Callable[..., Any]) -> Iterator[None]:
+    """While it lasts, each call of a module of ``copied`` (a meta copy) is ``call(path, module, *args, **kwargs)``
+    instead of ``nn.Module``'s call machinery (``_compiled_call_impl``, which ``nn.Module.__call__`` runs when set, as
+    ``module.compile()`` does): no hook runs, global ones included, and hook sessions see that a trace is running
+    (``STATE``). Removed on the way out: each would hold its module in a cycle."""
+    modules = list(copied.named_modules())
+    for path, module in modules:
+        vars(module)["_compiled_call_impl"] = partial(call, path, module)
+    STATE.active, was_tracing = True, STATE.active
+    try:
+        yield
+    finally:
+        STATE.active = was_tracing
+        for _, module in modules:
+            vars(module).pop("_compiled_call_impl", None)
+
+
+class _StopAfter:
+    """Module calls of the channels-last check: counted per path as the recorder counts them, ``StopForward`` after
+    ``stop`` returns (None: never): what runs after the deepest requested call does not matter."""
+
+    def __init__(self, stop: Site | None) -> None:
+        self.stop = stop
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, path: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        output = module.forward(*args, **kwargs)
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        if (path, call) == self.stop:
+            raise StopForward
+        return output
+
+
+def _channels_last_image(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fresh meta tensor like ``tensor``, in channels-last when it is a batch of images (as ``"auto"`` converts
+    them), and in ``dtype`` (the model's) when floating."""
+    layout = torch.channels_last if tensor.dim() == 4 else torch.preserve_format
+    cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return torch.empty_like(tensor, dtype=cast, memory_format=layout)
+
+
+def _is_channels_last(value: object) -> bool:
+    """A 4-D tensor with channels-last strides that are not also NCHW ones."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 4
+        and value.is_contiguous(memory_format=torch.channels_last)
+        and not value.is_contiguous()
+    )
+
+
+class _ChannelsLast(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    """The ops of ``_KEEPS_CHANNELS_LAST`` give a channels-last input's 4-D outputs channels-last strides, as the
+    CPU kernels (and cuDNN's convolutions) do; their meta kernels give NCHW ones."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _KEEPS_CHANNELS_LAST and any(_is_channels_last(a) for a in args[:2]):
+            return tree_map_only(torch.Tensor, _as_channels_last, output)
+        return output
+
+
+def _as_channels_last(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous(memory_format=torch.channels_last) if tensor.dim() == 4 else tensor
 
 
 def _channel_candidates(model: nn.Module) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._capture import Mode, check_mode
+from ._capture import Mode, check_mode, refuse_torchscript
 from ._compute import ComputePolicy, KeepsPrecision
 from ._formats import MemoryFormat
 from ._hooks import ClosedOnExit
@@ -146,6 +146,8 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         if not low < high:
             raise InvalidValueError(f"input_range must be (low, high) with low < high, got {input_range}")
         _check_normalize(normalize, mean, std)
+        if isinstance(backbone, nn.Module):
+            refuse_torchscript(backbone, (), "FeatureExtractor")
         loaded = load_backbone(
             backbone,
             weights,
@@ -184,7 +186,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         self._policy = policy
         self._register_normalization(self.preprocessing)
         # the convolution work of what the forward runs (None: not counted, or no evidence that channels-last runs)
-        policy.conv_work = found.conv_work.get(self._stop_site) if found is not None else None
+        policy.weigh(found, self._stop_site)
         policy.settle_format(model)
         self._format: str = policy.weights_format
         self._range = RangeCheck(self.input_range)
@@ -235,7 +237,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     def conv_work(self) -> ConvWork | None:
         """The convolution work of what the forward runs, which ``memory_format="auto"`` decides by (``share`` of the
         FLOPs in convolutions, ``reuse`` of each weight per image); None where not counted or channels-last fails."""
-        return self._policy.conv_work
+        return self._policy.evidence(self._model)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -250,7 +252,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         float32 forward with a graph runs NCHW; others run channels-last where ``conv_work`` says it pays.
         """
         graph = self.mode == "grad" if graph is None else graph
-        return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type)
+        return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type, model=self._model)
 
     def activation_bytes(self, height: int, width: int) -> int | None:
         """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to
@@ -399,7 +401,8 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         x = self.normalize(images.to(self.mean.dtype))
         chosen = self.memory_format_for(x.shape, graph=grad)  # a local: threads sharing the extractor decide apart
         with torch.set_grad_enabled(grad):
-            features, self._format = self._policy.run(self._backbone_forward, x, chosen)
+            features = self._policy.run(self._backbone_forward, x, chosen)
+        self._format = chosen
         if self._layouts is None:  # an untraced model: layouts from its first real forward
             shapes = {name: tuple(v.shape) if isinstance(v, Tensor) else None for name, v in features.items()}
             self._set_layouts(shapes, tuple(images.shape))

@@ -124,7 +124,7 @@ def _own_module(module: nn.Module, weights: WeightsSpec, *, explained: bool) -> 
     """A copy of the user's module (``private_copy``); ``weights`` may name a local file to load into it.
 
     ``explained``: the user gave mean and std, so a warning that the instance's normalization is unknown
-    would say nothing.
+    would say nothing (one that its resize and crop are unknown still would).
     """
     model = private_copy(module)
     source = None
@@ -136,19 +136,19 @@ def _own_module(module: nn.Module, weights: WeightsSpec, *, explained: bool) -> 
             f"weights={weights!r} cannot apply to an nn.Module: pass a local state-dict file, or "
             "'DEFAULT'/None to use the module's own weights"
         )
-    preprocessing, channels, unknown = _instance_facts(model)
-    if unknown is not None and not explained:
+    preprocessing, channels, unknown = _instance_facts(model, explained)
+    if unknown is not None:
         warnings.warn(unknown, stacklevel=3)
     return Backbone(model, type(module).__name__, source, preprocessing, channels)
 
 
-def _instance_facts(module: nn.Module) -> tuple[Preprocessing, int | None, str | None]:
+def _instance_facts(module: nn.Module, explained: bool) -> tuple[Preprocessing, int | None, str | None]:
     """Preprocessing, input channels and a warning (or None) for a model given as an instance: timm's, torchvision's
-    or none (see ``load_backbone``)."""
+    or none (see ``load_backbone``); ``explained`` as in ``_own_module``."""
     if timm_models.is_timm_model(module):
         preprocessing, channels = timm_models.model_facts(module)
         return preprocessing, channels, None
-    shared = torchvision_models.instance_preprocessing(module)
+    shared = torchvision_models.instance_preprocessing(module, explained=explained)
     if shared is not None:
         preprocessing, unknown = shared
         return preprocessing, torchvision_models.IN_CHANNELS, unknown

@@ -116,9 +116,10 @@ def _builders_of(model: nn.Module) -> tuple[str, ...]:
     return same or names
 
 
-def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None] | None:
-    """What the name of the instance's builder gives with ``weights="DEFAULT"``, and a warning when that cannot
-    be told for its normalization.
+def instance_preprocessing(model: nn.Module, *, explained: bool) -> tuple[Preprocessing, str | None] | None:
+    """What the name of the instance's builder gives with ``weights="DEFAULT"``, and a one-line warning when that
+    cannot be told: for its normalization (unless ``explained``: mean and std were given), else for its resize and
+    crop.
 
     None when no classification builder returns exactly that class (a subclass, a quantizable or detection
     model). An instance records neither its builder nor its weights, but its architecture tells the builder:
@@ -126,8 +127,9 @@ def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None]
     gets resnet50's DEFAULT preprocessing, exactly as the name ``"resnet50"`` does. An instance no builder
     matches (another ``num_classes``) gets what the DEFAULT weights of all the builders of its class share: the
     mean and std (ImageNet's for every class but ``EfficientNet``, whose efficientnet_v2_l uses 0.5, hence a
-    warning), and the resize, crop and interpolation where those agree too. Weights other than DEFAULT that
-    normalize otherwise (VGG16's IMAGENET1K_FEATURES) need ``mean=``/``std=``, or the name and ``weights=``.
+    warning), and the resize, crop and interpolation where those agree too (else a warning: a fine-tuned
+    ``resnet50(num_classes=10)`` would silently get neither). Weights other than DEFAULT that normalize otherwise
+    (VGG16's IMAGENET1K_FEATURES) need ``mean=``/``std=``, or the name and ``weights=``.
     """
     if type(model) not in _builders_by_class():
         return None
@@ -138,23 +140,44 @@ def instance_preprocessing(model: nn.Module) -> tuple[Preprocessing, str | None]
     mean, std = next(iter(statistics)) if len(statistics) == 1 else (None, None)
     resize, crop, interpolation = next(iter(sizes)) if len(sizes) == 1 else (None, None, "bilinear")
     shared = Preprocessing(mean, std, resize, crop, interpolation)
-    return shared, None if len(statistics) == 1 else _disagreement(type(model), options)
+    if len(statistics) > 1 and not explained:
+        return shared, _no_normalization(type(model), options)
+    return shared, _no_sizes(type(model), options) if len(sizes) > 1 else None
 
 
-def _disagreement(cls: type, options: dict[WeightsEnum, Preprocessing]) -> str:
-    """Why a ``cls`` instance gets no normalization: which weights use which mean/std, and what to pass."""
-    groups: dict[str, list[str]] = {}
-    for member, pre in options.items():
-        groups.setdefault(f"mean {_short(pre.mean)}, std {_short(pre.std)}", []).append(str(member))
-    described = "; ".join(
-        f"{stats} for {', '.join(names[:2])}" + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-        for stats, names in groups.items()
-    )
+def _no_normalization(cls: type, options: dict[WeightsEnum, Preprocessing]) -> str:
+    """Why a ``cls`` instance gets no normalization (nor a resize or crop): which weights use which mean/std, and
+    what to pass."""
+    described = _grouped(options, lambda pre: f"mean {_short(pre.mean)}, std {_short(pre.std)}")
     return (
         f"{cls.__name__} instances get no normalization: the DEFAULT weights of {cls.__name__}'s builders disagree "
-        f"({described}) and an instance does not say which it holds; pass mean= and std=, or give the model's "
-        "name and weights instead of an instance"
+        f"({described}) and an instance does not say which it holds; pass mean= and std= (and resize_size=/"
+        "crop_size= where images are prepared), or give the model's name and weights instead of an instance"
     )
+
+
+def _no_sizes(cls: type, options: dict[WeightsEnum, Preprocessing]) -> str:
+    """Why a ``cls`` instance gets no resize or crop: which weights prepare images how, and what to pass."""
+    described = _grouped(options, lambda pre: f"resize {pre.resize_size}, crop {pre.crop_size} {pre.interpolation}")
+    return (
+        f"{cls.__name__} instance gets no resize or crop: no builder has its architecture (another num_classes, a "
+        f"changed layer?) and the DEFAULT weights of {cls.__name__}'s builders prepare images apart ({described}); "
+        "pass resize_size= and crop_size= where images are prepared (prepare_image, dump_features, statistics; "
+        "--resize/--crop), e.g. those of the weights it was fine-tuned from"
+    )
+
+
+def _grouped(options: dict[WeightsEnum, Preprocessing], describe: Callable[[Preprocessing], str]) -> str:
+    """The weights of ``options`` grouped by what ``describe`` says of their preprocessing: three groups at most,
+    two names a group."""
+    groups: dict[str, list[str]] = {}
+    for member, pre in options.items():
+        groups.setdefault(describe(pre), []).append(str(member))
+    shown = [
+        f"{said} for {', '.join(names[:2])}" + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        for said, names in list(groups.items())[:3]
+    ]
+    return "; ".join(shown) + (f"; {len(groups) - 3} more" if len(groups) > 3 else "")
 
 
 def _short(values: tuple[float, ...] | None) -> str:

@@ -199,7 +199,8 @@ def test_every_torchvision_instance_gets_the_preprocessing_of_its_name(name: str
 def test_an_instance_no_builder_matches_gets_what_its_class_shares() -> None:
     with torch.device("meta"):
         resnet = tvm.resnet50(num_classes=10)  # another head: no builder's DEFAULT architecture
-    pre = load_backbone(resnet).preprocessing
+    with pytest.warns(UserWarning, match="ResNet instance gets no resize or crop.*pass resize_size= and crop_size="):
+        pre = load_backbone(resnet).preprocessing
     assert (pre.mean, pre.std) == IMAGENET
     assert (pre.resize_size, pre.crop_size) == (None, None)  # resnet18 resizes to 256, resnet50 V2 to 232
     with torch.device("meta"):
@@ -224,9 +225,9 @@ def test_an_efficientnet_no_builder_matches_gets_no_normalization_and_a_warning(
     with pytest.warns(UserWarning, match="EfficientNet instances get no normalization.*pass mean= and std="):
         backbone = load_backbone(model)
     assert backbone.preprocessing.mean is None and backbone.preprocessing.std is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        given = load_backbone(model, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))
+    with pytest.warns(UserWarning, match="EfficientNet instance gets no resize or crop") as given_warnings:
+        given = load_backbone(model, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))  # the sizes are still unknown
+    assert len(given_warnings) == 1
     assert (given.preprocessing.mean, given.preprocessing.std) == ((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
 
 

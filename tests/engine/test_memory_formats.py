@@ -187,13 +187,16 @@ def test_explicit_formats_are_obeyed_on_any_model() -> None:
     )
 
 
-def test_auto_runs_nchw_again_for_a_model_that_fails_in_channels_last() -> None:
+def test_auto_keeps_a_model_that_fails_in_channels_last_in_nchw() -> None:
     model = FlattensWithView()
     images = torch.rand(2, 3, 64, 64)
     extractor = fh.FeatureExtractor(model, ["conv", "head"], weights=None)
-    assert extractor.memory_format_for(images.shape) == "channels_last"  # the rule: convolutions, 4096 pixels
-    got = extractor(images)  # fails in channels-last, runs again in NCHW
-    assert extractor.memory_format_in_use == "contiguous" and extractor.memory_format_for(images.shape) == "contiguous"
+    assert extractor.memory_format_for(images.shape) == "contiguous"  # its channels-last meta forward fails
+    assert extractor.conv_work is None
+    got = extractor(images)
+    assert extractor.memory_format_in_use == "contiguous"
+    conv_only = fh.FeatureExtractor(model, ["conv"], weights=None)  # the forward stops before the .view
+    assert conv_only.memory_format_for(images.shape) == "channels_last"
     want = fh.FeatureExtractor(model, ["conv", "head"], weights=None, memory_format="contiguous")(images)
     assert all(torch.equal(got[name], want[name]) for name in want)
     forced = fh.FeatureExtractor(model, ["head"], weights=None, memory_format="channels_last")

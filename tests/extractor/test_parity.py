@@ -2,7 +2,7 @@
 would write by hand (a truncated ``nn.Sequential``, a hand-written ResNet stem, torchvision FX, timm's
 ``forward_intermediates``) on the same weights; ``normalize=False`` hands the images over as they are; a
 channels-last run without a graph stays within 1e-5 of scale, and a model that fails in channels-last
-falls back to NCHW with the same results.
+runs in NCHW, once, with the same results.
 """
 
 from __future__ import annotations
@@ -139,18 +139,17 @@ class GroupNormThenView(nn.Module):
         return self.head(pooled.view(x.shape[0], -1))
 
 
-def test_a_model_that_fails_in_channels_last_falls_back_to_nchw_once_with_the_same_results() -> None:
+def test_a_model_that_fails_in_channels_last_runs_in_nchw_with_the_same_results() -> None:
     torch.manual_seed(SEED)
     model = GroupNormThenView()
     images = torch.rand(2, 3, SIDE, SIDE)
     with pytest.raises(RuntimeError, match="view"):  # the model itself, handed channels-last images
         model(images.contiguous(memory_format=torch.channels_last))
     extractor = fh.FeatureExtractor(model, ["head"])
-    assert extractor.memory_format_for(images.shape) == "channels_last"  # the meta check cannot see it
+    assert extractor.memory_format_for(images.shape) == "contiguous"  # the meta check sees GroupNorm's strides
     expected = model(images)
     assert torch.equal(extractor(images)["head"], expected)
-    assert extractor.memory_format_in_use == "contiguous" and extractor.memory_format_for(images.shape) == "contiguous"
-    assert torch.equal(extractor(images)["head"], expected)
+    assert extractor.memory_format_in_use == "contiguous"
 
 
 @pytest.mark.slow
