@@ -9,6 +9,7 @@ import stat
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import first_line
@@ -345,3 +346,8 @@ def print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> N
     """The library's warnings as one line each on stderr, not in Python's form."""
     for warning in caught:
         print(f"featurehooks: warning: {prefix}{warning.message}", file=sys.stderr)
+
+
+def is_statistics_file(source: str) -> bool:
+    """Whether a set is given as a statistics ``.npz`` (any case: ``.NPZ`` too) rather than images."""
+    return source.lower().endswith(".npz") and Path(source).is_file()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import warnings
 import zipfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from ..errors import InvalidValueError
 from ._common import (
     UserError,
     add_command,
@@ -23,6 +24,7 @@ from ._common import (
     check_precision,
     device_from,
     is_main_rank,
+    is_statistics_file,
     print_warnings,
     stream_options,
     weights_from,
@@ -38,6 +40,7 @@ __all__ = ["add_fid_command"]
 
 _DIMS = (64, 192, 768, 2048)  # pytorch-fid's --dims (featurehooks.metrics.FID_LAYERS, not imported before it runs)
 _SINGULAR = "fewer than dimensions + 1"  # frechet_distance's warning for small sets, said here per set instead
+_DIMS_ARGUMENT = re.compile(r"\bdims?=")  # the readers' dims=/dim=, which is --dims here
 
 _EPILOG = """\
 examples:
@@ -117,7 +120,7 @@ def _fid(args: argparse.Namespace) -> int:
     if args.save_stats:
         return _save_stats(args, device, weights)
     sources = (args.set_a, args.set_b)
-    files = {source: _read_file(args, source, weights) for source in sources if _is_statistics_file(source)}
+    files = {source: _read_file(args, source, weights) for source in sources if is_statistics_file(source)}
     images = {source: list_images([source]) for source in sources if source not in files}  # before any compute
 
     @functools.cache
@@ -148,7 +151,7 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     from .._stream import list_images
     from ..metrics import fid_extractor
 
-    if _is_statistics_file(args.set_a):
+    if is_statistics_file(args.set_a):
         raise UserError(f"--save-stats computes the statistics of images, and {args.set_a} is a statistics file")
     check_output_file(args.set_b)
     files = list_images([args.set_a])
@@ -165,26 +168,19 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     return 0
 
 
-def _is_statistics_file(source: str) -> bool:
-    """Whether a set is given as a statistics ``.npz`` rather than images."""
-    return source.endswith(".npz") and Path(source).is_file()
-
-
 def _read_file(args: argparse.Namespace, source: str, weights: str | None) -> Side:
-    """A statistics file: featurehooks' own (checked against what this command computes), or a mu/sigma pair."""
-    from ..metrics import FID_LAYERS, FeatureStatistics, load_mu_sigma
+    """A statistics file: featurehooks' own (checked against what this command computes), or a mu/sigma pair; of
+    --dims features, which the reader checks before it unpacks anything."""
+    from ..metrics import FeatureStatistics, load_mu_sigma
 
-    if _has_meta(source):
-        stats = FeatureStatistics.load(source)
-        _check_origin(args, source, stats, weights)
-        if stats.dim != args.dims:
-            raise UserError(f"{source} holds statistics of {stats.dim} features, not --dims {args.dims}")
-        return stats
-    mu, sigma = load_mu_sigma(source)
-    if mu.shape[0] != args.dims:
-        hint = f"pass --dims {mu.shape[0]}" if mu.shape[0] in FID_LAYERS else "they are not FID statistics"
-        raise UserError(f"{source} holds the statistics of {mu.shape[0]} features, not --dims {args.dims}: {hint}")
-    return mu, sigma
+    try:
+        if not _has_meta(source):
+            return load_mu_sigma(source, dims=args.dims)
+        stats = FeatureStatistics.load(source, dim=args.dims)
+    except InvalidValueError as exc:  # the reader names Python arguments: name the flag
+        raise InvalidValueError(_DIMS_ARGUMENT.sub("--dims ", str(exc))) from None
+    _check_origin(args, source, stats, weights)
+    return stats
 
 
 def _has_meta(source: str) -> bool:

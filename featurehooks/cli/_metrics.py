@@ -8,7 +8,6 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._layout import Pool, as_pool
@@ -23,6 +22,7 @@ from ._common import (
     check_precision,
     device_from,
     is_main_rank,
+    is_statistics_file,
     non_negative,
     positive,
     print_warnings,
@@ -212,7 +212,7 @@ def _fd(args: argparse.Namespace) -> int:
     from ..metrics import frechet_distance, kernel_inception_distance
 
     sources = (args.set_a, args.set_b)
-    files = {source: _statistics_file(args, source) for source in sources if _is_statistics_file(source)}
+    files = {source: _statistics_file(args, source) for source in sources if is_statistics_file(source)}
     computed = next((source for source in sources if source not in files), None)
     for source, stats in files.items():  # every file checked before any image is read
         _check_setup(args, source, stats.origin, computed)
@@ -262,11 +262,6 @@ def _kept(stats: FeatureStatistics) -> int:
     """How many feature vectors a set keeps for KID (0: none)."""
     features = getattr(stats, "features", None)
     return 0 if features is None else int(features.shape[0])
-
-
-def _is_statistics_file(source: str) -> bool:
-    """Whether a set is given as a statistics file (of ``featurehooks stats``) rather than images."""
-    return source.endswith(".npz") and Path(source).is_file()
 
 
 def _statistics_file(args: argparse.Namespace, source: str) -> FeatureStatistics:

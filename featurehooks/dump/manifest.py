@@ -1,7 +1,8 @@
 """The manifest of a dump (``manifest.json``) as a typed value: what it records, how it is checked, how it is written.
 
 A dump's files are only as trustworthy as the manifest that describes them, so ``Manifest.from_dict`` checks every
-field and refuses a manifest that is not fit, with a ``CorruptDumpError`` that names the field. ``to_dict`` gives
+field and refuses a manifest that is not fit, with a ``CorruptDumpError`` that names the field; ``Manifest.read``
+first bounds the file's size and its nesting, so a hostile file is refused in the same one line. ``to_dict`` gives
 back the very dict a manifest was read from, keys in the order dumps have always written them: a resumed dump
 writes the bytes an uninterrupted one would, and journal lines keep naming the manifest they were written for.
 
@@ -54,6 +55,8 @@ DTYPES = ("float16", "float32")
 START_OVER = "pass overwrite=True (--overwrite) to start over"
 _KINDS = ("files", "dataset")
 _STATUSES = ("running", "complete")
+_MAX_BYTES = 1 << 28  # 256 MiB: a manifest is settings plus one short entry per skipped row
+_MAX_DEPTH = 16  # nesting of its lists and objects (what dumps write is 4 deep)
 _INPUTS_FIELDS = ("kind", "count", "sha256", "labels", "identity_sha256")
 _ACCOUNT = ("num_rows", "num_valid", "skipped")  # how a complete dump accounts for its rows
 # what a resume must match (``layers`` too: ``shapes`` compare equal in any order)
@@ -365,9 +368,17 @@ class Manifest:
         if not path.is_file():
             return None
         try:
+            size = path.stat().st_size
+            if size > _MAX_BYTES:
+                raise _Unfit(f"it is {size:,} bytes, more than a manifest holds ({_MAX_BYTES:,})")
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CorruptDumpError(f"{path} is not a readable manifest ({exc}); {START_OVER}") from exc
+            _check_depth(data)
+        except RecursionError:  # json's own limit, far above _MAX_DEPTH
+            raise CorruptDumpError(
+                f"{path} is not a readable manifest (it nests more than {_MAX_DEPTH} levels deep); {START_OVER}"
+            ) from None
+        except (OSError, ValueError, _Unfit) as exc:
+            raise CorruptDumpError(f"{path} is not a readable manifest ({exc}); {START_OVER}") from None
         return cls.from_dict(data, path)
 
     @classmethod
@@ -395,6 +406,23 @@ class Manifest:
 
 class _Unfit(Exception):
     """Why a manifest's content is unfit; ``Manifest.from_dict`` turns it into a ``CorruptDumpError``."""
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse JSON ``data`` whose lists and objects nest deeper than ``_MAX_DEPTH`` (walked without recursion)."""
+    level: list[Any] = [data]
+    for _ in range(_MAX_DEPTH):
+        level = [item for value in level for item in _children(value)]
+        if not level:
+            return
+    raise _Unfit(f"it nests more than {_MAX_DEPTH} levels deep")
+
+
+def _children(value: Any) -> Iterable[Any]:
+    """The items of a JSON list or the values of a JSON object; nothing for a scalar."""
+    if isinstance(value, dict):
+        return value.values()
+    return value if isinstance(value, list) else ()
 
 
 def _field(data: Mapping[str, Any], key: str, where: str = "") -> Any:

@@ -25,8 +25,8 @@ Which FID is which (all use the weights of TensorFlow's 2015 Inception graph; th
 
 from __future__ import annotations
 
+import functools
 import os
-import zipfile
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -35,8 +35,8 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..backbones.fid_inception import FID_INCEPTION
-from ..errors import InputNotFoundError, InvalidValueError
-from ._npz import check_real, member_header, open_npz, read_member
+from ..errors import InvalidValueError
+from ._npz import Header, Mismatch, read_npz
 from .collect import PassSettings, collect
 from .statistics import FeatureStatistics
 
@@ -59,7 +59,6 @@ Examples:
 
 WeightsArg = Union[str, "os.PathLike[str]", None]
 _DEFAULT_DIMS = 2048
-_MAX_DIMS = 1 << 16  # a (D, D) float64 covariance of more features than this is 32 GiB: no FID file holds one
 
 
 def _check_dims(dims: object) -> str:
@@ -202,23 +201,28 @@ def fid_statistics(
     return collect(extractor, source, [layer], PassSettings.of("avg", keep, seed, options))[layer]
 
 
-def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
+def load_mu_sigma(path: str | os.PathLike[str], *, dims: int | None = None) -> tuple[Tensor, Tensor]:
     """The mean ``mu`` and covariance ``sigma`` of a FID statistics ``.npz`` file, as float64 tensors.
 
     Reads pytorch-fid's ``--save-stats`` files, the precomputed files of the original TensorFlow code
     (TTUR's ``fid_stats_*.npz``) and featurehooks' statistics files alike: any ``.npz`` with arrays ``mu``
-    ``(D,)`` and ``sigma`` ``(D, D)``. No pickle is read, and each array's size is checked before it is
-    decompressed. Such a file records neither the count nor the network: ``frechet_distance`` takes the pair
-    as it is, with no check that it comes from the same features (``FeatureStatistics.load`` keeps those of
-    featurehooks' own files).
+    ``(D,)`` and ``sigma`` ``(D, D)``. No pickle is read, and nothing is unpacked before its size is known:
+    ``D`` from the arrays' headers is checked against ``dims``, and the bytes they unpack to against the
+    file's own size and a budget. Such a file records neither the count nor the network: ``frechet_distance``
+    takes the pair as it is, with no check that it comes from the same features (``FeatureStatistics.load``
+    keeps those of featurehooks' own files).
+
+    Args:
+        path: the file.
+        dims: the number of features ``D`` expected (2048 for FID); ``None`` takes the file's.
 
     Shape:
         ``mu``: ``(D,)``; ``sigma``: ``(D, D)``.
 
     Raises:
         InputNotFoundError: no such file.
-        InvalidValueError: not an ``.npz`` archive, no ``mu``/``sigma`` arrays, shapes that do not fit, values that
-            are not finite real numbers.
+        InvalidValueError: not an ``.npz`` archive, no ``mu``/``sigma`` arrays, shapes that do not fit (or another
+            ``D`` than ``dims``), values that are not finite real numbers.
 
     Examples:
         >>> import os, tempfile
@@ -226,41 +230,25 @@ def load_mu_sigma(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
         >>> from featurehooks.metrics import frechet_distance, load_mu_sigma
         >>> path = os.path.join(tempfile.mkdtemp(), "ref.npz")
         >>> np.savez_compressed(path, mu=np.zeros(3), sigma=np.eye(3))  # as pytorch-fid --save-stats writes
-        >>> mu, sigma = load_mu_sigma(path)
+        >>> mu, sigma = load_mu_sigma(path, dims=3)
         >>> tuple(sigma.shape), frechet_distance((mu, sigma), (mu + 1, sigma))
         ((3, 3), 3.0)
     """
-    where = os.fspath(path)
-    if not os.path.isfile(where):
-        raise InputNotFoundError(f"no statistics file {where}")
-    try:
-        mu, sigma = _read_mu_sigma(where)
-    except InvalidValueError as exc:
-        raise InvalidValueError(f"{where} is not a FID statistics file: {exc}") from None
-    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # corrupt archives
-        raise InvalidValueError(f"{where} is not a FID statistics file ({exc})") from None
+    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+        raise InvalidValueError(f"dims must be an int >= 1 or None, got {dims!r}")
+    arrays, _ = read_npz(path, "FID statistics file", ("mu", "sigma"), check=functools.partial(_check_mu_sigma, dims))
+    mu, sigma = (np.asarray(arrays[name], dtype=np.float64) for name in ("mu", "sigma"))
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        raise InvalidValueError(f"{os.fspath(path)} is not a FID statistics file: it holds NaN or infinite values")
     return torch.from_numpy(mu), torch.from_numpy(sigma)
 
 
-def _read_mu_sigma(where: str) -> tuple[np.ndarray, np.ndarray]:
-    """``mu`` and ``sigma`` of the archive ``where`` as float64 arrays, their headers checked before reading."""
-    with open_npz(where) as archive:
-        members = {info.filename: info for info in archive.infolist()}
-        missing = [name for name in ("mu", "sigma") if f"{name}.npy" not in members]
-        if missing:
-            raise InvalidValueError(f"no {' and '.join(missing)} array (found {', '.join(sorted(members)) or 'none'})")
-        size = os.path.getsize(where)
-        headers = {name: member_header(archive, members[f"{name}.npy"], size) for name in ("mu", "sigma")}
-        (mu_shape, mu_dtype), (sigma_shape, sigma_dtype) = headers["mu"], headers["sigma"]
-        if len(mu_shape) != 1 or not 0 < mu_shape[0] <= _MAX_DIMS or sigma_shape != (mu_shape[0],) * 2:
-            raise InvalidValueError(
-                f"mu of shape {mu_shape} and sigma of shape {sigma_shape}: expected (D,) and (D, D)"
-            )
-        check_real("mu", mu_dtype)
-        check_real("sigma", sigma_dtype)
-        mu, sigma = (
-            np.asarray(read_member(archive, members[f"{name}.npy"]), dtype=np.float64) for name in ("mu", "sigma")
-        )
-    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
-        raise InvalidValueError("it holds NaN or infinite values")
-    return mu, sigma
+def _check_mu_sigma(dims: int | None, headers: dict[str, Header], meta: object) -> None:
+    """Refuse, before reading, headers that are not ``(D,)`` and ``(D, D)``, or of another ``D`` than ``dims``."""
+    (mu_shape, _), (sigma_shape, _) = headers["mu"], headers["sigma"]
+    if len(mu_shape) != 1 or not mu_shape[0] or sigma_shape != (mu_shape[0],) * 2:
+        raise InvalidValueError(f"mu of shape {mu_shape} and sigma of shape {sigma_shape}: expected (D,) and (D, D)")
+    found = mu_shape[0]
+    if dims is not None and found != dims:
+        hint = f"pass dims={found}" if found in FID_LAYERS else "they are not FID statistics"
+        raise Mismatch(f"holds the statistics of {found} features, not dims={dims}: {hint}")

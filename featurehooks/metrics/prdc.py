@@ -9,7 +9,9 @@ and coverage is the share of real balls that hold a generated vector (Naeem et a
 The numbers equal the ``prdc`` package's ``compute_prdc`` (the reference implementation of Naeem et al.),
 which compares scikit-learn's euclidean distances with ``<``: distances are computed as scikit-learn does,
 ``sqrt(max(|x|² - 2 x·y + |y|², 0))`` with the products in float64, and rounded to float32 before the square
-root when both sets are float32, as scikit-learn returns them, so the same comparisons come out the same.
+root when both sets are float32, as scikit-learn returns them, so the same comparisons come out the same. Where
+float32 cannot hold a set's squared radii (features beyond about 1e19 or below about 1e-19, where scikit-learn's
+float32 distances are infinite or zero), the set is taken in float64 instead, unrounded.
 
 Nothing of size ``N × N`` is ever held: distances are computed in blocks of rows, and each block is reduced
 (k-th smallest, counts, minimum) before the next. A real set's radii are computed once and can be saved
@@ -18,10 +20,8 @@ Nothing of size ``N × N`` is ever held: distances are computed in blocks of row
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Union
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from ._npz import write_npz
+from ..errors import InvalidTypeError, InvalidValueError
+from ._npz import Header, read_npz, write_npz
 from .statistics import FeatureOrigin, FeatureStatistics, origin_fields
 
 __all__ = ["PRDC", "Manifold", "precision_recall"]
@@ -40,7 +40,8 @@ FORMAT = "featurehooks.manifold/1"
 FEW = 1000  # fewer vectors than this in a set: a warning (the papers use 10,000 to 50,000)
 BLOCK = 1 << 22  # distances per block (32 MiB in float64) when chunk_size is not given
 _BYTES_PER_DISTANCE = 14  # a float64 distance, its float32 rounding, a comparison's bools
-_MEMBERS = frozenset({"features", "radii", "meta"})
+_ARRAYS = ("features", "radii")
+_FLOAT32 = torch.finfo(torch.float32)
 
 Vectors = Union["Manifold", FeatureStatistics, Tensor, np.ndarray]
 
@@ -129,23 +130,37 @@ def _block_rows(chunk_size: int | None, width: int) -> int:
     return int(chunk_size)
 
 
+class _Unrounded(Exception):
+    """A radius whose square float32 cannot hold (beyond its largest value, or below its smallest normal one): the
+    set's distances are then taken in float64, unrounded."""
+
+
 class _Side:
-    """Vectors ready for distances on one device: float64 values and squared norms, and the dtype distances
-    are rounded to."""
+    """Vectors ready for distances on one device: float64 values and squared norms, and whether distances are
+    rounded to float32 (``single``)."""
 
     def __init__(self, vectors: Tensor, device: torch.device) -> None:
         self.values = vectors.to(device=device, dtype=torch.float64)
         self.squared = (self.values * self.values).sum(dim=1)
         self.single = vectors.dtype == torch.float32
 
-    def distances(self, start: int, stop: int, other: _Side) -> Tensor:
-        """``(stop - start, M)`` euclidean distances from rows ``start:stop`` to every row of ``other``, computed
-        as scikit-learn's ``euclidean_distances`` does (float32 when both sides are float32)."""
+    def squared_distances(self, start: int, stop: int, other: _Side) -> Tensor:
+        """``(stop - start, M)`` squared euclidean distances from rows ``start:stop`` to every row of ``other``, in
+        float64 and unclamped, computed as scikit-learn's ``euclidean_distances`` does: ``|x|² - 2 x·y + |y|²``."""
         block = self.values[start:stop] @ other.values.T
-        block.mul_(-2).add_(self.squared[start:stop, None]).add_(other.squared[None, :])
-        if self.single and other.single:
-            block = block.to(torch.float32)
-        return _sqrt_(block.clamp_min_(0))
+        return block.mul_(-2).add_(self.squared[start:stop, None]).add_(other.squared[None, :])
+
+    def distances(self, start: int, stop: int, other: _Side) -> Tensor:
+        """The euclidean distances of ``squared_distances``, rounded to float32 when both sides are float32."""
+        return _root(self.squared_distances(start, stop, other), self.single and other.single)
+
+
+def _root(squared: Tensor, single: bool) -> Tensor:
+    """The distances of float64 ``squared`` distances: rounded to float32 first when ``single``, as scikit-learn
+    rounds them, clamped at 0, and square roots taken correctly rounded (in place)."""
+    if single:
+        squared = squared.to(torch.float32)
+    return _sqrt_(squared.clamp_min_(0))
 
 
 def _sqrt_(block: Tensor) -> Tensor:
@@ -161,18 +176,44 @@ def _sqrt_(block: Tensor) -> Tensor:
     return block.sqrt_()
 
 
-def _radii(vectors: Tensor, k: int, rows: int, device: torch.device) -> Tensor:
-    """The distance of each vector to its ``k``-th nearest neighbour among the others, ``rows`` at a time."""
-    side = _Side(vectors, device)
-    count = vectors.shape[0]
-    radii = torch.empty(count, dtype=torch.float32 if side.single else torch.float64, device=device)
+def _radii(vectors: Tensor, k: int, rows: int, device: torch.device, side: str) -> tuple[Tensor, Tensor]:
+    """``vectors`` and the distance of each to its ``k``-th nearest neighbour among the others, ``rows`` at a time.
+
+    Float32 vectors keep scikit-learn's float32 distances where float32 holds the squared radii; where it does not
+    (features beyond about 1e19, or below about 1e-19: a squared radius that would be inf, or lose its digits),
+    they come back as float64, with float64 radii. Then every comparison of ``_score`` comes out as float64's,
+    whatever the rounding of the other distances: those that overflow or underflow lie far outside or inside
+    every ball.
+    """
+    try:
+        radii = _kth_distances(_Side(vectors, device), k, rows)
+    except _Unrounded:
+        vectors = vectors.double()
+        radii = _kth_distances(_Side(vectors, device), k, rows)
+    if not bool(torch.isfinite(radii).all()):
+        raise InvalidValueError(
+            f"{side}: the squared distances between these features overflow float64 (values up to "
+            f"{float(vectors.abs().max()):.3g}); divide them by a common scale, which changes none of the four numbers"
+        )
+    return vectors, radii.cpu()
+
+
+def _kth_distances(side: _Side, k: int, rows: int) -> Tensor:
+    """The ``k``-th smallest distance of each of ``side``'s vectors to the others, ``rows`` vectors at a time.
+
+    The order statistic is taken of the float64 squared distances, then rounded and rooted: the same value as the
+    ``k``-th smallest of the rounded distances (rounding and roots keep the order), with N roots, not N²."""
+    count, device = side.values.shape[0], side.values.device
+    squared = torch.empty(count, dtype=torch.float64, device=device)
     for start in range(0, count, rows):
         stop = min(start + rows, count)
-        block = side.distances(start, stop, side)
+        block = side.squared_distances(start, stop, side)
         block[torch.arange(stop - start, device=device), torch.arange(start, stop, device=device)] = 0  # itself
         # the k+1-th smallest (itself comes first); topk is several times faster than kthvalue on the CPU
-        radii[start:stop] = block.topk(k + 1, dim=1, largest=False).values.amax(dim=1)
-    return radii.cpu()
+        squared[start:stop] = block.topk(k + 1, dim=1, largest=False).values.amax(dim=1)
+    if side.single and bool(((squared > _FLOAT32.max) | ((squared > 0) & (squared < _FLOAT32.tiny))).any()):
+        raise _Unrounded
+    return _root(squared, side.single)
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,7 +223,7 @@ class Manifold:
     Build it once for a reference set with ``Manifold.from_features`` and reuse it against every generated
     set (the radii cost as much as a comparison), or ``save`` it beside the set's statistics and ``load`` it
     later. ``features`` keep their dtype class: float32 stays float32 (and its distances are rounded to
-    float32, as scikit-learn's are), everything else is float64.
+    float32, as scikit-learn's are) unless float32 cannot hold their squared radii, everything else is float64.
 
     Args:
         features: the ``(N, D)`` vectors, on the CPU.
@@ -268,7 +309,7 @@ class Manifold:
         vectors = _as_vectors(given, "features")
         _check_enough(vectors.shape[0], k, "features")
         place = torch.device(device) if device is not None else torch.device("cpu")
-        radii = _radii(vectors, k, _block_rows(chunk_size, vectors.shape[0]), place)
+        vectors, radii = _radii(vectors, k, _block_rows(chunk_size, vectors.shape[0]), place, "features")
         return cls(vectors, radii, k, origin)
 
     @property
@@ -307,37 +348,40 @@ class Manifold:
     def load(cls, path: str | os.PathLike[str]) -> Manifold:
         """Read a manifold written by ``save`` (no pickles are read: ``allow_pickle=False``).
 
+        Every size is checked before anything is unpacked: the arrays' shapes against each other and the file's
+        ``meta``, the bytes they unpack to against the file's own size and a budget.
+
         Raises:
             InputNotFoundError: no such file.
             InvalidValueError: not a featurehooks manifold file, or its arrays are inconsistent.
         """
-        where = os.fspath(path)
-        if not os.path.isfile(where):
-            raise InputNotFoundError(f"no manifold file {where}")
+        arrays, meta = read_npz(
+            path, "featurehooks manifold file", _ARRAYS, meta_format=FORMAT, exact=True, check=_fits
+        )
+        features, radii = arrays["features"], arrays["radii"]
+        origin = (meta or {}).get("origin")
         try:
-            with np.load(where, allow_pickle=False) as archive:
-                members = set(archive.files)
-                if members != _MEMBERS:
-                    raise InvalidValueError(f"it holds {sorted(members)}, not {sorted(_MEMBERS)}")
-                meta = json.loads(str(archive["meta"][()]))
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                    found = meta.get("format") if isinstance(meta, dict) else None
-                    raise InvalidValueError(f"format {found!r}, expected {FORMAT!r}")
-                features, radii = archive["features"], archive["radii"]
-            if features.dtype not in (np.float32, np.float64) or radii.dtype != features.dtype:
-                raise InvalidValueError(f"features of {features.dtype} and radii of {radii.dtype}")
-            origin = meta.get("origin")
-            k: Any = meta.get("k")  # checked by __post_init__
             return cls(
                 torch.from_numpy(np.ascontiguousarray(features)),
                 torch.from_numpy(np.ascontiguousarray(radii)),
-                k,
+                (meta or {}).get("k"),  # type: ignore[arg-type]  # checked by __post_init__
                 FeatureOrigin(**origin) if origin is not None else None,
             )
-        except InvalidValueError as exc:
-            raise InvalidValueError(f"{where} is not a featurehooks manifold file: {exc}") from None
-        except (ValueError, OSError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-            raise InvalidValueError(f"{where} is not a featurehooks manifold file ({exc})") from None
+        except (InvalidValueError, InvalidTypeError, TypeError) as exc:
+            raise InvalidValueError(f"{os.fspath(path)} is not a featurehooks manifold file: {exc}") from None
+
+
+def _fits(headers: dict[str, Header], meta: dict[str, Any] | None) -> None:
+    """Refuse, before reading, a manifold whose radii are not one per feature vector of the same dtype, or whose
+    arrays are not the ``count`` and ``dim`` its ``meta`` records."""
+    (features, dtype), (radii, radii_dtype) = headers["features"], headers["radii"]
+    if dtype not in (np.float32, np.float64) or radii_dtype != dtype:
+        raise InvalidValueError(f"features of {dtype} and radii of {radii_dtype}")
+    if len(features) != 2 or radii != features[:1]:
+        raise InvalidValueError(f"features of shape {features} and radii of shape {radii}: expected (N, D) and (N,)")
+    recorded = tuple((meta or {}).get(name) for name in ("count", "dim"))
+    if recorded != (None, None) and recorded != features:
+        raise InvalidValueError(f"features of shape {features}, but its meta records count and dim {recorded}")
 
 
 def _manifold(value: Vectors, k: int, side: str, rows: int | None, device: torch.device) -> Manifold:
@@ -353,7 +397,7 @@ def _manifold(value: Vectors, k: int, side: str, rows: int | None, device: torch
     else:
         vectors, origin = _as_vectors(value, side), None
     _check_enough(vectors.shape[0], k, side)
-    radii = _radii(vectors, k, _block_rows(rows, vectors.shape[0]), device)
+    vectors, radii = _radii(vectors, k, _block_rows(rows, vectors.shape[0]), device, side)
     return Manifold(vectors, radii, k, origin)
 
 

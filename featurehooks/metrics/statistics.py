@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import zipfile
-import zlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
@@ -29,15 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from ._npz import check_real, member_header, open_npz, read_member, read_meta, write_npz
+from ..errors import InvalidTypeError, InvalidValueError
+from ._npz import Check, Header, Mismatch, read_npz, write_npz
 
 __all__ = ["FORMAT", "FeatureOrigin", "FeatureStatistics"]
 
 FORMAT = "featurehooks.statistics/1"
 ArrayLike = Union[Tensor, np.ndarray]
 _STRICT = ("backbone", "layer", "pool", "weights")  # fields that must match for two statistics to be compared
-_ARRAYS = ("mu", "sigma", "features", "meta")
+_ARRAYS = ("mu", "sigma", "features")
 _MAX_COUNT = 2**53  # counts beyond this are not exact in float64, and overflow the moment arithmetic
 
 
@@ -380,47 +378,34 @@ class FeatureStatistics:
         return write_npz(path, meta, mu=mean.numpy(), sigma=sigma.numpy(), features=self._kept[: self._filled])
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> FeatureStatistics:
+    def load(cls, path: str | os.PathLike[str], *, dim: int | None = None) -> FeatureStatistics:
         """Read statistics written by ``save`` (no pickles are read: ``allow_pickle=False``).
+
+        Every size is checked before anything is unpacked: the arrays' shapes against the file's ``meta`` and
+        against ``dim``, the bytes they unpack to against the file's own size and a budget.
+
+        Args:
+            path: the file.
+            dim: the feature dimension expected; ``None`` takes the file's.
 
         Raises:
             InputNotFoundError: no such file.
             InvalidValueError: not a featurehooks statistics file (a pickle, another ``.npz``, another
-                format version), or its arrays are inconsistent.
+                format version), its arrays are inconsistent, or they hold another ``dim`` than asked.
         """
-        where = os.fspath(path)
-        if not os.path.isfile(where):
-            raise InputNotFoundError(f"no statistics file {where}")
+        if dim is not None:
+            check_count(dim, "dim", least=1)
+        arrays, meta = read_npz(path, "featurehooks statistics file", _ARRAYS, meta_format=FORMAT, check=_shapes(dim))
         try:
-            return cls._from_arrays(_read_archive(where))
+            return cls._from_arrays(arrays, meta or {})
         except InvalidValueError as exc:
-            raise InvalidValueError(f"{where} is not a featurehooks statistics file: {exc}") from None
-        except (  # pickles, corrupt archives
-            ValueError,
-            OSError,
-            KeyError,
-            TypeError,
-            EOFError,
-            OverflowError,
-            RecursionError,
-            MemoryError,
-            NotImplementedError,
-            zipfile.BadZipFile,
-            zlib.error,
-        ) as exc:
-            raise InvalidValueError(f"{where} is not a featurehooks statistics file ({exc})") from None
+            raise InvalidValueError(f"{os.fspath(path)} is not a featurehooks statistics file: {exc}") from None
 
     @classmethod
-    def _from_arrays(cls, arrays: dict[str, Any]) -> FeatureStatistics:
+    def _from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> FeatureStatistics:
         """Statistics from the checked ``meta`` and the members of an archive (read once their shapes fit it)."""
-        meta = arrays["meta"]
         count, dim, keep = meta["count"], meta["dim"], meta["keep"]
         mu, sigma, kept = (np.asarray(arrays[name], dtype=np.float64) for name in ("mu", "sigma", "features"))
-        if mu.shape != (dim,) or sigma.shape != (dim, dim) or kept.shape != (min(keep, count), dim):
-            raise InvalidValueError(
-                f"shapes mu {mu.shape}, sigma {sigma.shape}, features {kept.shape} do not fit count {count}, "
-                f"dim {dim}, keep {keep}"
-            )
         if not (np.isfinite(mu).all() and np.isfinite(sigma).all() and np.isfinite(kept).all()):
             raise InvalidValueError("it holds NaN or infinite values")
         origin = meta.get("origin")
@@ -461,35 +446,25 @@ def origin_fields(origin: FeatureOrigin | None) -> dict[str, Any] | None:
     return fields
 
 
-def _read_archive(where: str) -> dict[str, Any]:
-    """``meta`` (checked) and the arrays ``mu``, ``sigma`` and ``features`` of the statistics file ``where``.
+def _shapes(dim: int | None) -> Check:
+    """The check of a statistics file's headers before reading: its ``meta`` in range, each array's shape what
+    ``meta``'s ``dim``, ``count`` and ``keep`` say, and ``dim`` the one asked (when one is)."""
 
-    Nothing is decompressed before its size is known to be what ``meta`` says: each member's ``.npy`` header
-    is read first and its shape checked against ``meta``'s ``dim``, ``count`` and ``keep``, its declared size
-    against the member's, and the member's against the bytes stored for it. A small file declaring a huge
-    array is refused without allocating it.
-    """
-    with open_npz(where) as archive:
-        members = {info.filename: info for info in archive.infolist()}
-        missing = [name for name in _ARRAYS if f"{name}.npy" not in members]
-        if missing:
-            raise InvalidValueError(f"no {', '.join(sorted(missing))} arrays")
-        size = os.path.getsize(where)
-        headers = {name: member_header(archive, members[f"{name}.npy"], size) for name in _ARRAYS}
-        meta = _check_meta(read_meta(archive, members["meta.npy"], headers["meta"], FORMAT))
-        count, dim, keep = meta["count"], meta["dim"], meta["keep"]
-        expected = {"mu": (dim,), "sigma": (dim, dim), "features": (min(keep, count), dim)}
+    def check(headers: dict[str, Header], meta: dict[str, Any] | None) -> None:
+        count, found, keep = (_check_meta(meta or {})[name] for name in ("count", "dim", "keep"))
+        if dim is not None and found != dim:
+            origin = (meta or {}).get("origin")
+            named = f" of {origin.get('backbone')} {origin.get('layer')}" if isinstance(origin, dict) else ""
+            raise Mismatch(f"holds the statistics of {found} features{named}, not dim={dim}")
+        expected = {"mu": (found,), "sigma": (found, found), "features": (min(keep, count), found)}
         shapes = {name: headers[name][0] for name in expected}
         if shapes != expected:
             raise InvalidValueError(
                 f"shapes mu {shapes['mu']}, sigma {shapes['sigma']}, features {shapes['features']} do not fit "
-                f"count {count}, dim {dim}, keep {keep}"
+                f"count {count}, dim {found}, keep {keep}"
             )
-        for name in expected:
-            check_real(name, headers[name][1])
-        arrays: dict[str, Any] = {name: read_member(archive, members[f"{name}.npy"]) for name in expected}
-    arrays["meta"] = meta
-    return arrays
+
+    return check
 
 
 def _check_meta(meta: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,17 @@ def test_dists_command_scores_each_pair_as_the_python_api(
     assert summary in captured.out
 
 
+def test_dists_of_a_folder_with_itself_prints_zero(
+    vgg16_cached: Path, pairs_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dists A A`` printed -4e-08: identical images score exactly 0."""
+    a, _ = pairs_dirs
+    out = tmp_path / "same.csv"
+    assert main(["dists", str(a), str(a), "--out", str(out), *RUN]) == 0
+    assert "DISTS (calibrated): 0 ± 0 over " in capsys.readouterr().out
+    assert {row.split(",")[1] for row in out.read_text().splitlines()[1:]} == {"0.0"}
+
+
 @pytest.mark.slow
 def test_dists_command_takes_the_pair_options(
     pairs_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]

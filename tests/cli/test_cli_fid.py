@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 import urllib.error
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from PIL import Image
 
 from featurehooks.cli import main
-from featurehooks.metrics import FeatureStatistics, load_mu_sigma
+from featurehooks.metrics import FeatureOrigin, FeatureStatistics, load_mu_sigma
 
 pytest.importorskip("pytorch_fid")
 from pytorch_fid.fid_score import calculate_fid_given_paths, get_activations  # noqa: E402
@@ -123,19 +124,54 @@ def test_errors_are_one_line_exit_2(
     FeatureStatistics(origin=None).update(torch.zeros(3, 512)).save(other)
     bare = tmp_path / "bare192.npz"
     np.savez(bare, mu=np.zeros(192), sigma=np.eye(192))
+    resnet = tmp_path / "resnet64.npz"
+    FeatureStatistics(origin=FeatureOrigin("resnet18", "layer1", "avg", "DEFAULT")).update(torch.zeros(3, 64)).save(
+        resnet
+    )
     cases = [
         (["fid", str(tmp_path / "missing"), str(sets[1])], "no such file or folder"),
         (["fid", "--save-stats", str(path), str(tmp_path / "x.npz")], "is a statistics file"),
         (["fid", str(path), str(other), *FAST], "512 features, not --dims 64"),
-        (["fid", str(path), str(bare), *FAST], "pass --dims 192"),
+        (["fid", str(path), str(bare), *FAST], "192 features, not --dims 64: pass --dims 192"),
         (["fid", str(path), str(sets[1]), *FAST, "--weights", "none"], "weights pt_inception-2015-12-05-6726825d"),
-        (["fid", str(path), str(sets[1]), "--dims", "192"], "not FID's (fid_inception maxpool2"),
+        (["fid", str(path), str(sets[1]), "--dims", "192"], "64 features of fid_inception maxpool1, not --dims 192"),
+        (["fid", str(resnet), str(sets[1]), *FAST], "not FID's (fid_inception maxpool1"),
     ]
     for argv, message in cases:
         capsys.readouterr()
         assert main([*argv, *RUN]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("featurehooks: error: ") and message in err, (argv, err)
+
+
+def test_statistics_files_are_recognized_in_any_case(
+    reference: tuple[Path, float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``A.NPZ`` was taken for an image path."""
+    path, _ = reference
+    upper = tmp_path / "A.NPZ"
+    upper.write_bytes(path.read_bytes())
+    capsys.readouterr()
+    assert main(["fid", str(upper), str(path), *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == 0.0
+
+
+def test_a_file_of_other_dims_is_refused_before_it_is_unpacked(
+    reference: tuple[Path, float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mu/sigma file was unpacked whole before its dimension was compared with --dims (0.6 MB cost 560 MB)."""
+    path, _ = reference
+    big = tmp_path / "big.npz"
+    np.savez_compressed(big, mu=np.zeros(2048), sigma=np.eye(2048))  # 32 MiB in a file of ~40 KB
+    tracemalloc.start()
+    try:
+        assert main(["fid", str(big), str(path), *FAST, *RUN]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak:,} bytes allocated"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2048 features, not --dims 64: pass --dims 2048" in err and str(big) in err
 
 
 def test_missing_weights_say_where_to_put_them(

@@ -11,6 +11,7 @@ from PIL import Image
 
 import featurehooks as fh
 from featurehooks.cli import main
+from featurehooks.cli._common import is_statistics_file
 from featurehooks.metrics import (
     FeatureStatistics,
     feature_statistics,
@@ -153,3 +154,12 @@ def test_outputs_into_missing_folders_are_refused_before_any_compute(
     assert main(["lpips", str(a), str(b), "--weights", "none", "--out", str(missing / "s.csv"), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("does not exist") == 2 and ".tmp" not in err
+
+
+def test_fd_stats_and_fid_take_statistics_files_in_any_case(tmp_path: Path) -> None:
+    """``fd``/``stats``/``kid`` took ``A.NPZ`` for an image path (``fid`` too, before)."""
+    for name in ("a.npz", "A.NPZ", "b.Npz"):
+        (tmp_path / name).write_bytes(b"")
+        assert is_statistics_file(str(tmp_path / name))
+    (tmp_path / "c.png").write_bytes(b"")
+    assert not is_statistics_file(str(tmp_path / "c.png")) and not is_statistics_file(str(tmp_path / "gone.npz"))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from featurehooks import FeatureExtractor, dump_features, read_manifest
+from featurehooks.dump import manifest as manifest_module
 from featurehooks.dump.manifest import (
     UNRECORDED,
     CorruptDumpError,
@@ -224,6 +225,25 @@ def test_a_dump_writes_what_its_manifest_reads_back(tmp_path: Path) -> None:
     assert manifest.to_dict() == json.loads(text) and manifest.num_valid == 3 and manifest.skipped == ()
     assert manifest.settings.inputs == InputsRecord("dataset", 3, manifest.settings.inputs.sha256)
     assert Manifest.read(tmp_path / "missing.json") is None
+
+
+def test_a_hostile_manifest_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deeply nested manifest.json raised a bare RecursionError; a huge one was read whole."""
+    path = tmp_path / "manifest.json"
+    cases = {
+        "[" * 100_000 + "]" * 100_000: "nests more than 16 levels deep",  # beyond json's own recursion limit
+        json.dumps({**files_manifest(), "preprocessing": {"a": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}}): "more than 16",
+        json.dumps(files_manifest()) + " " * (1 << 20): "bytes, more than a manifest holds",
+    }
+    for text, message in cases.items():
+        if "holds" in message:
+            monkeypatch.setattr(manifest_module, "_MAX_BYTES", 1 << 20)
+        path.write_text(text)
+        with pytest.raises(CorruptDumpError, match=message) as caught:
+            Manifest.read(path)
+        assert "\n" not in str(caught.value) and str(path) in str(caught.value)
+    path.write_text(json.dumps(files_manifest()))
+    assert Manifest.read(path) == Manifest.from_dict(files_manifest())  # 4 levels deep, within the size
 
 
 def test_the_dict_access_of_earlier_releases_warns_and_still_answers() -> None:

@@ -79,6 +79,41 @@ def test_identical_sets() -> None:
     assert precision_recall(real, real.copy(), k=3)[:2] == (1.0, 1.0)
 
 
+SCALES = [1e-38, 1e-30, 1e-23, 1e-20, 1e-12, 1.0, 1e12, 1e19, 1e20, 1e30, 1e38]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_float32_features_at_either_end_of_the_range_equal_float64s(scale: float) -> None:
+    """Squared distances that float32 cannot hold (overflow from about 1e19, underflow below about 1e-19) are
+    taken in float64: before, features of 1e20 failed on radii the user never passed, and those of 1e-23 gave 0."""
+    real, fake = sets(real=150, fake=120, dim=8)
+    top = max(np.abs(real).max(), np.abs(fake).max())
+    single = [(x / top * scale).astype(np.float32) for x in (real, fake)]
+    assert all(np.isfinite(x).all() and np.abs(x).max() > 0 for x in single)
+    expected = oracle(*(x.astype(np.float64) for x in single), 3)
+    result = precision_recall(*single, k=3)
+    assert result._asdict() == pytest.approx(expected, abs=1e-12, rel=0)
+    assert result.precision > 0.3 and result.recall > 0.3  # not the zeros of underflowed distances
+    manifold = Manifold.from_features(single[0], k=3)
+    unrounded = scale <= 1e-20 or scale >= 1e20  # squared radii outside float32's normal range
+    assert manifold.features.dtype == (torch.float64 if unrounded else torch.float32)
+    assert precision_recall(manifold, single[1]) == result
+
+
+def test_float32_features_in_range_keep_the_float32_distances_of_prdc() -> None:
+    """Coordinates below 2**-40 in a set of ordinary norms: still float32 distances (equal to prdc on float32)."""
+    real, fake = (x.astype(np.float32) for x in sets(seed=2))
+    real[:, 0], fake[:, 0] = 1e-30, -3e-25  # tiny coordinates (a GELU's output far below 0)
+    assert precision_recall(real, fake, k=3)._asdict() == pytest.approx(oracle(real, fake, 3), abs=1e-6, rel=0)
+    assert Manifold.from_features(real, k=3).radii.dtype == torch.float32
+
+
+def test_float64_features_beyond_its_range_are_a_clear_error() -> None:
+    real, fake = sets(real=20, fake=20)
+    with pytest.raises(InvalidValueError, match="real: the squared distances between these features overflow"):
+        precision_recall(real * 1e200, fake * 1e200, k=3)
+
+
 # -- streaming -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 def test_blocks_of_any_size_agree(chunk_size: int) -> None:
@@ -88,14 +123,14 @@ def test_blocks_of_any_size_agree(chunk_size: int) -> None:
 
 def test_no_block_is_n_by_n(monkeypatch: pytest.MonkeyPatch) -> None:
     shapes: list[tuple[int, ...]] = []
-    original = ours._Side.distances
+    original = ours._Side.squared_distances
 
     def recorded(self: ours._Side, start: int, stop: int, other: ours._Side) -> torch.Tensor:
         block = original(self, start, stop, other)
         shapes.append(tuple(block.shape))
         return block
 
-    monkeypatch.setattr(ours._Side, "distances", recorded)
+    monkeypatch.setattr(ours._Side, "squared_distances", recorded)
     monkeypatch.setattr(ours, "BLOCK", 4000)  # the default blocks, scaled down to these sets
     real, fake = sets(real=200, fake=100)
     precision_recall(real, fake, k=3)
@@ -195,7 +230,7 @@ def test_the_callers_features_are_not_changed() -> None:
 
 
 def test_load_refuses_what_is_no_manifold(tmp_path: Path) -> None:
-    with pytest.raises(InputNotFoundError, match="no manifold file"):
+    with pytest.raises(InputNotFoundError, match="no featurehooks manifold file"):
         Manifold.load(tmp_path / "missing.npz")
     stats = FeatureStatistics(keep=10).update(np.ones((4, 3)))
     with pytest.raises(InvalidValueError, match="is not a featurehooks manifold file: it holds"):
@@ -215,5 +250,5 @@ def test_load_refuses_what_is_no_manifold(tmp_path: Path) -> None:
         radii=manifold.radii.numpy()[:5],
         meta=np.array('{"format": "featurehooks.manifold/1", "k": 2, "origin": null}'),
     )
-    with pytest.raises(InvalidValueError, match=r"radii must be a \(6,\) tensor"):
+    with pytest.raises(InvalidValueError, match=r"radii of shape \(5,\): expected \(N, D\) and \(N,\)"):
         Manifold.load(broken)
