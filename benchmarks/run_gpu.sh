@@ -49,8 +49,9 @@ unpack() {  # ARCHIVE: its .json and .md into RESULTS (default benchmarks/result
   printf '%s\n' "${charts[@]}"
 }
 
-benchmark() {  # NAME LIMIT_S ARGS...: one script under its own limit, its output to its own log
-  local name=$1 limit=$2 started=$SECONDS status=0
+benchmark() {  # NAME LIMIT_S ARGS...: one script under its own limit (times LIMIT_SCALE, 1 unless set: a rehearsal
+  # on a busy machine), its output to its own log
+  local name=$1 limit=$(($2 * ${LIMIT_SCALE:-1})) started=$SECONDS status=0
   shift 2
   echo "== $name (limit ${limit} s)"
   timeout "$limit" "$PYTHON" "benchmarks/$name.py" "${COMMON[@]}" "$@" >"$LOGS/$name.log" 2>&1 || status=$?
