@@ -3,7 +3,7 @@
 ``ComputePolicy`` is one small object that ``FeatureExtractor`` holds (and through it the losses and metrics): the
 precision (``_precision``: stored once, the device checked at each forward, any enclosing autocast off) and the
 memory format (``_formats``: forced, or chosen per forward under ``"auto"`` from the convolution work the meta
-trace counted, once a channels-last meta forward ran). ``KeepsPrecision`` is the one definition of the rule that
+trace counted, where a channels-last meta forward ran). ``KeepsPrecision`` is the one definition of the rule that
 ``.to()``/``.half()``/... only move the tensors of a module computing in bf16/fp16, never recast them: the
 extractor, LPIPS and DISTS inherit it.
 """
@@ -48,31 +48,21 @@ class ComputePolicy:
         self.memory_format: MemoryFormat = memory_format
         self.precision: Precision = precision
         self.conv_work: ConvWork | None = None
-        self._unchecked: tuple[Trace, Site | None] | None = None  # the trace and stop of a check still to run
 
     def counts_conv(self, graph: bool) -> bool:
         """Whether the meta trace should count the convolution work: ``"auto"`` uses channels-last only without a
         graph (or in bf16/fp16), so only such a policy needs it."""
         return self.memory_format == "auto" and (not graph or self.precision != "float32")
 
-    def weigh(self, found: Trace | None, stop: Site | None) -> None:
+    def weigh(self, found: Trace | None, stop: Site | None, model: nn.Module) -> None:
         """Take ``conv_work`` from the construction's trace: the work up to the call ``stop`` (None: the whole
-        forward). Where it says channels-last could pay, whether the model runs in it at all is left to ``evidence``,
-        so that a backbone never run channels-last never pays for the check."""
+        forward). Where it says channels-last could pay, ``model`` must also run channels-last on the meta device
+        up to ``stop`` (``Trace.runs_channels_last``); a model that fails there is never run in it. Checked here,
+        eagerly, rather than at the first forward: a compiled forward cannot run a meta forward inside its graph."""
         self.conv_work = found.conv_work.get(stop) if found is not None else None
-        pays_somewhere = self.conv_work is not None and self.conv_work.share >= CONV_SHARE
-        self._unchecked = (found, stop) if found is not None and pays_somewhere else None
-
-    def evidence(self, model: nn.Module) -> ConvWork | None:
-        """``conv_work``, once ``model`` was found to run channels-last on the meta device up to where the forward
-        stops (``Trace.runs_channels_last``, once): None for a model that fails there, which is never run in it."""
-        unchecked = self._unchecked
-        if unchecked is not None:
-            found, stop = unchecked
-            if not found.runs_channels_last(model, stop):
-                self.conv_work = None
-            self._unchecked = None  # after conv_work: another thread that sees no check left sees its outcome
-        return self.conv_work
+        pays = found is not None and self.conv_work is not None and self.conv_work.share >= CONV_SHARE
+        if pays and not found.runs_channels_last(model, stop):  # type: ignore[union-attr]  # found is set if pays
+            self.conv_work = None
 
     @property
     def weights_format(self) -> str:
@@ -94,16 +84,13 @@ class ComputePolicy:
         """The dtype the backbone computes in: the precision's for bf16/fp16, else ``dtype`` (that of the images)."""
         return COMPUTE_DTYPES[self.precision] if self.precision != "float32" else dtype
 
-    def format_for(self, shape: tuple[int, ...], *, graph: bool, device_type: str, model: nn.Module) -> str:
-        """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` through ``model``
-        runs in (see ``FeatureExtractor.memory_format_for``); the first that would run channels-last checks that
-        ``model`` can (``evidence``)."""
+    def format_for(self, shape: tuple[int, ...], *, graph: bool, device_type: str) -> str:
+        """``"channels_last"`` or ``"contiguous"``: the format a forward of images of ``shape`` runs in (see
+        ``FeatureExtractor.memory_format_for``)."""
         if self.memory_format != "auto":
             return self.memory_format
         if graph and self.precision == "float32":
             return "contiguous"
-        if self._unchecked is not None and auto_format(self.conv_work, device_type, shape) == "channels_last":
-            self.evidence(model)
         return auto_format(self.conv_work, device_type, shape)
 
     def run(self, forward: Callable[[Tensor], R], x: Tensor, chosen: str) -> R:

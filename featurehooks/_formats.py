@@ -10,7 +10,7 @@
   convolutions do most of the work up to the deepest requested layer (``ConvWork.share``, counted in FLOPs by
   the meta trace) when each convolution weight is used at least ``MIN_REUSE`` times in one image's forward
   (``ConvWork.reuse``), and when the backbone runs channels-last on the meta device up to there
-  (``Trace.runs_channels_last``, checked once, before the first forward that would): a forward runs once, in
+  (``Trace.runs_channels_last``, checked once, at construction): a forward runs once, in
   the format chosen before it, and never again in another after a failure. Only the images are converted:
   a channels-last forward then converts each weight again, a cost that grows with the weights while the
   gain grows with the work done on them. ``benchmarks/memory_formats.py --sizes`` measured channels-last

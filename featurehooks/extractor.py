@@ -186,7 +186,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         self._policy = policy
         self._register_normalization(self.preprocessing)
         # the convolution work of what the forward runs (None: not counted, or no evidence that channels-last runs)
-        policy.weigh(found, self._stop_site)
+        policy.weigh(found, self._stop_site, model)
         policy.settle_format(model)
         self._format: str = policy.weights_format
         self._range = RangeCheck(self.input_range)
@@ -237,7 +237,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
     def conv_work(self) -> ConvWork | None:
         """The convolution work of what the forward runs, which ``memory_format="auto"`` decides by (``share`` of the
         FLOPs in convolutions, ``reuse`` of each weight per image); None where not counted or channels-last fails."""
-        return self._policy.evidence(self._model)
+        return self._policy.conv_work
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -252,7 +252,7 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         float32 forward with a graph runs NCHW; others run channels-last where ``conv_work`` says it pays.
         """
         graph = self.mode == "grad" if graph is None else graph
-        return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type, model=self._model)
+        return self._policy.format_for(tuple(shape), graph=graph, device_type=self.mean.device.type)
 
     def activation_bytes(self, height: int, width: int) -> int | None:
         """Bytes of the largest module output per image of ``height x width`` in what the forward runs (up to

@@ -66,10 +66,11 @@ def test_the_demo_says_which_weights_it_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)  # it writes demo-output/ here
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty_cache"))  # no VGG16 weights, whatever other tests cached
     load_script("examples/demo.py").main()
     out = capsys.readouterr().out
     assert "weights None" not in out
-    assert "RANDOM weights (seed 0)" in out  # no VGG16 weights in the tests' cache: seeded random ones
+    assert "RANDOM weights (seed 0)" in out  # seeded random ones
 
 
 def test_make_sample_images_help_changes_nothing() -> None:
