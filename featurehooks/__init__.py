@@ -1,5 +1,8 @@
 """featurehooks: named intermediate features and perceptual losses from frozen pretrained backbones."""
 
+from . import _openmp  # noqa: F401  # first: sets the commands' OpenMP waits before anything imports torch
+
+# isort: split
 from . import functional, losses, metrics, probes
 from ._capture import CapturedFeatures, capture
 from ._stream import StreamOptions

@@ -14,7 +14,7 @@ PACKAGE = REPO / "featurehooks"
 
 # README.md "Layout", bottom up: a unit may import its own floor and the floors before it
 FLOORS = [
-    {"errors", "_atomic", "_version"},
+    {"errors", "_atomic", "_version", "_openmp"},
     {"_taps", "_layout", "_copy", "_precision"},
     {"_trace", "_hooks", "_tap_session", "_formats", "_compute", "_inputs", "_outputs"},
     {"backbones", "layers"},

@@ -6,22 +6,30 @@ machine, decoding workers and torch's intra-op threads (which spin while they wa
 slow each other down, most on a machine that other jobs share. The pipeline keeps its busy threads (decoding
 workers + torch's threads) within ``available_cpus()``; a thread count the user chose (``torch.set_num_threads``,
 ``OMP_NUM_THREADS``) is left as it is.
+
+Other jobs on the same cores are seen from the inside: the time this process's threads spend runnable but waiting
+for a CPU (Linux schedstat), which ``WaitMeter`` reads around a forward.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-__all__ = ["available_cpus", "forward_threads", "threads_for"]
+__all__ = ["CONTENDED_SHARE", "WaitMeter", "available_cpus", "cpu_wait_seconds", "forward_threads", "threads_for"]
 
 _CGROUP = Path("/sys/fs/cgroup")
+_TASKS = Path("/proc/self/task")
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# threads that waited for a CPU longer than this share of their time ran on cores other jobs kept busy (measured on
+# 2 cores: 0.005 quiet, 0.67 beside two multi-threaded torch jobs or two busy Python loops; docs/performance.md)
+CONTENDED_SHARE = 0.1
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, unless the user set it before importing us
 
 
@@ -76,3 +84,32 @@ def forward_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def cpu_wait_seconds() -> float | None:
+    """Seconds the threads of this process have spent runnable but waiting for a CPU, so far (the second field
+    of Linux ``/proc/self/task/*/schedstat``); ``None`` where the kernel does not say."""
+    total, read = 0, False
+    for path in _TASKS.glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread that just exited, or no schedstat
+            continue
+        read = True
+    return total / 1e9 if read else None
+
+
+class WaitMeter:
+    """Whether this process's threads waited for a CPU (other jobs running on its cores) more than
+    ``CONTENDED_SHARE`` of their time since the meter was started; never where the kernel does not say."""
+
+    def __init__(self) -> None:
+        self._wall = time.perf_counter()
+        self._waited = cpu_wait_seconds()
+
+    def contended(self, threads: int) -> bool:
+        """``threads`` busy threads waited longer than ``CONTENDED_SHARE`` of their time since the start."""
+        waited = cpu_wait_seconds()
+        if waited is None or self._waited is None:
+            return False
+        return waited - self._waited > CONTENDED_SHARE * threads * (time.perf_counter() - self._wall)

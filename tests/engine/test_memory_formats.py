@@ -347,7 +347,7 @@ def test_micro_batches_fit_the_budget_on_the_cpu_only(monkeypatch: pytest.Monkey
     assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), tiling.WORKERS_BUDGET) == 20
     assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224), 16 * mib) == 3
     assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta"), 16 * mib) == 32
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 1) == 1
+    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 1) == 2  # ATen's kernels change below 2
     monkeypatch.setattr(resnet, "activation_bytes", lambda height, width: None)  # untraced: no sizes to go by
     assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 32
 
@@ -357,14 +357,35 @@ def test_micro_batched_dump_rows_equal_one_forward(monkeypatch: pytest.MonkeyPat
     extractor = seeded_extractor("resnet18", ["layer2", "layer3"])
     images = torch.rand(7, 3, 64, 64)
     whole = stream_forward.features_as_arrays(extractor, images, pool, "float32")
-    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 3)  # 3 + 3 + 1
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 3)  # 3 + 4: no piece of one image
     tiled = stream_forward.features_as_arrays(extractor, images, pool, "float32", budget=1)
     direct = extractor(images)
     for name, array in tiled.items():
         assert array.flags.c_contiguous and array.shape == whole[name].shape
-        np.testing.assert_allclose(array, whole[name], rtol=0, atol=1e-5 * float(np.abs(whole[name]).max()))
+        np.testing.assert_array_equal(array, whole[name])
         if pool is None:
             np.testing.assert_array_equal(whole[name], direct[name].numpy())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("backbone", "layers"), [("resnet18", ["layer4"]), ("mobilenet_v3_small", ["features.6"])])
+@pytest.mark.parametrize("batch", [5, 20])
+def test_the_smallest_micro_batches_round_as_the_whole_batch(
+    backbone: str, layers: list[str], threads: int, batch: int
+) -> None:
+    """ATen runs 1x1 convolutions natively for a batch of one, and at one thread below 16: micro-batches of one
+    image (or, at one thread, under 16 of a batch of 16 or more) rounded differently from one forward."""
+    extractor = seeded_extractor(backbone, layers)
+    images = torch.rand(batch, 3, 48, 48)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = stream_forward.features_as_arrays(extractor, images, None, "float32")
+        smallest = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
+    finally:
+        torch.set_num_threads(before)
+    for name, array in whole.items():
+        np.testing.assert_array_equal(smallest[name], array)
 
 
 def test_dumps_of_both_formats_agree_and_are_c_ordered(tmp_path: Path) -> None:

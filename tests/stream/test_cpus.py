@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,53 @@ def test_statistics_on_a_busy_cpu_run_within_its_cores(monkeypatch: pytest.Monke
         assert torch.get_num_threads() == 16
     finally:
         torch.set_num_threads(torch_default)
+
+
+def test_the_wait_for_a_cpu_is_read_from_schedstat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for task, text in [("1", "500 2000000000 3\n"), ("2", "7 500000000 1\n"), ("3", "garbled\n")]:
+        (tmp_path / task).mkdir()
+        (tmp_path / task / "schedstat").write_text(text)
+    monkeypatch.setattr(cpus, "_TASKS", tmp_path)
+    assert cpus.cpu_wait_seconds() == 2.5
+    monkeypatch.setattr(cpus, "_TASKS", tmp_path / "missing")  # no schedstat: nothing to say
+    assert cpus.cpu_wait_seconds() is None
+    assert not cpus.WaitMeter().contended(2)
+
+
+def test_a_meter_calls_threads_that_waited_a_tenth_of_their_time_contended(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([100.0, 101.0])  # one second of wall time
+    monkeypatch.setattr(cpus.time, "perf_counter", lambda: next(clock))
+    waits = iter([3.0, 3.25])
+    monkeypatch.setattr(cpus, "cpu_wait_seconds", lambda: next(waits))
+    assert cpus.WaitMeter().contended(2)  # 0.25 s of 2 threads x 1 s: over a tenth
+    clock, waits = iter([100.0, 101.0]), iter([3.0, 3.15])
+    assert not cpus.WaitMeter().contended(2)
+
+
+def test_on_busy_cores_the_rest_of_a_batch_runs_in_one_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each micro-batch's many short OpenMP regions wait for a descheduled thread beside other jobs: after one
+    that waited, the rest of the batch runs at once, with the same rows."""
+    sizes: list[int] = []
+    part = stream_forward._part_as_arrays
+
+    def counted(extractor: fh.FeatureExtractor, images: torch.Tensor, *rest: object) -> object:
+        sizes.append(len(images))
+        return part(extractor, images, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stream_forward, "_part_as_arrays", counted)
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 2)
+    torch.manual_seed(0)
+    extractor = fh.FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), ["1"])
+    images = torch.rand(9, 3, 16, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        quiet = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
+        assert sizes == [2, 2, 2, 3]
+        sizes.clear()
+        monkeypatch.setattr(cpus.WaitMeter, "contended", lambda self, threads: True)
+        busy = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
+    finally:
+        torch.set_num_threads(before)
+    assert sizes == [2, 7]
+    np.testing.assert_array_equal(busy["1"], quiet["1"])
