@@ -21,6 +21,7 @@ import featurehooks as fh
 from featurehooks import _formats
 from featurehooks._stream import forward as stream_forward
 from featurehooks._stream import tiling
+from featurehooks._stream.cpus import forward_threads
 from featurehooks.cli import main
 from featurehooks.dump import dump_features
 from featurehooks.errors import InvalidValueError
@@ -343,11 +344,15 @@ def test_cache_sizes_are_read_as_sysfs_writes_them(text: str, expected: int | No
 def test_micro_batches_fit_the_budget_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     resnet = seeded_extractor("resnet18", ["layer4"])
     mib = 2**20
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 5  # 16 MiB / 3.06 MiB per image
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), tiling.WORKERS_BUDGET) == 20
-    assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224), 16 * mib) == 3
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta"), 16 * mib) == 32
-    assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 1) == 2  # ATen's kernels change below 2
+    with forward_threads(2):
+        assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 5  # 16 MiB / 3.06 MiB each
+        assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), tiling.WORKERS_BUDGET) == 20
+        assert tiling.micro_batch_size(resnet, torch.empty(3, 3, 224, 224), 16 * mib) == 3
+        assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224, device="meta"), 16 * mib) == 32
+        assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 1) == 2  # ATen's kernels change below 2
+    with forward_threads(1):  # and at one thread below 16, for a batch of 16 or more
+        assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 16
+        assert tiling.micro_batch_size(resnet, torch.empty(15, 3, 224, 224), 16 * mib) == 5
     monkeypatch.setattr(resnet, "activation_bytes", lambda height, width: None)  # untraced: no sizes to go by
     assert tiling.micro_batch_size(resnet, torch.empty(32, 3, 224, 224), 16 * mib) == 32
 
@@ -377,13 +382,9 @@ def test_the_smallest_micro_batches_round_as_the_whole_batch(
     image (or, at one thread, under 16 of a batch of 16 or more) rounded differently from one forward."""
     extractor = seeded_extractor(backbone, layers)
     images = torch.rand(batch, 3, 48, 48)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with forward_threads(threads):
         whole = stream_forward.features_as_arrays(extractor, images, None, "float32")
         smallest = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
-    finally:
-        torch.set_num_threads(before)
     for name, array in whole.items():
         np.testing.assert_array_equal(smallest[name], array)
 
