@@ -137,31 +137,21 @@ def test_a_meter_calls_threads_that_waited_a_tenth_of_their_time_contended(monke
     assert not cpus.WaitMeter().contended(2)
 
 
-def test_on_busy_cores_the_rest_of_a_batch_runs_in_one_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_busy_cores_the_rest_of_a_batch_runs_in_one_forward(
+    monkeypatch: pytest.MonkeyPatch, micro_batch_sizes: list[int]
+) -> None:
     """Each micro-batch's many short OpenMP regions wait for a descheduled thread beside other jobs: after one
     that waited, the rest of the batch runs at once, with the same rows."""
-    sizes: list[int] = []
-    part = stream_forward._part_as_arrays
-
-    def counted(extractor: fh.FeatureExtractor, images: torch.Tensor, *rest: object) -> object:
-        sizes.append(len(images))
-        return part(extractor, images, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(stream_forward, "_part_as_arrays", counted)
     monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 2)
     torch.manual_seed(0)
     extractor = fh.FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), ["1"])
     images = torch.rand(9, 3, 16, 16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with cpus.forward_threads(2):
         monkeypatch.setattr(cpus.WaitMeter, "contended", lambda self, threads: False)  # whatever else runs now
         quiet = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
-        assert sizes == [2, 2, 2, 3]
-        sizes.clear()
+        assert micro_batch_sizes == [2, 2, 2, 3]
+        micro_batch_sizes.clear()
         monkeypatch.setattr(cpus.WaitMeter, "contended", lambda self, threads: True)
         busy = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
-    finally:
-        torch.set_num_threads(before)
-    assert sizes == [2, 7]
+    assert micro_batch_sizes == [2, 7]
     np.testing.assert_array_equal(busy["1"], quiet["1"])
