@@ -21,7 +21,7 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 """
 
 from .forward import placement, row_shapes
-from .loader import Batch, loader_workers, row_loader, worker_deaths
+from .loader import Batch, loader_workers, pixel_pieces, row_loader, worker_deaths
 from .options import Streaming, StreamOptions
 from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
 from .progress import Progress
@@ -53,6 +53,7 @@ __all__ = [
     "inputs_digest",
     "list_images",
     "loader_workers",
+    "pixel_pieces",
     "placement",
     "planned_on_main",
     "resolve_inputs",

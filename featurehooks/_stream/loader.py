@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ..errors import RunFailedError
 from .cpus import available_cpus
 from .sources import Sample
+
+T = TypeVar("T")
 
 __all__ = ["Batch", "collate_batch", "cut_to_pixels", "loader_workers", "row_loader", "worker_deaths"]
 
@@ -59,20 +61,24 @@ def cut_to_pixels(
     Lazy: the DataLoader asks for the next batch as it decodes, so sizes read from files' headers are read then.
     """
     for batch in batches:
-        if budget is None:
-            yield batch
-            continue
-        piece: list[int] = []
-        total = 0
-        for row in batch:
-            area = pixels(row)
+        yield from pixel_pieces(batch, pixels, budget)
+
+
+def pixel_pieces(items: Iterable[T], pixels: Callable[[T], int], budget: int | None) -> Iterator[list[T]]:
+    """``items`` in consecutive pieces of at most ``budget`` pixels (``pixels(item)`` each; an item larger than the
+    budget goes alone); ``None``: one piece, and ``pixels`` is never called."""
+    piece: list[T] = []
+    total = 0
+    for item in items:
+        if budget is not None:
+            area = pixels(item)
             if piece and total + area > budget:
                 yield piece
                 piece, total = [], 0
-            piece.append(row)
             total += area
-        if piece:
-            yield piece
+        piece.append(item)
+    if piece:
+        yield piece
 
 
 def row_loader(

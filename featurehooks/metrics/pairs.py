@@ -35,6 +35,7 @@ from .._stream import (
     feature_batches,
     list_images,
     loader_workers,
+    pixel_pieces,
     placement,
     row_loader,
 )
@@ -211,18 +212,7 @@ class _PairBatches(IterableDataset):
 
     def _cut(self, indices: range) -> Iterator[list[Sample]]:
         """The pairs at ``indices``, prepared, in batches of at most ``batch_pixels`` (one pair at least)."""
-        batch: list[Sample] = []
-        pixels = 0
-        for index in indices:
-            item = self._prepare(index)
-            area = item.image.shape[-2] * item.image.shape[-1] if item.image is not None else 0
-            if batch and self.batch_pixels is not None and pixels + area > self.batch_pixels:
-                yield batch
-                batch, pixels = [], 0
-            batch.append(item)
-            pixels += area
-        if batch:
-            yield batch
+        yield from pixel_pieces(map(self._prepare, indices), _pixels, self.batch_pixels)
 
     def _prepare(self, index: int) -> Sample:
         images = []
@@ -241,6 +231,10 @@ class _PairBatches(IterableDataset):
                 f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)",
             )
         return Sample(index, torch.stack([a, b]), "")
+
+
+def _pixels(item: Sample) -> int:
+    return item.image.shape[-2] * item.image.shape[-1] if item.image is not None else 0
 
 
 def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:

@@ -15,7 +15,7 @@ Examples:
 
 from .modifiers import GradModifier, GradTarget, clip_grad, reverse_grad, scale_grad
 from .nonfinite import INPUT, OUTPUT, NonFiniteDetector, detect_nonfinite
-from .watch import STATS, Watch, WatchRow, watch
+from .watch import STATS, Watch, WatchOptions, WatchRow, watch
 
 __all__ = [
     "INPUT",
@@ -25,6 +25,7 @@ __all__ = [
     "GradTarget",
     "NonFiniteDetector",
     "Watch",
+    "WatchOptions",
     "WatchRow",
     "clip_grad",
     "detect_nonfinite",

@@ -14,11 +14,12 @@ import os
 import threading
 from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import astuple, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import Unpack
 
 from .._hooks import Observer, ObserverSession
 from .._taps import call_name
@@ -41,7 +42,7 @@ from ._moments import (
 )
 from ._torch import pytree_leaves
 
-__all__ = ["STATS", "Watch", "WatchRow", "watch"]
+__all__ = ["STATS", "Watch", "WatchOptions", "WatchRow", "watch"]
 
 STATS = ("count", "mean", "std", "min", "max", "absmax", "zeros", "nonfinite")
 """The statistics ``watch`` can compute (all of them by default; fewer is cheaper), as ``WatchRow`` fields.
@@ -195,6 +196,31 @@ class _GradStats:
 
     def __call__(self, grad: Tensor) -> None:
         self.owner._add(self.path, self.call, "grad", grad)
+
+
+class WatchOptions(TypedDict, total=False):
+    """The keyword options of ``watch`` (and ``Watch``).
+
+    Keys (all optional):
+        grads: also watch the gradients with respect to the outputs. Default: ``True``.
+        stats: which statistics to compute, from ``STATS`` (fewer is cheaper). Default: all of ``STATS``.
+        fused: on the CPU, take every statistic of a call of at least 2048 values in one pass compiled by
+            TorchInductor instead of several eager ones; the same statistics up to the summation order. The kernel
+            is compiled once per process for each dtype (and thread count, and for inference tensors), at the
+            first such call, and needs a C++ compiler: where it cannot be built that call raises
+            ``RunFailedError``, and every later one at once. Default: ``False``.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.probes import WatchOptions, watch
+        >>> options: WatchOptions = {"grads": False, "stats": ("mean",)}
+        >>> with watch(torch.nn.Linear(4, 2), **options) as w:
+        ...     _ = w.summary()
+    """
+
+    grads: bool
+    stats: Sequence[str]
+    fused: bool
 
 
 class Watch(Observer[None], ProbeHandle):
@@ -390,14 +416,7 @@ class Watch(Observer[None], ProbeHandle):
         return f"Watch({len(self._order)} layers, grads={self.grads}{fused}, {state})"
 
 
-def watch(
-    model: nn.Module,
-    layers: str | Sequence[str] | None = None,
-    *,
-    grads: bool = True,
-    stats: Sequence[str] = STATS,
-    fused: bool = False,
-) -> Watch:
+def watch(model: nn.Module, layers: str | Sequence[str] | None = None, **options: Unpack[WatchOptions]) -> Watch:
     """Accumulate statistics of layer outputs and of their gradients while you train ``model``.
 
     The model is neither copied nor frozen nor switched to eval. For every call of every watched
@@ -416,13 +435,7 @@ def watch(
         layers: module paths, aliases or glob patterns over module paths (``"layer*.conv1"``); a
             path watches every call of its module and ``path_k`` only call k. Default: every
             leaf module with parameters of its own.
-        grads: also watch the gradients with respect to the outputs.
-        stats: which statistics to compute, from ``STATS`` (fewer is cheaper).
-        fused: on the CPU, take every statistic of a call of at least 2048 values in one pass compiled by
-            TorchInductor instead of several eager ones; the same statistics up to the summation order. The kernel
-            is compiled once per process for each dtype (and thread count, and for inference tensors), at the
-            first such call, and needs a C++ compiler: where it cannot be built that call raises
-            ``RunFailedError``, and every later one at once.
+        **options: the ``WatchOptions``: ``grads``, ``stats``, ``fused``.
 
     Examples:
         >>> import torch
@@ -434,7 +447,7 @@ def watch(
         >>> [(row.name, row.kind, row.count) for row in w.summary()]
         [('0', 'output', 128), ('0', 'grad', 128), ('2', 'output', 16), ('2', 'grad', 16)]
     """
-    return Watch(model, layers, grads=grads, stats=stats, fused=fused)
+    return Watch(model, layers, **options)
 
 
 def _check_stats(stats: Sequence[str]) -> frozenset[str]:
