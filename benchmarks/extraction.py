@@ -500,7 +500,7 @@ def targets(groups: list[R.Group], device_type: str = "cpu") -> list[R.Target]:
     return found
 
 
-def _release(m: Models | None) -> None:
+def release_models(m: Models | None) -> None:
     if m is None:
         return
     for module in m.all_extractors():
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 budget = cfg.budget * (2 if key == HEADLINE else 1)
                                 results.add(run_group(key, title, models, batch, size, mode, precision, cfg, budget))
             finally:
-                _release(models)
+                release_models(models)
                 del models
     return results.finish()
 

@@ -65,13 +65,13 @@ def check_device(precision: str, device: torch.device) -> None:
 
 @torch.compiler.assume_constant_result
 def _refusal(precision: str, device_type: str, index: int | None) -> str:
-    """``_unsupported``, which ``torch.compile`` calls while it traces and keeps as a constant (a device's kernels do
+    """``unsupported``, which ``torch.compile`` calls while it traces and keeps as a constant (a device's kernels do
     not change while a process runs): a compiled forward is refused as an eager one is, without a graph break."""
-    return _unsupported(precision, device_type, index)
+    return unsupported(precision, device_type, index)
 
 
 @functools.cache
-def _unsupported(precision: str, device_type: str, index: int | None) -> str:
+def unsupported(precision: str, device_type: str, index: int | None) -> str:
     """Why ``precision`` cannot run on the device, or "" when it can (asked once per device)."""
     if device_type == "cpu":
         if precision == "fp16" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():

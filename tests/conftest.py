@@ -159,9 +159,9 @@ def cpu_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     the benchmarks' business). Where the CPU has bfloat16, nothing changes."""
     from featurehooks import _precision
 
-    refused = _precision._unsupported
+    refused = _precision.unsupported
 
     def unsupported(precision: str, device_type: str, index: int | None) -> str:
         return "" if (precision, device_type) == ("bf16", "cpu") else refused(precision, device_type, index)
 
-    monkeypatch.setattr(_precision, "_unsupported", unsupported)
+    monkeypatch.setattr(_precision, "unsupported", unsupported)

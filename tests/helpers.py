@@ -83,7 +83,7 @@ def bf16_value_and_grad(
 
 
 needs_cpu_bf16 = pytest.mark.skipif(
-    bool(_precision._unsupported("bf16", "cpu", None)), reason="this CPU has no native bfloat16 (precision='bf16')"
+    bool(_precision.unsupported("bf16", "cpu", None)), reason="this CPU has no native bfloat16 (precision='bf16')"
 )
 """Marks a test of ``precision="bf16"`` on the CPU too slow to run emulated: it runs where featurehooks lets bf16
 run (AVX512-BF16, AMX-BF16, Arm BF16). Emulated (an AVX2 EPYC), a VGG16 step in bf16 took 36x float32's time."""

@@ -38,7 +38,7 @@ WORKERS_BUDGET = 64 * 2**20
 _ONE_THREAD_NATIVE_BELOW = 16
 
 
-def _size_in_bytes(text: str) -> int | None:
+def size_in_bytes(text: str) -> int | None:
     match = re.fullmatch(r"(\d+)\s*([KMG]?)", text.strip().upper())
     return int(match.group(1)) * _UNITS[match.group(2)] if match else None
 
@@ -50,7 +50,7 @@ def cache_budget() -> int:
     sizes = []
     for entry in _SYSFS_CACHES.glob("index*/size"):
         try:
-            size = _size_in_bytes(entry.read_text())
+            size = size_in_bytes(entry.read_text())
         except OSError:
             continue
         if size:

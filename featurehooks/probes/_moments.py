@@ -126,11 +126,11 @@ def call_moments(
         return zeros.tolist() if read_now else zeros
     flat = _flat(x.detach())
     if read_now and flat.dtype in _FAST_DTYPES:  # reductions of a detached tensor: no graph, no autocast policy
-        fast = _fast_moments(flat, need, scratch, float(shift), fused)
+        fast = fast_moments(flat, need, scratch, float(shift), fused)
         if fast is not None:
             return fast
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        exact = _exact_moments(flat.to(accumulate), need, torch.as_tensor(shift, dtype=accumulate, device=x.device))
+        exact = exact_moments(flat.to(accumulate), need, torch.as_tensor(shift, dtype=accumulate, device=x.device))
     return exact.tolist() if read_now else exact
 
 
@@ -144,7 +144,7 @@ def first_value(x: Tensor) -> Tensor:
     return torch.nan_to_num(_flat(x)[0].detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _exact_moments(values: Tensor, need: Need, shift: Tensor) -> Tensor:
+def exact_moments(values: Tensor, need: Need, shift: Tensor) -> Tensor:
     """``call_moments`` of a 1-D tensor in the accumulators' dtype, pairwise summation, no host sync."""
     zero = values.new_zeros(())
     flags = torch.sub(values, values).nan_to_num_(nan=1.0)  # x - x: 0, NaN where x is not finite
@@ -165,7 +165,7 @@ def _exact_moments(values: Tensor, need: Need, shift: Tensor) -> Tensor:
     return torch.stack([nonfinite, total, squares, nonzero, -low, high])
 
 
-def _fast_moments(flat: Tensor, need: Need, scratch: Scratch, shift: float, fused: bool) -> list[float] | None:
+def fast_moments(flat: Tensor, need: Need, scratch: Scratch, shift: float, fused: bool) -> list[float] | None:
     """``call_moments`` of a float32, bfloat16 or float16 CPU tensor, read at once: float32 rows of ``ROW`` values
     added in float64 (``fused``: one compiled pass), and where the mean is large against the spread the squares
     summed again around the mean. ``None`` (the exact path decides) when a value is not finite or the absolute

@@ -158,7 +158,7 @@ def test_extraction_vit_reference_catches_a_wrong_layout(torch_home: Path) -> No
         wrong = [m.flatten(2).unflatten(2, (2, 3)).transpose(2, 3) for m in maps]  # same shape, shuffled positions
         assert extraction.H.max_abs_diff(wrong, refs["floor as maps"]) > 1e-3
     finally:
-        extraction._release(models)
+        extraction.release_models(models)
 
 
 def test_losses_quick(tmp_path: Path, torch_home: Path, vgg16_cached: Path) -> None:

@@ -338,7 +338,7 @@ def test_activation_bytes_is_the_largest_output_per_image_up_to_the_deepest_laye
     ("text", "expected"), [("32768K", 32 * 2**20), ("1024K", 2**20), ("2M", 2 * 2**20), ("512", 512), ("lots", None)]
 )
 def test_cache_sizes_are_read_as_sysfs_writes_them(text: str, expected: int | None) -> None:
-    assert tiling._size_in_bytes(text) == expected
+    assert tiling.size_in_bytes(text) == expected
 
 
 def test_micro_batches_fit_the_budget_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

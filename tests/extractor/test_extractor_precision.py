@@ -121,7 +121,7 @@ def test_a_compiled_forward_is_refused_as_an_eager_one(
 ) -> None:
     """The device check runs while torch.compile traces (its answer a constant there): a compiled extractor on a
     device that cannot run the precision raises the eager error, not a silently emulated forward."""
-    monkeypatch.setattr(_precision, "_unsupported", lambda *args: "no kernels for it here")
+    monkeypatch.setattr(_precision, "unsupported", lambda *args: "no kernels for it here")
     whole = torch.compile(tiny_extractor(precision=precision), backend="eager", fullgraph=True)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="no kernels for it here"):  # torch's error, our reason
         whole(images)
@@ -143,13 +143,13 @@ def test_a_bf16_forward_compiles_to_one_graph(images: torch.Tensor) -> None:
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    _precision._unsupported.cache_clear()
+    _precision.unsupported.cache_clear()
     try:
         with pytest.raises(InvalidValueError, match=r"precision='bf16' cannot run on cuda:0: .*capability 8\.0"):
             _precision.check_device("bf16", torch.device("cuda", 0))
         _precision.check_device("fp16", torch.device("cuda", 0))  # fp16 runs on every CUDA device
     finally:
-        _precision._unsupported.cache_clear()
+        _precision.unsupported.cache_clear()
 
 
 @bf16_anywhere

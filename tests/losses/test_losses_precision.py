@@ -128,7 +128,7 @@ def test_fp16_gradients_underflow_unless_the_loss_is_scaled(pair, extractors, mo
     """What docs/performance.md says of fp16 (emulated here, where the CPU has no float16 kernels: the device check
     is bypassed; the rounding is a GPU's): a perceptual loss's input gradients lose entries to float16's range, the
     loss times 2^10 brings them back; a Gram loss's are all 0."""
-    monkeypatch.setattr("featurehooks._precision._unsupported", lambda *args: "")
+    monkeypatch.setattr("featurehooks._precision.unsupported", lambda *args: "")
     x, y = pair
     torch.manual_seed(0)
     fp16 = FeatureExtractor("vgg16", LAYERS[:2], mode="grad", weights=None, precision="fp16")  # emulated: slow

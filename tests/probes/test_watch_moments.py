@@ -54,7 +54,7 @@ def read_now(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 def paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths the calls took, in order: "fast" when the CPU fast path answered, else "exact"."""
     taken: list[str] = []
-    fast, exact = _moments._fast_moments, _moments._exact_moments
+    fast, exact = _moments.fast_moments, _moments.exact_moments
 
     def spied_fast(*args: object, **kwargs: object) -> list[float] | None:
         answer = fast(*args, **kwargs)  # type: ignore[arg-type]
@@ -66,8 +66,8 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         taken.append("exact")
         return exact(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_moments, "_fast_moments", spied_fast)
-    monkeypatch.setattr(_moments, "_exact_moments", spied_exact)
+    monkeypatch.setattr(_moments, "fast_moments", spied_fast)
+    monkeypatch.setattr(_moments, "exact_moments", spied_exact)
     return taken
 
 
@@ -198,7 +198,7 @@ def test_the_fast_path_declines_what_its_float32_squares_cannot_hold() -> None:
     scratch = _moments.Scratch()
 
     def answers(x: Tensor) -> bool:
-        return _moments._fast_moments(x, need, scratch, 0.0, fused=False) is not None
+        return _moments.fast_moments(x, need, scratch, 0.0, fused=False) is not None
 
     ones = torch.ones(3000)
     assert answers(ones) and answers(ones * 2.0**-40) and answers(ones * 2.0**56) and answers(torch.zeros(3000))
