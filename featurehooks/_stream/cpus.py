@@ -18,11 +18,20 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["CONTENDED_SHARE", "WaitMeter", "available_cpus", "cpu_wait_seconds", "forward_threads", "threads_for"]
+__all__ = [
+    "CONTENDED_SHARE",
+    "Contention",
+    "WaitMeter",
+    "available_cpus",
+    "cpu_wait_seconds",
+    "forward_threads",
+    "threads_for",
+]
 
 _CGROUP = Path("/sys/fs/cgroup")
 _TASKS = Path("/proc/self/task")
@@ -113,3 +122,12 @@ class WaitMeter:
         if waited is None or self._waited is None:
             return False
         return waited - self._waited > CONTENDED_SHARE * threads * (time.perf_counter() - self._wall)
+
+
+@dataclass
+class Contention:
+    """What a stream last saw of other jobs on its cores: ``busy`` when its last metered forward waited for a CPU
+    (``WaitMeter``). Kept across batches, so that a stream on busy cores runs each batch in one forward (metered,
+    until one runs uncontended) instead of paying for a first micro-batch at every batch."""
+
+    busy: bool = False

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._layout import Layout, Pool, pool_positions
 from ..errors import FeatureHooksError, InvalidTypeError, InvalidValueError
-from .cpus import WaitMeter
+from .cpus import Contention, WaitMeter
 from .tiling import micro_batch_size, smallest_micro_batch
 
 if TYPE_CHECKING:
@@ -44,13 +44,20 @@ def pool_features(feature: Tensor, layout: Layout, pool: Pool | None, name: str)
 
 
 def features_as_arrays(
-    extractor: FeatureExtractor, images: Tensor, pool: Pool | None, dtype: str, *, budget: int | None = None
+    extractor: FeatureExtractor,
+    images: Tensor,
+    pool: Pool | None,
+    dtype: str,
+    *,
+    budget: int | None = None,
+    contention: Contention | None = None,
 ) -> dict[str, np.ndarray]:
     """``{layer: array}`` of one batch: forward without a graph, pool, cast to ``dtype``, move to the CPU;
     with a ``budget``, on the CPU in micro-batches whose largest activation takes at most that many bytes (see
     ``tiling``; the rows are bitwise those of one forward), the rest of the batch at once after a micro-batch
-    whose threads waited for other jobs' (``cpus.WaitMeter``). Arrays are C-ordered whatever the memory format the
-    backbone ran in.
+    whose threads waited for other jobs' (``cpus.WaitMeter``). A ``contention`` carries that across batches: while
+    the last metered forward waited, a batch runs in one forward, metered. Arrays are C-ordered whatever the memory
+    format the backbone ran in.
 
     The extractor casts the images to its own dtype, so a ``.half()`` or ``.bfloat16()`` extractor works; the
     features of a ``precision="bf16"``/``"fp16"`` extractor are pooled in float32, then cast to ``dtype``.
@@ -58,13 +65,18 @@ def features_as_arrays(
     batch = images.shape[0]
     size = batch if budget is None else micro_batch_size(extractor, images, budget)
     smallest, threads = smallest_micro_batch(batch), torch.get_num_threads()
+    contention = Contention() if contention is None else contention
+    if contention.busy:
+        size = batch
     parts, start = [], 0
     while start < batch:
         end = start + size if batch - start - size >= smallest else batch  # no smaller piece left at the end
-        meter = WaitMeter() if end < batch and threads > 1 else None
+        meter = WaitMeter() if threads > 1 and (end < batch or contention.busy) else None
         parts.append(_part_as_arrays(extractor, images[start:end], pool, dtype))
-        if meter is not None and meter.contended(threads):
-            size = batch  # other jobs hold the cores: the rest in one forward, with fewer regions to wait at
+        if meter is not None:
+            contention.busy = meter.contended(threads)
+            if contention.busy:
+                size = batch  # other jobs hold the cores: the rest in one forward, with fewer regions to wait at
         start = end
     if len(parts) == 1:
         return parts[0]

@@ -155,3 +155,28 @@ def test_on_busy_cores_the_rest_of_a_batch_runs_in_one_forward(
         busy = stream_forward.features_as_arrays(extractor, images, None, "float32", budget=1)
     assert micro_batch_sizes == [2, 7]
     np.testing.assert_array_equal(busy["1"], quiet["1"])
+
+
+def test_a_stream_that_saw_busy_cores_runs_its_next_batches_in_one_forward_until_they_are_quiet(
+    monkeypatch: pytest.MonkeyPatch, micro_batch_sizes: list[int]
+) -> None:
+    """A first micro-batch at every batch waits as long as a whole batch beside other jobs: the stream remembers
+    what it saw, meters the one forward of the next batch, and cuts batches again once one ran uncontended."""
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 2)
+    torch.manual_seed(0)
+    extractor = fh.FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), ["1"])
+    images = torch.rand(9, 3, 16, 16)
+    seen = [True, True, False]  # what the wait meter reports, forward after forward; quiet after those
+    monkeypatch.setattr(cpus.WaitMeter, "contended", lambda self, threads: seen.pop(0) if seen else False)
+    contention = cpus.Contention()
+    rows = []
+    with cpus.forward_threads(2):
+        for _ in range(3):
+            arrays = stream_forward.features_as_arrays(
+                extractor, images, None, "float32", budget=1, contention=contention
+            )
+            rows.append(arrays["1"])
+    assert micro_batch_sizes == [2, 7, 9, 2, 2, 2, 3]
+    assert not seen and contention.busy is False
+    for other in rows[1:]:
+        np.testing.assert_array_equal(other, rows[0])
