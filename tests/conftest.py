@@ -44,6 +44,15 @@ def torch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
+@pytest.fixture(autouse=True)
+def quiet_cores_seen() -> None:
+    """Every test's streams start as a fresh process's do, from quiet cores, not from what an earlier test saw
+    (``cpus.LAST_SEEN``: CI's parallel workers keep the cores busy at times)."""
+    from featurehooks._stream import cpus
+
+    cpus.LAST_SEEN.busy = False
+
+
 @pytest.fixture(scope="session")
 def seeded_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of seeded weight files, shared by all xdist workers of this run (the run's temporary root)."""

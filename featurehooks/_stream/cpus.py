@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "CONTENDED_SHARE",
+    "LAST_SEEN",
     "Contention",
     "WaitMeter",
     "available_cpus",
@@ -126,8 +127,13 @@ class WaitMeter:
 
 @dataclass
 class Contention:
-    """What a stream last saw of other jobs on its cores: ``busy`` when its last metered forward waited for a CPU
-    (``WaitMeter``). Kept across batches, so that a stream on busy cores runs each batch in one forward (metered,
-    until one runs uncontended) instead of paying for a first micro-batch at every batch."""
+    """What streams saw of other jobs on the cores: ``busy`` when the last metered forward waited for a CPU
+    (``WaitMeter``). While it is, a batch runs in one forward, metered, until one runs uncontended, instead of
+    paying for a first micro-batch that waits as long as a whole batch."""
 
     busy: bool = False
+
+
+LAST_SEEN = Contention()
+"""What the streams of this process saw last: each stream starts from it, so that on busy cores only the first
+stream of a process (not each set of an FID, each dump of a loop) pays for a micro-batch that waits."""

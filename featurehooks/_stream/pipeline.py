@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._layout import Pool
 from ..errors import InvalidValueError
-from .cpus import Contention, forward_threads, threads_for
+from .cpus import LAST_SEEN, forward_threads, threads_for
 from .forward import features_as_arrays, placement
 from .independence import rows_independent
 from .loader import Batch, cut_to_pixels, loader_workers, row_loader
@@ -138,7 +138,7 @@ def extract_batches(
     budget = None
     if rows_independent(extractor.backbone):
         budget = cache_budget() if workers == 0 else WORKERS_BUDGET
-    forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, budget=budget, contention=Contention())
+    forward = partial(features_as_arrays, extractor, pool=pool, dtype=dtype, budget=budget, contention=LAST_SEEN)
     decoding = workers if streaming.num_workers is None else 0  # workers the user asked for take no thread
     with forward_threads(threads_for(decoding) if on_cpu else None):
         yield from feature_batches(forward, loader, model=extractor, progress=progress)

@@ -10,8 +10,8 @@ Rows are bitwise those of one forward of the batch: ATen's CPU convolution picks
 places (``use_mkldnn``: a 1x1 convolution runs natively for a batch of one, and at one thread for batches under 16),
 so no micro-batch is smaller than ``smallest_micro_batch`` of its batch. Where other jobs keep the cores busy, each
 of the many short OpenMP regions of micro-batches waits for a descheduled thread; ``forward.features_as_arrays``
-then runs the rest of the batch in one forward (same threads, same kernels, the same rows). Measurements:
-docs/performance.md.
+then runs the rest of the batch, and the next batches while the cores stay busy (``cpus.Contention``), in one
+forward (same threads, same kernels, the same rows). Measurements: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -180,3 +180,16 @@ def test_a_stream_that_saw_busy_cores_runs_its_next_batches_in_one_forward_until
     assert not seen and contention.busy is False
     for other in rows[1:]:
         np.testing.assert_array_equal(other, rows[0])
+
+
+def test_a_stream_starts_from_what_the_last_stream_of_the_process_saw(
+    monkeypatch: pytest.MonkeyPatch, micro_batch_sizes: list[int]
+) -> None:
+    """The second set of an FID, or the next dump of a loop, does not pay again for a micro-batch that waits."""
+    monkeypatch.setattr(stream_forward, "micro_batch_size", lambda *_: 2)
+    monkeypatch.setattr(cpus.WaitMeter, "contended", lambda self, threads: True)
+    extractor = fh.FeatureExtractor(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), ["1"])
+    with cpus.forward_threads(2):
+        for _ in range(2):
+            fh.feature_statistics(extractor, torch.rand(6, 3, 16, 16), pool="avg", batch_size=6, num_workers=0)
+    assert micro_batch_sizes == [2, 4, 6] and cpus.LAST_SEEN.busy
