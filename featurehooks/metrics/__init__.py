@@ -20,11 +20,13 @@ from .interop import PooledFeatures
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
+from .sample_size import FDInfinity, fd_bootstrap, fd_infinity
 from .statistics import FeatureOrigin, FeatureStatistics
 
 __all__ = [
     "BATCH_PIXELS",
     "DISTS",
+    "FDInfinity",
     "FID_LAYERS",
     "LPIPS",
     "PRDC",
@@ -33,6 +35,8 @@ __all__ = [
     "ImagePair",
     "Manifold",
     "PooledFeatures",
+    "fd_bootstrap",
+    "fd_infinity",
     "feature_statistics",
     "feature_statistics_by_layer",
     "fid_extractor",
