@@ -343,9 +343,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> None:
-    """The library's warnings as one line each on stderr, not in Python's form."""
-    for warning in caught:
-        print(f"featurehooks: warning: {prefix}{warning.message}", file=sys.stderr)
+    """The library's warnings as one line each on stderr, not in Python's form; a repeated one once."""
+    for message in dict.fromkeys(str(warning.message) for warning in caught):
+        print(f"featurehooks: warning: {prefix}{message}", file=sys.stderr)
 
 
 def is_statistics_file(source: str) -> bool:

@@ -8,6 +8,8 @@ An FD estimated from ``N`` vectors is biased upward by a term nearly proportiona
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +25,14 @@ __all__ = ["FDInfinity", "fd_bootstrap", "fd_infinity"]
 @dataclass(frozen=True)
 class FDInfinity:
     """The extrapolated Fréchet distance and its fit: ``distances[i]`` was measured on ``sizes[i]`` vectors, and
-    ``value + slope / N`` is the least-squares line through them."""
+    ``value + slope / N`` is the least-squares line through them.
+
+    Examples:
+        >>> from featurehooks.metrics import FDInfinity
+        >>> fit = FDInfinity(value=4.0, slope=5000.0, sizes=(5000, 50000), distances=(5.0, 4.1))
+        >>> fit.value + fit.slope / 50000
+        4.1
+    """
 
     value: float
     slope: float
@@ -44,6 +53,16 @@ def _all_vectors(features: Features, reference: Moments) -> torch.Tensor:
             )
         return kept.to(torch.float64)
     return as_matrix(features, "features")
+
+
+def _distances(reference: Moments, subsets: Iterable[torch.Tensor]) -> list[float]:
+    """The Fréchet distance of each subset to ``reference``; a warning the subsets share is given once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distances = [frechet_distance(reference, subset) for subset in subsets]
+    for message in dict.fromkeys(str(warning.message) for warning in caught):
+        warnings.warn(message, UserWarning, stacklevel=3)
+    return distances
 
 
 def fd_infinity(
@@ -89,10 +108,9 @@ def fd_infinity(
         )
     sizes = np.linspace(smallest, count, points).astype(np.int64)
     generator = torch.Generator().manual_seed(seed)
-    distances = [
-        frechet_distance(reference, vectors[torch.randperm(count, generator=generator)[:size]])
-        for size in sizes.tolist()
-    ]
+    distances = _distances(
+        reference, (vectors[torch.randperm(count, generator=generator)[:size]] for size in sizes.tolist())
+    )
     slope, value = np.polyfit(1.0 / sizes, np.asarray(distances), 1)
     return FDInfinity(float(value), float(slope), tuple(sizes.tolist()), tuple(distances))
 
@@ -128,8 +146,8 @@ def fd_bootstrap(
         raise InvalidValueError(f"level must be in (0, 1), got {level!r}")
     count = vectors.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    distances = [
-        frechet_distance(reference, vectors[torch.randint(count, (count,), generator=generator)]) for _ in range(rounds)
-    ]
+    distances = _distances(
+        reference, (vectors[torch.randint(count, (count,), generator=generator)] for _ in range(rounds))
+    )
     low, high = np.quantile(distances, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)

@@ -14,6 +14,8 @@ from featurehooks.cli import main
 from featurehooks.cli._common import is_statistics_file
 from featurehooks.metrics import (
     FeatureStatistics,
+    fd_bootstrap,
+    fd_infinity,
     feature_statistics,
     frechet_distance,
     kernel_inception_distance,
@@ -58,6 +60,31 @@ def test_fd_prints_the_libraries_distance_and_kid(sets: tuple[Path, Path], capsy
     printed_kid = float(out.split("KID ")[1].split(" ")[0])
     assert printed_fd == pytest.approx(fd, rel=1e-5) and printed_fd > 0
     assert printed_kid == pytest.approx(kid, rel=1e-5)
+
+
+def test_fd_bootstrap_and_infinity_print_the_libraries_numbers(
+    sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = sets
+    options = ["--bootstrap", "4", "--infinity", "--infinity-smallest", "3"]
+    assert main(["fd", str(a), str(b), *MODEL, *RUN, *options]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("b holds 6 feature vectors") == 1  # once, not once per resample
+    expected_a, expected_b = _library_stats(a), _library_stats(b, keep=6)
+    low, high = fd_bootstrap(expected_a, expected_b, rounds=4)
+    infinity = fd_infinity(expected_a, expected_b, smallest=3).value
+    interval = out.split("[")[1].split("]")[0].split(", ")
+    assert [float(v) for v in interval] == pytest.approx([low, high], rel=1e-5)
+    assert "(95% bootstrap, 4 rounds)" in out
+    assert float(out.split("FD∞ ")[1].split(" ")[0]) == pytest.approx(infinity, rel=1e-5)
+
+
+def test_fd_infinity_of_a_set_no_larger_than_its_smallest_subset_names_the_option(
+    sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = sets
+    assert main(["fd", str(a), str(b), *MODEL, *RUN, "--infinity"]) != 0
+    assert "pass --infinity-smallest 2 (a tenth of B)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
