@@ -206,7 +206,7 @@ def _resize_target(size: Size, crop_mode: str, height: int, width: int) -> tuple
     """(H, W) an image of ``height x width`` is resized to, for ``size`` in ``crop_mode`` (see ``Preprocessing``)."""
     if crop_mode == "center" and isinstance(size, int):
         return resized_size(height, width, size)
-    if crop_mode == "squash":
+    if crop_mode in ("squash", "square"):  # "square" has cut the image to its centered square first
         return _pair(size)
     return _kept_ratio_size(height, width, _pair(size), inside=crop_mode == "border")
 
@@ -293,6 +293,10 @@ class ImageTransform:
     def __call__(self, image: Tensor) -> Tensor:
         height, width = image.shape[-2:]
         _check_not_empty(height, width, "prepare")
+        if self.crop_mode == "square":
+            side = min(height, width)
+            top, left = (height - side) // 2, (width - side) // 2
+            image = image[..., top : top + side, left : left + side]
         if self.resize_size is not None:
             new = _resize_target(self.resize_size, self.crop_mode, *image.shape[-2:])
             image = _resize(image, new, InterpolationMode(self.interpolation))
@@ -304,6 +308,8 @@ class ImageTransform:
 
     def prepared_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) this transform gives an image of ``height x width``."""
+        if self.crop_mode == "square":
+            height = width = min(height, width)
         if self.resize_size is not None:
             height, width = _resize_target(self.resize_size, self.crop_mode, height, width)
         if self.crop_size is not None:

@@ -13,7 +13,7 @@ from torchvision.models import WeightsEnum
 
 from .._copy import private_copy
 from ..errors import InvalidTypeError, InvalidValueError
-from . import timm_models, torchvision_models
+from . import clip, dinov2, timm_models, torchvision_models
 from ._files import is_state_dict_file, load_fitting, read_state_dict
 from .base import Backbone, Preprocessing
 from .fid_inception import FID_INCEPTION, fid_inception_architecture, load_fid_inception
@@ -66,7 +66,7 @@ def available_backbones(include: str | None = None) -> list[str]:
         True
     """
     names = torchvision_models.torchvision_names()
-    names = sorted([*names, FID_INCEPTION])
+    names = sorted([*names, FID_INCEPTION, *dinov2.DINOV2_MODELS, *clip.CLIP_TOWERS])
     return [n for n in names if include is None or fnmatch.fnmatch(n, include)]
 
 
@@ -111,6 +111,10 @@ def load_backbone(
         backbone = timm_models.load(spec[len(timm_models.PREFIX) :], weights)
     elif spec == FID_INCEPTION:
         backbone = load_fid_inception(weights)
+    elif dinov2.is_dinov2(spec):
+        backbone = dinov2.load(spec, weights)  # type: ignore[arg-type]
+    elif isinstance(spec, str) and spec.startswith(clip.PREFIX):
+        backbone = clip.load(spec, weights)
     elif isinstance(spec, str):
         backbone = torchvision_models.load(spec, weights)
     else:
@@ -170,6 +174,10 @@ def build_architecture(spec: str, weights: WeightsSpec = "DEFAULT") -> Backbone:
     """
     if spec == FID_INCEPTION:
         return fid_inception_architecture(weights)
+    if dinov2.is_dinov2(spec):
+        return dinov2.architecture(spec, weights)  # type: ignore[arg-type]
+    if spec.startswith(clip.PREFIX):
+        return clip.architecture(spec, weights)
     if spec.startswith(timm_models.PREFIX):
         return timm_models.architecture(spec[len(timm_models.PREFIX) :], weights)
     return torchvision_models.architecture(spec, weights)

@@ -12,7 +12,7 @@ from ..errors import InvalidValueError
 Size = Union[int, tuple[int, int]]
 """A side length (a square, or the shorter side for a ``"center"`` resize) or an ``(H, W)`` pair."""
 
-CROP_MODES = ("center", "squash", "border")
+CROP_MODES = ("center", "squash", "border", "square")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Preprocessing:
       ``ResizeKeepRatio``).
     - ``"squash"``: resize to ``(H, W)`` (an int: a square), whatever the aspect ratio.
     - ``"border"``: scale, keeping the aspect ratio, to the largest size within ``(H, W)``, each side rounded.
+    - ``"square"``: crop the centered square of side ``min(H, W)`` first (offsets rounded down), then resize it
+      to ``resize_size`` (CMMD's reference code).
 
     ``crop_size`` (an int: a square) is then center-cropped; where the image is smaller it is padded with
     black, as torchvision's ``CenterCrop`` pads, or with ``fill`` (0..255 per channel: timm's ``"border"`` pads

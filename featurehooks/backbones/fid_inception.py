@@ -9,10 +9,11 @@ file ``pt_inception-2015-12-05-6726825d.pth``. This module builds the same netwo
 state-dict names, so that one file serves both: featurehooks reads it from the torch hub cache, where
 pytorch-fid's own download puts it, always with ``weights_only=True``.
 
-The model resizes its input to 299x299 itself (bilinear, ``align_corners=False``, no antialiasing) and
-scales it from [0, 1] to [-1, 1], exactly as pytorch-fid's ``InceptionV3`` does; its preprocessing
-is therefore empty: no resize, crop or normalization outside the model, and every image enters at
-its own size.
+The model resizes its input to 299x299 itself and scales it from [0, 1] to [-1, 1], by default exactly as
+pytorch-fid's ``InceptionV3`` does (bilinear, ``align_corners=False``, no antialiasing); its ``lineage``
+picks one of the three preprocessings papers use (``_fid_resize.LINEAGES``: ``"legacy_pytorch"``,
+``"legacy_tensorflow"``, ``"clean"``). Its preprocessing is therefore empty: no resize, crop or normalization
+outside the model, and every image enters at its own size, which each lineage's resize needs to see.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torchvision.models.inception import (
 )
 
 from ..errors import WeightsUnavailableError
+from ._fid_resize import DEFAULT_LINEAGE, check_lineage, fid_input
 from ._files import (
     hub_checkpoint_path,
     is_state_dict_file,
@@ -78,7 +80,6 @@ Examples:
 
 _WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d"  # what a Backbone and statistics record for weights="DEFAULT"
 _CLASSES = 1008  # the logits of TensorFlow's graph (torchvision's Inception-v3 has 1000)
-_SIZE = 299
 _IN_CHANNELS = 3
 _WHAT = "fid_inception (pytorch-fid's port of TensorFlow's FID Inception)"
 
@@ -152,12 +153,16 @@ class FIDInceptionV3(Inception3):
     ``avgpool`` (TensorFlow's ``pool_3``), ``(B, 2048, 1, 1)``; pytorch-fid's other blocks are the outputs of
     ``maxpool1`` (64), ``maxpool2`` (192) and ``Mixed_6e`` (768). ``forward`` returns the 1008 logits of ``fc``.
 
+    ``lineage`` is the preprocessing inside ``forward`` (``"legacy_pytorch"`` unless set): assigning another
+    name switches it, and a bad name is refused with the closest ones (``fid_extractor(mode=...)`` sets it).
+
     Built directly, it has random weights (the architecture's own init with ``init_weights=True``): that is not
     the FID network. ``load_backbone("fid_inception")`` loads the weights file.
 
     Args:
         init_weights: initialize the weights as torchvision's Inception-v3 does (``False``: leave them as
             ``nn.Module`` creates them, to be overwritten by a state dict).
+        lineage: the FID lineage whose resize and scaling ``forward`` applies.
 
     Shape:
         input: ``(B, 3, H, W)`` in [0, 1], any ``H``, ``W`` (resized to 299 inside); output: ``(B, 1008)``.
@@ -178,7 +183,7 @@ class FIDInceptionV3(Inception3):
         Seitzer (2020). pytorch-fid: FID Score for PyTorch. https://github.com/mseitzer/pytorch-fid
     """
 
-    def __init__(self, *, init_weights: bool = True) -> None:
+    def __init__(self, *, init_weights: bool = True, lineage: str = DEFAULT_LINEAGE) -> None:
         blocks = [BasicConv2d, _FIDInceptionA, InceptionB, _FIDInceptionC, InceptionD, _fid_inception_e, InceptionAux]
         super().__init__(
             num_classes=_CLASSES,
@@ -187,11 +192,19 @@ class FIDInceptionV3(Inception3):
             inception_blocks=blocks,  # type: ignore[arg-type]  # a factory for the 8x8 blocks
             init_weights=init_weights,
         )
+        self.lineage = lineage
+
+    @property
+    def lineage(self) -> str:
+        """The FID lineage of the resize and scaling in ``forward``: one of ``_fid_resize.LINEAGES``."""
+        return self._lineage
+
+    @lineage.setter
+    def lineage(self, name: str) -> None:
+        self._lineage = check_lineage(name)
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]  # logits only: there is no auxiliary head
-        x = F.interpolate(x, size=(_SIZE, _SIZE), mode="bilinear", align_corners=False)
-        x = 2 * x - 1
-        logits, _ = self._forward(x)
+        logits, _ = self._forward(fid_input(x, self._lineage))
         return logits
 
 

@@ -1,4 +1,5 @@
-"""The ``fid`` subcommand: the FID ``python -m pytorch_fid`` prints, from image sets or statistics files."""
+"""The ``fid`` subcommand: the FID ``python -m pytorch_fid`` prints (or another lineage's, ``--mode``), from image
+sets or statistics files."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["add_fid_command"]
 
 _DIMS = (64, 192, 768, 2048)  # pytorch-fid's --dims (featurehooks.metrics.FID_LAYERS, not imported before it runs)
+_MODES = ("legacy_pytorch", "legacy_tensorflow", "clean")  # featurehooks.metrics.FID_MODES, likewise
 _SINGULAR = "fewer than dimensions + 1"  # frechet_distance's warning for small sets, said here per set instead
 _DIMS_ARGUMENT = re.compile(r"\bdims?=")  # the readers' dims=/dim=, which is --dims here
 
@@ -48,19 +50,25 @@ examples:
   featurehooks fid --save-stats real/ real.npz        # a reference set's statistics, computed once
   featurehooks fid real.npz fake/
   featurehooks fid fid_stats_cifar10_train.npz fake/  # pytorch-fid's and TTUR's mu/sigma files are read too
+  featurehooks fid --mode legacy_tensorflow real/ fake/  # torch-fidelity's (StyleGAN's, ADM's, EDM's) number
+  featurehooks fid --mode clean real/ fake/            # clean-fid's number
 
 The network is pytorch-fid's port of TensorFlow's FID Inception (backbone fid_inception) with its weights
 file pt_inception-2015-12-05-6726825d.pth, read from $TORCH_HOME/hub/checkpoints/ (where pytorch-fid's own
 download puts it) or given with --weights FILE. Every image enters at its own size and is resized to
-299x299 inside the network (bilinear, no antialiasing), as pytorch-fid does: the number equals its number
-on the same images. Folders are searched recursively (pytorch-fid reads a folder's own files only).
+299x299 inside the network as --mode says: legacy_pytorch (the default) as pytorch-fid does (bilinear, no
+antialiasing; the number equals its number on the same images), legacy_tensorflow as TensorFlow 1 and
+torch-fidelity do (bilinear without half-pixel centers, on uint8 levels), clean as clean-fid does (Pillow's
+bicubic, antialiased). The three numbers differ: compare FIDs of one mode only. Folders are searched
+recursively (pytorch-fid reads a folder's own files only).
 
 A statistics file is one written by --save-stats or `featurehooks stats` (refused unless it holds these
-features), or any .npz with arrays mu and sigma (pytorch-fid's --save-stats, TTUR's precomputed files),
-taken as it is. Sets of 2048 images or fewer give a singular covariance and a number dominated by the
-estimate's bias: FID needs at least 2049 images per set, and is usually reported on 10,000 or 50,000.
-There, pytorch-fid's scipy sqrtm is inaccurate (2e-5 off the exact value on three photos a set, or it
-fails), while this command computes the singular case exactly; above 2048 images both agree to rounding.
+features, of this --mode; files written before modes were recorded are legacy_pytorch), or any .npz with
+arrays mu and sigma (pytorch-fid's --save-stats, TTUR's precomputed files), taken as it is. Sets of 2048
+images or fewer give a singular covariance and a number dominated by the estimate's bias: FID needs at least
+2049 images per set, and is usually reported on 10,000 or 50,000. There, pytorch-fid's scipy sqrtm is
+inaccurate (2e-5 off the exact value on three photos a set, or it fails), while this command computes the
+singular case exactly; above 2048 images both agree to rounding.
 """
 
 Side = Union["FeatureStatistics", "tuple[torch.Tensor, torch.Tensor]"]
@@ -94,6 +102,14 @@ def add_fid_command(commands: Any) -> None:
         default=2048,
         help="features: 2048 (pool3) is FID; 64, 192, 768 are pytorch-fid's earlier blocks (default: 2048)",
     )
+    fid.add_argument(
+        "--mode",
+        default=_MODES[0],
+        metavar="NAME",
+        help="the FID lineage, the resize and scaling before the network: legacy_pytorch (pytorch-fid), "
+        "legacy_tensorflow (torch-fidelity, TensorFlow, StyleGAN, ADM, EDM) or clean (clean-fid) "
+        "(default: legacy_pytorch)",
+    )
     add_weights_option(
         fid,
         "the weights file (default: DEFAULT, pt_inception-2015-12-05-6726825d.pth from the torch hub cache), "
@@ -114,6 +130,7 @@ def _fid(args: argparse.Namespace) -> int:
     from .._stream.sharding import process_group
     from ..metrics import fid_extractor, frechet_distance
 
+    _check_mode(args.mode)
     device = device_from(args.device)  # a bad --device fails before anything is read
     check_precision(args, device)
     weights = weights_from(args.weights)
@@ -129,7 +146,7 @@ def _fid(args: argparse.Namespace) -> int:
             torch.manual_seed(args.seed)
             if is_main_rank():  # once, not once per torchrun rank
                 print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
-        return fid_extractor(weights, dims=args.dims, device=device, precision=args.precision)
+        return fid_extractor(weights, dims=args.dims, mode=args.mode, device=device, precision=args.precision)
 
     with process_group(device):  # under torchrun: one group for both sets
         sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
@@ -151,6 +168,7 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     from .._stream import list_images
     from ..metrics import fid_extractor
 
+    _check_mode(args.mode)
     if is_statistics_file(args.set_a):
         raise UserError(f"--save-stats computes the statistics of images, and {args.set_a} is a statistics file")
     check_output_file(args.set_b)
@@ -158,13 +176,15 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     if weights is None:
         torch.manual_seed(args.seed)
     stats = _computed(
-        args, files, lambda: fid_extractor(weights, dims=args.dims, device=device, precision=args.precision)
+        args,
+        files,
+        lambda: fid_extractor(weights, dims=args.dims, mode=args.mode, device=device, precision=args.precision),
     )
     if not is_main_rank():  # every rank holds the merged statistics; one writes them
         return 0
     path = stats.save(args.set_b)
     _warn_if_small("A", args.set_a, stats, args.dims)
-    print(f"wrote {path}: FID statistics of {stats.count} images, {stats.dim} features")
+    print(f"wrote {path}: FID statistics of {stats.count} images, {stats.dim} features, mode {args.mode}")
     return 0
 
 
@@ -181,6 +201,16 @@ def _read_file(args: argparse.Namespace, source: str, weights: str | None) -> Si
         raise InvalidValueError(_DIMS_ARGUMENT.sub("--dims ", str(exc))) from None
     _check_origin(args, source, stats, weights)
     return stats
+
+
+def _check_mode(mode: str) -> None:
+    """Refuse a --mode that names no FID lineage, with the closest names, before anything is read."""
+    from ..backbones._fid_resize import check_lineage
+
+    try:
+        check_lineage(mode)
+    except InvalidValueError as exc:
+        raise UserError(f"--mode: {exc}") from None
 
 
 def _has_meta(source: str) -> bool:
@@ -206,6 +236,11 @@ def _check_origin(args: argparse.Namespace, source: str, stats: FeatureStatistic
             f"{source} holds statistics of {origin.backbone} {origin.layer} (pool {origin.pool}), not FID's "
             f"({FID_INCEPTION} {layer}, pool avg): compute them with `featurehooks fid --save-stats`, or compare "
             "them with `featurehooks fd`"
+        )
+    if origin.lineage != args.mode:
+        raise UserError(
+            f"{source} holds FID statistics of --mode {origin.lineage}, but this command computes --mode {args.mode}: "
+            f"FIDs of two modes are not comparable; pass --mode {origin.lineage}"
         )
     expected = fid_inception_architecture(weights).weights  # what this command records: nothing is read
     if origin.weights != expected:

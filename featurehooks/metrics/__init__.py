@@ -12,11 +12,15 @@ Examples:
     >>> mean, std = metrics.kernel_inception_distance(real, fake, subsets=10, subset_size=100)
 """
 
+from .clip_mmd import CMMD_BACKBONE, cmmd, cmmd_embeddings, cmmd_extractor, cmmd_of_embeddings
 from .collect import feature_statistics, feature_statistics_by_layer, statistics_from_dump
+from .dinov2_fd import FD_DINOV2_MODELS, fd_dinov2, fd_dinov2_extractor, fd_dinov2_statistics
 from .dists import DISTS
-from .fid import FID_LAYERS, fid_extractor, fid_statistics, load_mu_sigma
+from .evaluation import METRICS, Evaluation, evaluate
+from .fid import FID_LAYERS, FID_MODES, FIDMode, fid_extractor, fid_mode, fid_network, fid_statistics, load_mu_sigma
 from .frechet import frechet_distance, kernel_inception_distance
 from .interop import PooledFeatures
+from .isc import inception_score, inception_score_of_features, inception_score_of_logits
 from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
@@ -25,24 +29,43 @@ from .statistics import FeatureOrigin, FeatureStatistics
 
 __all__ = [
     "BATCH_PIXELS",
+    "CMMD_BACKBONE",
     "DISTS",
+    "Evaluation",
+    "FD_DINOV2_MODELS",
     "FDInfinity",
     "FID_LAYERS",
+    "FID_MODES",
+    "FIDMode",
     "LPIPS",
+    "METRICS",
     "PRDC",
     "FeatureOrigin",
     "FeatureStatistics",
     "ImagePair",
     "Manifold",
     "PooledFeatures",
+    "cmmd",
+    "cmmd_embeddings",
+    "cmmd_extractor",
+    "cmmd_of_embeddings",
+    "evaluate",
     "fd_bootstrap",
+    "fd_dinov2",
+    "fd_dinov2_extractor",
+    "fd_dinov2_statistics",
     "fd_infinity",
     "feature_statistics",
     "feature_statistics_by_layer",
     "fid_extractor",
+    "fid_mode",
+    "fid_network",
     "fid_statistics",
     "find_heads",
     "frechet_distance",
+    "inception_score",
+    "inception_score_of_features",
+    "inception_score_of_logits",
     "kernel_inception_distance",
     "load_heads",
     "load_mu_sigma",

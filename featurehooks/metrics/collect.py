@@ -35,6 +35,7 @@ from .._stream import (
     worker_deaths,
 )
 from .._stream.sharding import Distributed, split_contiguous
+from ..backbones.fid_inception import FIDInceptionV3
 from ..dump import DumpResult, read_manifest
 from ..errors import InputNotFoundError, InvalidValueError, LayerNotFoundError, did_you_mean
 from .statistics import FeatureOrigin, FeatureStatistics, check_count
@@ -87,9 +88,11 @@ def _origins(
 ) -> dict[str, FeatureOrigin]:
     digest = extractor.weights_sha256()  # hashed once for all layers
     preprocessing = _preprocessing(transform.describe() if transform is not None else {})
+    network = extractor.backbone
+    lineage = network.lineage if isinstance(network, FIDInceptionV3) else None  # the FID Inception's resize
     return {
         layer: FeatureOrigin(
-            extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing, extractor.precision
+            extractor.backbone_name, layer, pool, extractor.weights, digest, preprocessing, extractor.precision, lineage
         )
         for layer in layers
     }

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..backbones._fid_resize import DEFAULT_LINEAGE, check_lineage
+from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InvalidTypeError, InvalidValueError
 from ._npz import Check, Header, Mismatch, read_npz, write_npz
 
@@ -34,7 +36,13 @@ __all__ = ["FORMAT", "FeatureOrigin", "FeatureStatistics"]
 
 FORMAT = "featurehooks.statistics/1"
 ArrayLike = Union[Tensor, np.ndarray]
-_STRICT = ("backbone", "layer", "pool", "weights")  # fields that must match for two statistics to be compared
+_STRICT = (
+    "backbone",
+    "layer",
+    "pool",
+    "weights",
+    "lineage",
+)  # fields that must match for two statistics to be compared
 _ARRAYS = ("mu", "sigma", "features")
 _MAX_COUNT = 2**53  # counts beyond this are not exact in float64, and overflow the moment arithmetic
 
@@ -48,7 +56,10 @@ class FeatureOrigin:
     digest of the backbone's state dict) differing only warns, since the same weights in another
     dtype have other bytes; so does ``precision`` (what the backbone computed in; ``None`` in files written
     before it was recorded and in statistics merged from two precisions), named in the warning.
-    ``preprocessing`` (resize, crop, interpolation) is kept for the record.
+    ``preprocessing`` (resize, crop, interpolation) is kept for the record. ``lineage`` is the FID lineage of
+    features of the ``"fid_inception"`` backbone (``"legacy_pytorch"``, ``"legacy_tensorflow"`` or ``"clean"``: the
+    resize and scaling inside the network), ``None`` for other backbones; it must be equal too, and for
+    ``"fid_inception"`` a missing one (a file written before lineages were recorded) is ``"legacy_pytorch"``.
 
     Examples:
         >>> from featurehooks.metrics import FeatureOrigin
@@ -67,6 +78,13 @@ class FeatureOrigin:
     weights_sha256: str | None = None
     preprocessing: dict[str, Any] | None = field(default=None, hash=False)
     precision: str | None = None
+    lineage: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lineage is not None:
+            check_lineage(self.lineage)
+        elif self.backbone == FID_INCEPTION:  # before lineages were recorded, FID statistics were pytorch-fid's
+            object.__setattr__(self, "lineage", DEFAULT_LINEAGE)
 
     def check_matches(self, other: FeatureOrigin, what: str = "the two statistics") -> None:
         """Raise ``InvalidValueError`` naming each field in which ``other`` differs (warn for the digest)."""
@@ -78,7 +96,7 @@ class FeatureOrigin:
         if differences:
             raise InvalidValueError(
                 f"{what} come from different features ({'; '.join(differences)}): distances between them mean "
-                "nothing; compute both with the same backbone, weights, layer and pool"
+                "nothing; compute both with the same backbone, weights, layer, pool and FID lineage (mode)"
             )
         if self.precision and other.precision and self.precision != other.precision:
             warnings.warn(  # the digest differs too (another dtype): this says why
@@ -436,13 +454,17 @@ class FeatureStatistics:
 
 
 def origin_fields(origin: FeatureOrigin | None) -> dict[str, Any] | None:
-    """``origin`` as saved: its precision only when another than float32, so that versions which did not record it
-    still read the file (absent, it reads back as unknown)."""
+    """``origin`` as saved: its precision only when another than float32, and its lineage only when another than
+    pytorch-fid's, so that versions which did not record them still read the file (absent, the precision reads back
+    as unknown, the lineage of ``"fid_inception"`` as ``"legacy_pytorch"``); a version that knows no lineage refuses
+    a file of another lineage rather than read it as pytorch-fid's."""
     if origin is None:
         return None
     fields = asdict(origin)
     if fields["precision"] in (None, "float32"):
         del fields["precision"]
+    if fields["lineage"] is None or (origin.backbone == FID_INCEPTION and fields["lineage"] == DEFAULT_LINEAGE):
+        del fields["lineage"]
     return fields
 
 

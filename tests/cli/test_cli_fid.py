@@ -207,3 +207,31 @@ def test_help_and_random_weights(sets: tuple[Path, Path], capsys: pytest.Capture
     assert main(["fid", str(sets[0]), str(sets[1]), "--weights", "none", *FAST, *RUN]) == 0
     captured = capsys.readouterr()
     assert _printed(captured.out) > 0 and "random init, not the FID network" in captured.err
+
+
+def test_mode_picks_the_lineage_and_files_keep_it(
+    sets: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--mode``: another number per lineage; a file of one lineage refused by another, naming the flag."""
+    values = {}
+    for mode in ("legacy_pytorch", "clean"):
+        capsys.readouterr()
+        assert main(["fid", str(sets[0]), str(sets[1]), "--mode", mode, *FAST, *RUN]) == 0
+        values[mode] = _printed(capsys.readouterr().out)
+    assert values["legacy_pytorch"] != values["clean"]
+    saved = tmp_path / "clean.npz"
+    assert main(["fid", "--save-stats", str(sets[0]), str(saved), "--mode", "clean", *FAST, *RUN]) == 0
+    assert "mode clean" in capsys.readouterr().out
+    assert main(["fid", str(saved), str(sets[1]), "--mode", "clean", *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == pytest.approx(values["clean"], rel=1e-9)
+    assert main(["fid", str(saved), str(sets[1]), *FAST, *RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mode clean" in err and "pass --mode clean" in err, err
+
+
+def test_bad_mode_is_one_line_with_the_closest(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["fid", str(sets[0]), str(sets[1]), "--mode", "cleen", *FAST, *RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("featurehooks: error: --mode: unknown FID mode 'cleen'"), err
+    assert "did you mean 'clean'" in err

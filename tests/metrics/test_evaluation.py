@@ -1,0 +1,119 @@
+"""``evaluate``: one decode of each image for every backbone, and each number equal to its single-metric function on
+the same images and weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dinov2_reference import hub_state, write_photos
+from PIL import Image
+
+from featurehooks.backbones import dinov2
+from featurehooks.errors import InvalidValueError
+from featurehooks.metrics import (
+    cmmd,
+    evaluate,
+    fd_dinov2,
+    fid_statistics,
+    frechet_distance,
+    kernel_inception_distance,
+    precision_recall,
+)
+from featurehooks.metrics.isc import inception_score
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in .* dimensions:UserWarning")
+OPTIONS = {"num_workers": 0, "batch_size": 2}
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory: pytest.TempPathFactory, torch_home: Path, fid_weights: Path) -> tuple[Path, Path]:
+    """Two folders of photos of several sizes (the second mirrored), seeded FID Inception and DINOv2 ViT-S/14
+    weights where their functions find them."""
+    path = Path(dinov2.weights_path("dinov2_vits14"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(hub_state("dinov2_vits14"), path)
+    root = tmp_path_factory.mktemp("evaluation")
+    real, fake = root / "real", root / "fake"
+    write_photos(real)
+    write_photos(fake, flip=True)
+    return real, fake
+
+
+def test_each_number_equals_its_single_metric_function(sets: tuple[Path, Path]) -> None:
+    real, fake = sets
+    found = evaluate(
+        real,
+        fake,
+        ["fid", "kid", "prdc", "is", "fd_dinov2"],
+        dinov2_model="vits14",
+        kid_subset_size=3,
+        prdc_k=1,
+        is_splits=1,
+        device="cpu",
+        **OPTIONS,
+    )
+    a, b = (fid_statistics(s, device="cpu", keep=3, **OPTIONS) for s in (real, fake))
+    assert found.numbers["fid"] == pytest.approx(frechet_distance(a, b), rel=1e-9)
+    assert found.numbers["kid"] == pytest.approx(kernel_inception_distance(a, b, subset_size=3), rel=1e-9)
+    assert found.numbers["prdc"] == precision_recall(a, b, k=1)
+    expected_is = inception_score(fake, mode="legacy_pytorch", splits=1, device="cpu", **OPTIONS)
+    assert found.numbers["is"] == pytest.approx(expected_is, rel=1e-6)
+    expected_fd = fd_dinov2(real, fake, model="vits14", device="cpu", **OPTIONS)
+    assert found.numbers["fd_dinov2"] == pytest.approx(expected_fd, rel=1e-9)
+    for side, stats in ((found.real, a), (found.fake, b)):
+        torch.testing.assert_close(side["inception"].mean, stats.mean, rtol=0, atol=0)  # the same pixels, bitwise
+        assert side["inception"].origin == stats.origin
+
+
+def test_cmmd_equals_its_single_metric_function(sets: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from clip_reference import cached_clip
+
+    real, fake = sets
+    with cached_clip(tmp_path / "hub"):  # a tiny seeded tower where CLIP ViT-L/14@336's weights are cached
+        found = evaluate(real, fake, ["cmmd", "fid"], device="cpu", **OPTIONS)
+        expected = cmmd(real, fake, device="cpu", **OPTIONS)
+    # the photos differ in size, so evaluate embeds each alone (one forward per size: the FID Inception takes each
+    # at its own), while cmmd batches them at 336x336: the transformer's matmuls round by batch (2e-7 apart)
+    assert found.numbers["cmmd"] == pytest.approx(expected, rel=1e-6) and expected > 0
+    assert found.real["clip"].count == 3 and found.real["clip"].features.shape == (3, 16)  # every vector kept
+
+
+def test_statistics_of_a_set_serve_as_its_reference(sets: tuple[Path, Path]) -> None:
+    real, fake = sets
+    first = evaluate(real, fake, ["fid", "kid"], kid_subset_size=3, device="cpu", **OPTIONS)
+    again = evaluate(first.real, fake, ["fid", "kid"], kid_subset_size=3, device="cpu", **OPTIONS)
+    assert again.numbers == first.numbers
+    with pytest.raises(InvalidValueError, match="real holds no statistics of dinov2"):
+        evaluate(first.real, fake, ["fd_dinov2"], device="cpu", **OPTIONS)
+
+
+def test_a_uint8_tensor_is_prepared_as_files_of_its_pixels_are(sets: tuple[Path, Path], tmp_path: Path) -> None:
+    """The pipeline's u / 255 goes back to the same uint8 pixels, which each backbone resizes with Pillow."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 256, (4, 3, 50, 60), dtype=torch.uint8, generator=generator) for _ in range(2)]
+    folders = [tmp_path / "real", tmp_path / "fake"]
+    for folder, images in zip(folders, tensors):
+        folder.mkdir()
+        for i, image in enumerate(images):
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i}.png")  # lossless: the same pixels
+    found = evaluate(*tensors, ["fd_dinov2"], dinov2_model="vits14", device="cpu", **OPTIONS)
+    expected = fd_dinov2(*folders, model="vits14", device="cpu", **OPTIONS)
+    assert found.numbers["fd_dinov2"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "options", "message"),
+    [
+        (["fidd"], {}, "unknown metric 'fidd'.*'fid'"),
+        ([], {}, "no metrics asked for"),
+        (["fid"], {"resize_size": 64}, "evaluate takes no resize_size"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_image_is_read(
+    metrics: list[str], options: dict[str, int], message: str
+) -> None:
+    with pytest.raises(InvalidValueError, match=message):
+        evaluate("no/such/folder", "no/such/folder", metrics, **options)  # type: ignore[arg-type]
