@@ -1,6 +1,6 @@
 """``"fid_inception"``: the TensorFlow Inception network of FID, as pytorch-fid ports it, with its weights file.
 
-FID as papers report it (Heusel et al., 2017) is computed on the 2048 features of the pool layer of
+FID (Heusel et al., 2017) is computed on the 2048 features of the pool layer of
 the Inception graph TensorFlow published in 2015 (``inception-2015-12-05``). pytorch-fid ported that
 graph to PyTorch: torchvision's Inception-v3 with 1008 classes and three kinds of blocks patched
 where TensorFlow computes otherwise (the average pools of the 35x35, 17x17 and first 8x8 blocks leave

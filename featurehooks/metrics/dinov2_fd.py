@@ -76,6 +76,13 @@ def fd_dinov2_extractor(
 
     Shape:
         input: ``(B, 3, 224, 224)`` in [0, 1]; output: ``{"norm": (B, 257, D)}``, the class token first.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks.metrics import fd_dinov2_extractor
+        >>> ext = fd_dinov2_extractor("vits14", weights=None, device="cpu")  # random init: not FD_DINOv2
+        >>> ext(torch.rand(1, 3, 224, 224))["norm"].shape, ext.preprocessing.crop_mode
+        (torch.Size([1, 257, 384]), 'squash')
     """
     from ..extractor import FeatureExtractor
 

@@ -1,4 +1,4 @@
-"""FID as papers report it: statistics of the TensorFlow Inception's pool features, in one of three lineages.
+"""FID: statistics of the TensorFlow Inception's pool features, in one of three lineages.
 
 ``fid_statistics`` streams images through the ``"fid_inception"`` backbone (pytorch-fid's port of the
 TensorFlow graph and its weights file): every image enters at its own size and is resized to 299x299 and
@@ -64,7 +64,14 @@ __all__ = [
 ]
 
 FIDMode = Literal["legacy_pytorch", "legacy_tensorflow", "clean"]
-"""The name of a FID lineage: the resize and scaling before the FID Inception (see the module's docstring)."""
+"""The name of a FID lineage: the resize and scaling before the FID Inception (see the module's docstring).
+
+Examples:
+    >>> from typing import get_args
+    >>> from featurehooks.metrics import FIDMode
+    >>> get_args(FIDMode)
+    ('legacy_pytorch', 'legacy_tensorflow', 'clean')
+"""
 
 FID_MODES: tuple[str, ...] = LINEAGES
 """The FID lineages by name, pytorch-fid's (the default) first.
@@ -158,6 +165,11 @@ def fid_network(extractor: FeatureExtractor) -> FIDInceptionV3:
 
     Raises:
         InvalidValueError: not an extractor of the FID Inception.
+
+    Examples:
+        >>> from featurehooks.metrics import fid_extractor, fid_network
+        >>> fid_network(fid_extractor(weights=None, device="cpu")).fc.weight.shape  # the 1008 logits
+        torch.Size([1008, 2048])
     """
     network = extractor.backbone
     if not isinstance(network, FIDInceptionV3):
@@ -173,6 +185,11 @@ def fid_mode(extractor: FeatureExtractor) -> str:
 
     Raises:
         InvalidValueError: not an extractor of the FID Inception.
+
+    Examples:
+        >>> from featurehooks.metrics import fid_extractor, fid_mode
+        >>> fid_mode(fid_extractor(weights=None, mode="clean", device="cpu"))
+        'clean'
     """
     return fid_network(extractor).lineage
 
