@@ -36,6 +36,7 @@ from ._common import (
     weights_from,
 )
 from ._dists import add_dists_command
+from ._eval import add_eval_command
 from ._fid import add_fid_command
 from ._metrics import add_metric_commands
 
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_metric_commands(commands)
     add_dists_command(commands)
     add_fid_command(commands)
+    add_eval_command(commands)
     return parser
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..extractor import FeatureExtractor, OutputFormat
+    from ..metrics import PRDC
 
 __all__ = [
     "UserError",
@@ -346,6 +347,14 @@ def print_warnings(caught: list[warnings.WarningMessage], prefix: str = "") -> N
     """The library's warnings as one line each on stderr, not in Python's form; a repeated one once."""
     for message in dict.fromkeys(str(warning.message) for warning in caught):
         print(f"featurehooks: warning: {prefix}{message}", file=sys.stderr)
+
+
+def prdc_text(found: PRDC, k: int) -> str:
+    """Precision, recall, density and coverage as the commands print them."""
+    return (
+        f"precision {found.precision:.4f}, recall {found.recall:.4f}, density {found.density:.4f}, "
+        f"coverage {found.coverage:.4f} (k={k})"
+    )
 
 
 def is_statistics_file(source: str) -> bool:

@@ -25,6 +25,7 @@ from ._common import (
     is_statistics_file,
     non_negative,
     positive,
+    prdc_text,
     print_warnings,
     stream_options,
     weights_arg,
@@ -297,10 +298,7 @@ def _prdc_text(a: FeatureStatistics, b: FeatureStatistics, k: int, layer: str) -
         warnings.simplefilter("always")
         found = precision_recall(a, b, k=k)
     print_warnings(caught, f"{layer}: ")
-    return (
-        f"precision {found.precision:.4f}, recall {found.recall:.4f}, density {found.density:.4f}, "
-        f"coverage {found.coverage:.4f} (k={k})"
-    )
+    return prdc_text(found, k)
 
 
 def _kept(stats: FeatureStatistics) -> int:

@@ -1,0 +1,253 @@
+"""The ``eval`` subcommand: FID, FD_DINOv2, CMMD, the Inception Score, KID and PRDC of two image sets from one decode
+of each image (``featurehooks.metrics.evaluate``), one line per metric or one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import WeightsUnavailableError, did_you_mean
+from ..metrics import FD_DINOV2_MODELS, FID_MODES, METRICS, PRDC
+from ._common import (
+    UserError,
+    add_command,
+    add_device_option,
+    add_seed_option,
+    add_stream_options,
+    at_least,
+    device_from,
+    is_main_rank,
+    positive,
+    prdc_text,
+    print_warnings,
+    stream_options,
+    weights_from,
+)
+
+if TYPE_CHECKING:
+    from ..metrics import Evaluation
+
+__all__ = ["add_eval_command"]
+
+# per backbone of evaluate: its weights flag, what its random init is not, and how the library's messages name it
+_BACKBONES = {
+    "inception": ("--inception-weights", "the FID Inception", "fid_inception"),
+    "dinov2": ("--dinov2-weights", "DINOv2", "dinov2_"),
+    "clip": ("--clip-weights", "CLIP ViT-L/14@336", "clip_vit_"),
+}
+_WEIGHTS_ARGUMENT = re.compile(r"\bweights=(None|'([^']*)')")
+
+_EPILOG = """\
+examples:
+  featurehooks eval real/ fake/                            # all six metrics, one line each
+  featurehooks eval real/ fake/ --metrics fid,kid,prdc --kid-subset-size 100 --prdc-k 3
+  featurehooks eval real/ fake/ --metrics fid,is --fid-mode legacy_tensorflow --json
+  torchrun --nproc-per-node 4 -m featurehooks eval real/ fake/ --metrics fd_dinov2,cmmd
+
+Each image is read once; every backbone the metrics need prepares it as that metric's own function does,
+and each number equals that function's (featurehooks.metrics.evaluate). fid, kid, prdc and is use the FID
+Inception's pool features in the lineage --fid-mode (is: of FAKE only), fd_dinov2 DINOv2's class token
+(--dinov2-model; vitl14 is FD_DINOv2), cmmd CLIP ViT-L/14@336's embedding. REAL is PRDC's reference.
+Weights come from the caches (the torch hub's for the Inception and DINOv2, Hugging Face's for CLIP), or
+--inception-weights/--dinov2-weights/--clip-weights FILE; 'none' is a random init seeded by --seed, which
+is no benchmark's network. Every vector is kept for cmmd, is, kid and prdc (N x 2048 float32 per set for
+the Inception). --json prints one object: floats, {"mean", "std"} for is and kid, the four PRDC fields, and
+"images": the count of each set.
+"""
+
+
+def add_eval_command(commands: Any) -> None:
+    """Add ``eval`` to the ``featurehooks`` command's subparsers."""
+    parser = add_command(
+        commands,
+        "eval",
+        help="FID, FD_DINOv2, CMMD, IS, KID and PRDC of two image sets, each image decoded once (torchrun-aware)",
+        description="The generative metrics of FAKE against REAL (image folders, globs or files): every backbone "
+        "they need from one decode of each image, one line per metric in the order asked.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("real", metavar="REAL", help="the reference images: folder (recursive), glob or file")
+    parser.add_argument("fake", metavar="FAKE", help="the generated images: folder (recursive), glob or file")
+    parser.add_argument(
+        "--metrics",
+        default=",".join(METRICS),
+        metavar="LIST",
+        help=f"comma-separated, printed in this order: {', '.join(METRICS)} (default: all)",
+    )
+    parser.add_argument(
+        "--fid-mode",
+        default=FID_MODES[0],
+        metavar="NAME",
+        help=f"the FID lineage of the Inception's features (fid, is, kid, prdc): {', '.join(FID_MODES)} "
+        f"(default: {FID_MODES[0]}; see `featurehooks fid --help`)",
+    )
+    parser.add_argument(
+        "--dinov2-model",
+        default="vitl14",
+        metavar="NAME",
+        help=f"the DINOv2 of fd_dinov2: {', '.join(FD_DINOV2_MODELS)} (default: vitl14, FD_DINOv2's)",
+    )
+    parser.add_argument(
+        "--kid-subset-size",
+        type=at_least(2),
+        default=1000,
+        metavar="N",
+        help="images per KID subset; each set needs at least N (default: 1000)",
+    )
+    parser.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="PRDC's nearest neighbour (default: 5)")
+    parser.add_argument(
+        "--is-splits", type=positive, default=10, metavar="N", help="parts of the Inception Score (default: 10)"
+    )
+    for backbone, (flag, network, _) in _BACKBONES.items():
+        parser.add_argument(
+            flag,
+            dest=f"{backbone}_weights",
+            type=weights_from,
+            default="DEFAULT",
+            metavar="FILE",
+            help=f"weights of {network}: a file, or 'none' for a seeded random init (default: the released "
+            "weights from the cache)",
+        )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of one line per metric")
+    add_seed_option(parser)
+    add_stream_options(parser)
+    add_device_option(parser)
+    parser.set_defaults(run=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .._stream import list_images
+    from .._stream.sharding import process_group
+    from ..metrics import evaluate
+
+    metrics = _metrics(args.metrics)
+    _check_name("--fid-mode", args.fid_mode, FID_MODES)
+    _check_name("--dinov2-model", args.dinov2_model, FD_DINOV2_MODELS)
+    device = device_from(args.device)  # a bad --device fails before anything is read
+    real, fake = (list_images([source]) for source in (args.real, args.fake))  # a missing set too
+    _check_sizes(args, metrics, len(real), len(fake))
+    weights = {backbone: getattr(args, f"{backbone}_weights") for backbone in _BACKBONES}
+    if None in weights.values():
+        torch.manual_seed(args.seed)  # random init, identical on every rank and every run
+    with warnings.catch_warnings(record=True) as caught, process_group(device):  # under torchrun: one group
+        warnings.simplefilter("always")
+        try:
+            found = evaluate(
+                real,
+                fake,
+                metrics,
+                fid_mode=args.fid_mode,
+                dinov2_model=args.dinov2_model,
+                weights=weights,
+                device=device,
+                kid_subset_size=args.kid_subset_size,
+                prdc_k=args.prdc_k,
+                is_splits=args.is_splits,
+                **stream_options(args),
+            )
+        except WeightsUnavailableError as exc:
+            raise UserError(_with_flag(str(exc).strip().splitlines()[0], weights)) from None
+        finally:
+            if is_main_rank():
+                print_warnings(caught)
+    if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
+        return 0
+    for backbone in found.real:
+        if weights[backbone] is None:
+            flag, network, _ = _BACKBONES[backbone]
+            note = f"{flag} none is a random init, not {network}: its numbers are no benchmark's"
+            print(f"featurehooks: warning: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(_as_json(found, metrics)))
+    else:
+        for name in metrics:
+            print(f"{name}: {_text(found.numbers[name], args.prdc_k)}")
+    return 0
+
+
+def _metrics(text: str) -> list[str]:
+    """``--metrics``' names in the order given, each once; an unknown one is a UserError naming the closest."""
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in METRICS:
+            hint = did_you_mean(name, METRICS)
+            raise UserError(
+                f"--metrics: unknown metric {name!r}" + (f"; {hint}" if hint else "") + f" (the metrics: "
+                f"{', '.join(METRICS)})"
+            )
+    return list(dict.fromkeys(names))
+
+
+def _check_name(flag: str, name: str, names: tuple[str, ...]) -> None:
+    """Refuse a ``flag`` value not in ``names``, naming the closest, before anything is read."""
+    if name not in names:
+        hint = did_you_mean(name, names)
+        raise UserError(f"{flag}: unknown name {name!r}" + (f"; {hint}" if hint else "") + f" ({', '.join(names)})")
+
+
+def _check_sizes(args: argparse.Namespace, metrics: list[str], real: int, fake: int) -> None:
+    """Refuse, before any compute, sets too small for KID's subsets, PRDC's k or the Inception Score's splits (an
+    unreadable image, left out later, can still make one too small: the library then says so)."""
+    smaller = min(real, fake)
+    if "kid" in metrics and smaller < args.kid_subset_size:
+        raise UserError(
+            f"kid: a set has {smaller} images, fewer than --kid-subset-size {args.kid_subset_size}; pass "
+            f"--kid-subset-size {max(smaller, 2)} or less for sets this small"
+        )
+    if "prdc" in metrics and smaller <= args.prdc_k:
+        raise UserError(
+            f"prdc: a set has {smaller} images, and --prdc-k {args.prdc_k} needs at least {args.prdc_k + 1}; pass "
+            f"--prdc-k {max(smaller - 1, 1)} or less for sets this small"
+        )
+    if "is" in metrics and fake < args.is_splits:
+        raise UserError(
+            f"is: FAKE has {fake} images, fewer than --is-splits {args.is_splits}; pass --is-splits {fake} or less"
+        )
+
+
+def _with_flag(message: str, weights: dict[str, str | None]) -> str:
+    """A weights error's message naming this command's flag (``--dinov2-weights FILE``), not ``weights=``."""
+    for backbone, (flag, _, marker) in _BACKBONES.items():
+        given = weights[backbone]
+        if marker in message or (given not in (None, "DEFAULT") and str(given) in message):
+            named = _WEIGHTS_ARGUMENT.sub(_as_flag(flag), message)
+            return named if named != message else f"{flag}: {message}"
+    return message
+
+
+def _as_flag(flag: str) -> Callable[[re.Match[str]], str]:
+    """``weights=None`` as ``FLAG none``, ``weights='FILE'`` as ``FLAG FILE``."""
+    return lambda found: f"{flag} {'none' if found[2] is None else found[2]}"
+
+
+def _text(value: Any, k: int) -> str:
+    """One metric's number as printed: ``12.3456``, ``mean ± std``, or PRDC's four fields."""
+    if isinstance(value, PRDC):
+        return prdc_text(value, k)
+    if isinstance(value, tuple):
+        mean, std = value
+        return f"{mean:.6g} ± {std:.3g}"
+    return f"{value:.6g}"
+
+
+def _as_json(found: Evaluation, metrics: list[str]) -> dict[str, Any]:
+    """The numbers as JSON values (floats, ``{"mean", "std"}``, PRDC's fields) and the image count of each set."""
+    out: dict[str, Any] = {}
+    for name in metrics:
+        value = found.numbers[name]
+        if isinstance(value, PRDC):
+            out[name] = {field: float(number) for field, number in value._asdict().items()}
+        elif isinstance(value, tuple):
+            out[name] = {"mean": float(value[0]), "std": float(value[1])}
+        else:
+            out[name] = float(value)
+    counts = (next(iter(side.values())).count for side in (found.real, found.fake))
+    out["images"] = dict(zip(("real", "fake"), counts))
+    return out
