@@ -16,6 +16,15 @@ import pytest
 import timm
 import torch
 import torchvision.transforms as TF
+from PIL import Image
+from safetensors.torch import save_file
+from torch import Tensor
+
+import featurehooks as fh
+from featurehooks.backbones import dinov2
+from featurehooks.backbones._meta import meta_parameters
+from featurehooks.backbones.timm_models import model_facts
+
 from dinov2_reference import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -26,14 +35,6 @@ from dinov2_reference import (
     relative_error,
     write_photos,
 )
-from PIL import Image
-from safetensors.torch import save_file
-from torch import Tensor
-
-import featurehooks as fh
-from featurehooks.backbones import dinov2
-from featurehooks.backbones._meta import meta_parameters
-from featurehooks.backbones.timm_models import model_facts
 
 
 # -- fixtures ------------------------------------------------------------------------------------------------

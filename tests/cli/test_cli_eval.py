@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dinov2_reference import hub_state
 
 from featurehooks.backbones import dinov2
 from featurehooks.cli import main
 from featurehooks.metrics import METRICS, PRDC, Evaluation, evaluate
+
+from dinov2_reference import hub_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in .* dimensions:UserWarning")
 pytest.importorskip("transformers")

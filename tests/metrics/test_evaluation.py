@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dinov2_reference import hub_state, write_photos
 from PIL import Image
 
 from featurehooks.backbones import dinov2
@@ -22,6 +21,8 @@ from featurehooks.metrics import (
     precision_recall,
 )
 from featurehooks.metrics.isc import inception_score
+
+from dinov2_reference import hub_state, write_photos
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in .* dimensions:UserWarning")
 OPTIONS = {"num_workers": 0, "batch_size": 2}

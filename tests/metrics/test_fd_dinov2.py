@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dinov2_reference import dgm_eval_transform, dinov2_oracle, hub_state, write_photos
 from torch import Tensor
 
 import featurehooks as fh
 from featurehooks.backbones import dinov2
 from featurehooks.metrics import FeatureOrigin, FeatureStatistics, frechet_distance
 from featurehooks.metrics.dinov2_fd import fd_dinov2, fd_dinov2_extractor, fd_dinov2_statistics
+
+from dinov2_reference import dgm_eval_transform, dinov2_oracle, hub_state, write_photos
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in 384 dimensions:UserWarning")
 
