@@ -174,7 +174,7 @@ def test_a_precision_the_device_cannot_run_is_refused_before_any_input_is_read(
 ) -> None:
     from featurehooks import _precision
 
-    monkeypatch.setattr(_precision, "_unsupported", lambda precision, kind, index: "no bfloat16 here")
+    monkeypatch.setattr(_precision, "unsupported", lambda precision, kind, index: "no bfloat16 here")
     bf16 = tiny_extractor(precision="bf16")
     fid = fid_extractor(weights=None, dims=64, device="cpu", precision="bf16")
     missing = str(tmp_path / "no such folder")  # listed first, it would raise InputNotFoundError
