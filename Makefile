@@ -44,7 +44,7 @@ docs: $(STAMP)
 	$(PYTEST) tests/docs
 
 # the CPU benchmarks, one after another (about an hour on 2 quiet cores); results land in benchmarks/results/
-BENCHMARKS := extraction losses memory_formats metrics probes dump_throughput dump_memory compile
+BENCHMARKS := extraction losses memory_formats metrics generative probes dump_throughput dump_memory compile
 bench: $(STAMP)
 	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
 

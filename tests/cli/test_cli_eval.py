@@ -83,6 +83,7 @@ def _check_lines(out: str, expected: Evaluation) -> None:
     assert tuple(_prdc(lines["prdc"])) == pytest.approx(tuple(numbers["prdc"]), abs=5e-5)  # 4 decimals
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_prints_evaluates_numbers_one_line_each(
     sets: tuple[Path, Path], expected: Evaluation, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +99,7 @@ def test_prints_all_six_by_default(sets: tuple[Path, Path], capsys: pytest.Captu
     _check_lines(capsys.readouterr().out, _evaluate(sets, METRICS))
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_json_holds_the_same_numbers_and_the_counts(
     sets: tuple[Path, Path], expected: Evaluation, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,7 @@ def found(sets: tuple[Path, Path]) -> Evaluation:
     return evaluate(real, fake, metrics, dinov2_model="vits14", **options, **OPTIONS)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_each_number_equals_its_single_metric_function(sets: tuple[Path, Path], found: Evaluation) -> None:
     real, fake = sets
     a, b = (fid_statistics(s, device="cpu", keep=3, **OPTIONS) for s in (real, fake))
@@ -69,6 +70,7 @@ def test_each_number_equals_its_single_metric_function(sets: tuple[Path, Path], 
         assert side["inception"].origin == stats.origin
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_statistics_of_a_set_serve_as_its_reference(sets: tuple[Path, Path], found: Evaluation) -> None:
     _, fake = sets
     again = evaluate(found.real, fake, ["fid", "kid"], kid_subset_size=3, device="cpu", **OPTIONS)
@@ -77,6 +79,7 @@ def test_statistics_of_a_set_serve_as_its_reference(sets: tuple[Path, Path], fou
         evaluate(found.real, fake, ["cmmd"], device="cpu", **OPTIONS)
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_cmmd_equals_its_single_metric_function(sets: tuple[Path, Path], tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from clip_reference import cached_clip

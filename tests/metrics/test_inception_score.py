@@ -51,6 +51,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_inception_score_is_torch_fidelitys(weights: Path, folder: Path) -> None:
     theirs = torch_fidelity.calculate_metrics(
         input1=str(folder),
