@@ -116,7 +116,7 @@ def seeded_isc_weights(gain: float = 60.0) -> Path:
 def dinov2_hub_state(name: str, seed: int = SEED) -> dict[str, torch.Tensor]:
     """Seeded weights of DINOv2 hub entry ``name`` (``"dinov2_vits14"``...) in the hub release's layout: its keys, a
     37x37 ``pos_embed`` and ``mask_token``, scaled so that every block and the interpolated position embedding shape
-    the features (the tests' ``dinov2_reference.hub_state`` too)."""
+    the features (the recipe of ``tests/dinov2_reference.py``'s ``hub_state``)."""
     import math
 
     import timm

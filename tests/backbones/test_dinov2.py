@@ -28,7 +28,6 @@ from featurehooks.backbones.timm_models import model_facts
 from dinov2_reference import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    cache_vits14,
     dgm_eval_transform,
     dinov2_oracle,
     hub_state,
@@ -41,7 +40,12 @@ from dinov2_reference import (
 # -- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vits14(torch_home: Path) -> dict[str, Tensor]:
-    return cache_vits14()
+    """Seeded ViT-S/14 weights in the hub layout, where ``torch.hub`` caches ``dinov2_vits14``'s release."""
+    state = hub_state("dinov2_vits14")
+    path = Path(dinov2.weights_path("dinov2_vits14"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return state
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +176,6 @@ def test_vitl14_equals_dinov2(torch_home: Path, photos: list[Path]) -> None:
     """ViT-L/14, FD_DINOv2's backbone, at its real configuration (24 blocks, 16 heads, 1024 wide)."""
     state = hub_state("dinov2_vitl14", seed=1, dtype=torch.float16)  # half the file; the model holds float32
     path = Path(dinov2.weights_path("dinov2_vitl14"))
-    path.parent.mkdir(parents=True, exist_ok=True)  # where no other test of this worker wrote weights yet
     torch.save(state, path)
     try:
         extractor = fh.FeatureExtractor("dinov2_vitl14", [dinov2.DINOV2_LAYER])
