@@ -1,5 +1,5 @@
-"""The ``eval`` subcommand: FID, FD_DINOv2, CMMD, the Inception Score, KID and PRDC of two image sets from one decode
-of each image (``featurehooks.metrics.evaluate``), one line per metric or one JSON object."""
+"""The ``eval`` subcommand: FID, FD_DINOv2, CMMD, the Inception Score, KID, PRDC and sFID of two image sets from one
+decode of each image (``featurehooks.metrics.evaluate``), one line per metric or one JSON object."""
 
 from __future__ import annotations
 
@@ -44,14 +44,15 @@ _WEIGHTS_ARGUMENT = re.compile(r"\bweights=(None|'([^']*)')")
 
 _EPILOG = """\
 examples:
-  featurehooks eval real/ fake/                            # all six metrics, one line each
+  featurehooks eval real/ fake/                            # all seven metrics, one line each
   featurehooks eval real/ fake/ --metrics fid,kid,prdc --kid-subset-size 100 --prdc-k 3
-  featurehooks eval real/ fake/ --metrics fid,is --fid-mode legacy_tensorflow --json
+  featurehooks eval real/ fake/ --metrics fid,is,sfid --fid-mode legacy_tensorflow --json  # as ADM's evaluator
   torchrun --nproc-per-node 4 -m featurehooks eval real/ fake/ --metrics fd_dinov2,cmmd
 
 Each image is read once; every backbone the metrics need prepares it as that metric's own function does,
 and each number equals that function's (featurehooks.metrics.evaluate). fid, kid, prdc and is use the FID
-Inception's pool features in the lineage --fid-mode (is: of FAKE only), fd_dinov2 DINOv2's class token
+Inception's pool features in the lineage --fid-mode (is: of FAKE only), sfid its spatial features from the
+same forward (mixed_6/conv, as the ADM evaluator), fd_dinov2 DINOv2's class token
 (--dinov2-model; vitl14 is FD_DINOv2), cmmd CLIP ViT-L/14@336's embedding. REAL is PRDC's reference.
 Weights come from the caches (the torch hub's for the Inception and DINOv2, Hugging Face's for CLIP), or
 --inception-weights/--dinov2-weights/--clip-weights FILE; 'none' is a random init seeded by --seed, which
@@ -66,7 +67,7 @@ def add_eval_command(commands: Any) -> None:
     parser = add_command(
         commands,
         "eval",
-        help="FID, FD_DINOv2, CMMD, IS, KID and PRDC of two image sets, each image decoded once (torchrun-aware)",
+        help="FID, FD_DINOv2, CMMD, IS, KID, PRDC and sFID of two image sets, each image decoded once (torchrun-aware)",
         description="The generative metrics of FAKE against REAL (image folders, globs or files): every backbone "
         "they need from one decode of each image, one line per metric in the order asked.",
         epilog=_EPILOG,
@@ -83,7 +84,7 @@ def add_eval_command(commands: Any) -> None:
         "--fid-mode",
         default=FID_MODES[0],
         metavar="NAME",
-        help=f"the FID lineage of the Inception's features (fid, is, kid, prdc): {', '.join(FID_MODES)} "
+        help=f"the FID lineage of the Inception's features (fid, is, kid, prdc, sfid): {', '.join(FID_MODES)} "
         f"(default: {FID_MODES[0]}; see `featurehooks fid --help`)",
     )
     parser.add_argument(
@@ -159,9 +160,9 @@ def _eval(args: argparse.Namespace) -> int:
                 print_warnings(caught)
     if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
         return 0
-    for backbone in found.real:
-        if weights[backbone] is None:
-            flag, network, _ = _BACKBONES[backbone]
+    used = {stats.origin.backbone for stats in found.real.values() if stats.origin is not None}
+    for backbone, (flag, network, marker) in _BACKBONES.items():
+        if weights[backbone] is None and any(name.startswith(marker) for name in used):
             note = f"{flag} none is a random init, not {network}: its numbers are no benchmark's"
             print(f"featurehooks: warning: {note}", file=sys.stderr)
     if args.json:

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["add_metric_commands"]
 
-_EVERY_VECTOR = 2**62  # a FeatureStatistics keep that keeps every vector (its sample grows as vectors come)
 _FD_EPILOG = """\
 examples:
   featurehooks fd real/ fake/ --backbone inception_v3 --layers avgpool
@@ -235,6 +234,7 @@ def _stats(args: argparse.Namespace) -> int:
 def _fd(args: argparse.Namespace) -> int:
     from .._stream.sharding import process_group
     from ..metrics import frechet_distance, kernel_inception_distance
+    from ..metrics.statistics import KEEP_ALL
 
     sources = (args.set_a, args.set_b)
     files = {source: _statistics_file(args, source) for source in sources if is_statistics_file(source)}
@@ -243,7 +243,7 @@ def _fd(args: argparse.Namespace) -> int:
         _check_setup(args, source, stats.origin, computed)
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = max(args.kid_keep if args.kid else 0, args.prdc_keep if args.prdc else 0)  # one sample serves both
-    keeps = (keep, _EVERY_VECTOR if args.bootstrap or args.infinity else keep)  # resampling B needs all of B
+    keeps = (keep, KEEP_ALL if args.bootstrap or args.infinity else keep)  # resampling B needs all of B
     with process_group(device_from(args.device)):  # under torchrun: one group for both sets
         sides = [
             {args.layers[0]: files[s]} if s in files else _computed(args, s, model, k) for s, k in zip(sources, keeps)

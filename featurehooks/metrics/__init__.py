@@ -25,6 +25,7 @@ from .lpips import LPIPS, find_heads, load_heads
 from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
 from .sample_size import FDInfinity, fd_bootstrap, fd_infinity
+from .sfid import SFID_CHANNELS, SFID_LAYER, sfid, sfid_extractor, sfid_statistics, sfid_vectors
 from .statistics import FeatureOrigin, FeatureStatistics
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "LPIPS",
     "METRICS",
     "PRDC",
+    "SFID_CHANNELS",
+    "SFID_LAYER",
     "FeatureOrigin",
     "FeatureStatistics",
     "ImagePair",
@@ -72,5 +75,9 @@ __all__ = [
     "pair_files",
     "precision_recall",
     "score_pairs",
+    "sfid",
+    "sfid_extractor",
+    "sfid_statistics",
+    "sfid_vectors",
     "statistics_from_dump",
 ]

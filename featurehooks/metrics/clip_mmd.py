@@ -25,6 +25,7 @@ from typing_extensions import Unpack
 from ..backbones.clip import EMBEDDING_LAYER
 from ..errors import InvalidTypeError, InvalidValueError
 from .collect import PassSettings, collect
+from .statistics import KEEP_ALL
 
 if TYPE_CHECKING:
     import os
@@ -46,7 +47,6 @@ Examples:
 SIGMA = 10.0
 SCALE = 1000.0
 _BLOCK = 2048  # rows a side per block of kernel values: 32 MiB of float64
-_EVERY = 2**53  # a FeatureStatistics keeping this many vectors keeps them all
 
 
 def _embeddings(value: Any, name: str) -> Tensor:
@@ -184,7 +184,7 @@ def cmmd_embeddings(source: SourceSpec, extractor: FeatureExtractor, **options: 
         >>> cmmd_embeddings(torch.rand(5, 3, 32, 32), ext).shape  # or a folder, a glob, a list of files
         torch.Size([5, 8])
     """
-    return _embed(extractor, source, PassSettings.of(None, _EVERY, 0, options))
+    return _embed(extractor, source, PassSettings.of(None, KEEP_ALL, 0, options))
 
 
 def cmmd(
@@ -228,7 +228,7 @@ def cmmd(
         >>> cmmd(images, images, extractor=ext), cmmd(images, images.flip(-1) ** 2, extractor=ext) > 0
         (0.0, True)
     """
-    settings = PassSettings.of(None, _EVERY, 0, options)  # bad options fail before the model is read
+    settings = PassSettings.of(None, KEEP_ALL, 0, options)  # bad options fail before the model is read
     if extractor is None:
         extractor = cmmd_extractor(weights, device=device)
     elif weights != "DEFAULT" or device is not None:

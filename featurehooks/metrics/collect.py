@@ -59,10 +59,15 @@ class PassSettings:
     keep: int
     seed: int
     streaming: Streaming
+    keep_layers: frozenset[str] | None = None  # the layers whose vectors ``keep`` keeps (None: every layer)
 
     @classmethod
     def of(cls, pool: Pool | None, keep: int, seed: int, options: Mapping[str, object]) -> PassSettings:
         return cls(as_pool(pool), keep, seed, Streaming.of(options))
+
+    def keep_of(self, layer: str) -> int:
+        """How many vectors of ``layer`` the statistics keep."""
+        return self.keep if self.keep_layers is None or layer in self.keep_layers else 0
 
     def __post_init__(self) -> None:
         check_count(self.keep, "keep")
@@ -189,7 +194,7 @@ def collect(
         _, inputs = planned_on_main(ranks, source, resolve)
         origins = _origins(extractor, wanted, settings.pool, inputs.transform)
         stats = {
-            name: FeatureStatistics(keep=settings.keep, seed=settings.seed, origin=origin)
+            name: FeatureStatistics(keep=settings.keep_of(name), seed=settings.seed, origin=origin)
             for name, origin in origins.items()
         }
         total, size = len(inputs.names), streaming.batch_size

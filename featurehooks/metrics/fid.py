@@ -148,14 +148,21 @@ def fid_extractor(
         >>> fid_mode(ext)
         'clean'
     """
+    return inception_extractor([_check_dims(dims)], weights, mode, device, extractor_options)
+
+
+def inception_extractor(
+    layers: list[str], weights: WeightsArg, mode: str, device: str | torch.device | None, options: dict[str, Any]
+) -> FeatureExtractor:
+    """A ``FeatureExtractor`` of ``layers`` of the FID Inception in the lineage ``mode``, as ``fid_extractor`` builds
+    it (the FID metrics' one definition of their network)."""
     from ..extractor import FeatureExtractor
 
-    layer = _check_dims(dims)
     check_lineage(mode)
     # NCHW, as pytorch-fid computes: the same statistics to 1e-16. "auto" picks channels-last for large images on
     # the CPU, with FIDs 3e-7 apart (measured on 512x512 photos) and no measured gain in speed
-    options = {"mode": "detach", "memory_format": "contiguous", **extractor_options}
-    extractor = FeatureExtractor(FID_INCEPTION, [layer], weights=weights, **options)
+    options = {"mode": "detach", "memory_format": "contiguous", **options}
+    extractor = FeatureExtractor(FID_INCEPTION, layers, weights=weights, **options)
     fid_network(extractor).lineage = mode  # the extractor's own copy of the network
     return extractor.to(_default_device() if device is None else device)
 

@@ -21,7 +21,7 @@ from typing_extensions import Unpack
 
 from ..errors import InvalidTypeError, InvalidValueError
 from .fid import FID_LAYERS, FIDMode, WeightsArg, fid_extractor, fid_network, fid_statistics
-from .statistics import as_matrix, check_count
+from .statistics import KEEP_ALL, as_matrix, check_count
 
 if TYPE_CHECKING:
     from .._stream import SourceSpec, StreamOptions
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["inception_score", "inception_score_of_features", "inception_score_of_logits"]
 
 IS_SEED = 2020  # torch-fidelity's rng_seed
-_EVERY_ROW = 2**53  # keep=: every pool feature vector, in input order (a reservoir that never fills)
 ArrayLike = Union[Tensor, np.ndarray]
 
 
@@ -174,5 +173,5 @@ def inception_score(
             f"the Inception Score needs the pool features of the FID Inception (fid_extractor(dims=2048)); "
             f"extractor= returns {extractor.layers}"
         )
-    stats = fid_statistics(source, mode=mode, extractor=extractor, keep=_EVERY_ROW, **options)
+    stats = fid_statistics(source, mode=mode, extractor=extractor, keep=KEEP_ALL, **options)
     return inception_score_of_features(stats.features, network.fc.weight, splits, seed=seed)

@@ -32,7 +32,7 @@ from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InvalidTypeError, InvalidValueError
 from ._npz import Check, Header, Mismatch, read_npz, write_npz
 
-__all__ = ["FORMAT", "FeatureOrigin", "FeatureStatistics"]
+__all__ = ["FORMAT", "KEEP_ALL", "FeatureOrigin", "FeatureStatistics"]
 
 FORMAT = "featurehooks.statistics/1"
 ArrayLike = Union[Tensor, np.ndarray]
@@ -45,6 +45,8 @@ _STRICT = (
 )  # fields that must match for two statistics to be compared
 _ARRAYS = ("mu", "sigma", "features")
 _MAX_COUNT = 2**53  # counts beyond this are not exact in float64, and overflow the moment arithmetic
+KEEP_ALL = _MAX_COUNT
+"""A ``keep`` that keeps every vector, in input order: a sample that never fills (its rows grow as vectors come)."""
 
 
 @dataclass(frozen=True)

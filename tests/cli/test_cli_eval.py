@@ -74,7 +74,7 @@ def _check_lines(out: str, expected: Evaluation) -> None:
     lines = _lines(out)
     numbers = expected.numbers
     assert list(lines) == list(numbers)
-    for name in {"fid", "fd_dinov2", "cmmd"} & set(lines):
+    for name in {"fid", "fd_dinov2", "cmmd", "sfid"} & set(lines):
         assert float(lines[name]) == pytest.approx(numbers[name], rel=5e-6)  # printed to 6 digits
     for name in {"is", "kid"} & set(lines):
         mean, std = _mean_std(lines[name])
@@ -93,7 +93,7 @@ def test_prints_evaluates_numbers_one_line_each(
 
 
 @pytest.mark.slow
-def test_prints_all_six_by_default(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_prints_every_metric_by_default(sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert main(["eval", *map(str, sets), *FLAGS, *RUN]) == 0
     _check_lines(capsys.readouterr().out, _evaluate(sets, METRICS))

@@ -20,6 +20,7 @@ from featurehooks.metrics import (
     frechet_distance,
     kernel_inception_distance,
     precision_recall,
+    sfid_statistics,
 )
 from featurehooks.metrics.isc import inception_score
 
@@ -49,7 +50,7 @@ def sets(tmp_path_factory: pytest.TempPathFactory, torch_home: Path, fid_weights
 def found(sets: tuple[Path, Path]) -> Evaluation:
     """Every metric but CMMD of the two sets, in one pass a set."""
     real, fake = sets
-    metrics = ["fid", "kid", "prdc", "is", "fd_dinov2"]
+    metrics = ["fid", "kid", "prdc", "is", "fd_dinov2", "sfid"]
     options = {"kid_subset_size": 3, "prdc_k": 1, "is_splits": 1, "device": "cpu"}
     return evaluate(real, fake, metrics, dinov2_model="vits14", **options, **OPTIONS)  # type: ignore[arg-type]
 
@@ -68,6 +69,11 @@ def test_each_number_equals_its_single_metric_function(sets: tuple[Path, Path], 
     for side, stats in ((found.real, a), (found.fake, b)):
         torch.testing.assert_close(side["inception"].mean, stats.mean, rtol=0, atol=0)  # the same pixels, bitwise
         assert side["inception"].origin == stats.origin
+    for side, folder in ((found.real, real), (found.fake, fake)):  # sFID from the same forward, in its lineage
+        spatial = sfid_statistics(folder, mode="legacy_pytorch", device="cpu", **OPTIONS)
+        torch.testing.assert_close(side["inception_spatial"].covariance, spatial.covariance, rtol=0, atol=0)
+        assert side["inception_spatial"].origin == spatial.origin and side["inception_spatial"].keep == 0
+    assert found.numbers["sfid"] == frechet_distance(found.real["inception_spatial"], found.fake["inception_spatial"])
 
 
 @pytest.mark.slow  # a reference oracle with networks of its own
