@@ -28,6 +28,7 @@ from ._common import (
     stream_options,
     weights_from,
 )
+from ._sample_size import SampleSize, add_sample_size_options, sample_size, sample_size_asked
 
 if TYPE_CHECKING:
     from ..metrics import Evaluation
@@ -40,6 +41,7 @@ _BACKBONES = {
     "dinov2": ("--dinov2-weights", "DINOv2", "dinov2_"),
     "clip": ("--clip-weights", "CLIP ViT-L/14@336", "clip_vit_"),
 }
+_FRECHET = ("fid", "fd_dinov2", "sfid")  # the Fréchet distances, which --bootstrap and --infinity qualify
 _WEIGHTS_ARGUMENT = re.compile(r"\bweights=(None|'([^']*)')")
 
 _EPILOG = """\
@@ -58,7 +60,9 @@ Weights come from the caches (the torch hub's for the Inception and DINOv2, Hugg
 --inception-weights/--dinov2-weights/--clip-weights FILE; 'none' is a random init seeded by --seed, which
 is no benchmark's network. Every vector is kept for cmmd, is, kid and prdc (N x 2048 float32 per set for
 the Inception). --json prints one object: floats, {"mean", "std"} for is and kid, the four PRDC fields, and
-"images": the count of each set.
+"images": the count of each set. --bootstrap and --infinity add to each Fréchet distance (fid, fd_dinov2,
+sfid) its 95% interval over resamples of FAKE and FD∞ (JSON: "fid_bootstrap": [low, high], "fid_infinity"),
+keeping every vector of both sets.
 """
 
 
@@ -115,6 +119,7 @@ def add_eval_command(commands: Any) -> None:
             "weights from the cache)",
         )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of one line per metric")
+    add_sample_size_options(parser, "FAKE")
     add_seed_option(parser)
     add_stream_options(parser)
     add_device_option(parser)
@@ -151,6 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
                 kid_subset_size=args.kid_subset_size,
                 prdc_k=args.prdc_k,
                 is_splits=args.is_splits,
+                keep_vectors=sample_size_asked(args),
                 **stream_options(args),
             )
         except WeightsUnavailableError as exc:
@@ -165,11 +171,17 @@ def _eval(args: argparse.Namespace) -> int:
         if weights[backbone] is None and any(name.startswith(marker) for name in used):
             note = f"{flag} none is a random init, not {network}: its numbers are no benchmark's"
             print(f"featurehooks: warning: {note}", file=sys.stderr)
+    sizes = {
+        name: sample_size(args, *found.statistics_of(name), "FAKE")
+        for name in metrics
+        if name in _FRECHET and sample_size_asked(args)
+    }
     if args.json:
-        print(json.dumps(_as_json(found, metrics)))
+        print(json.dumps(_as_json(found, metrics, sizes)))
     else:
         for name in metrics:
-            print(f"{name}: {_text(found.numbers[name], args.prdc_k)}")
+            more = sizes[name].text(args.bootstrap) if name in sizes else ""
+            print(f"{name}: {_text(found.numbers[name], args.prdc_k)}{more}")
     return 0
 
 
@@ -238,8 +250,9 @@ def _text(value: Any, k: int) -> str:
     return f"{value:.6g}"
 
 
-def _as_json(found: Evaluation, metrics: list[str]) -> dict[str, Any]:
-    """The numbers as JSON values (floats, ``{"mean", "std"}``, PRDC's fields) and the image count of each set."""
+def _as_json(found: Evaluation, metrics: list[str], sizes: dict[str, SampleSize]) -> dict[str, Any]:
+    """The numbers as JSON values (floats, ``{"mean", "std"}``, PRDC's fields), an FD's ``<name>_bootstrap``
+    ``[low, high]`` and ``<name>_infinity`` where asked for, and the image count of each set."""
     out: dict[str, Any] = {}
     for name in metrics:
         value = found.numbers[name]
@@ -249,6 +262,11 @@ def _as_json(found: Evaluation, metrics: list[str]) -> dict[str, Any]:
             out[name] = {"mean": float(value[0]), "std": float(value[1])}
         else:
             out[name] = float(value)
+        found_size = sizes.get(name, SampleSize(None, None))
+        if found_size.bootstrap is not None:
+            out[f"{name}_bootstrap"] = list(found_size.bootstrap)
+        if found_size.infinity is not None:
+            out[f"{name}_infinity"] = found_size.infinity
     counts = (next(iter(side.values())).count for side in (found.real, found.fake))
     out["images"] = dict(zip(("real", "fake"), counts))
     return out

@@ -30,6 +30,7 @@ from ._common import (
     stream_options,
     weights_from,
 )
+from ._sample_size import add_sample_size_options, sample_size, sample_size_asked
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,7 @@ examples:
   featurehooks fid fid_stats_cifar10_train.npz fake/  # pytorch-fid's and TTUR's mu/sigma files are read too
   featurehooks fid --mode legacy_tensorflow real/ fake/  # torch-fidelity's (StyleGAN's, ADM's, EDM's) number
   featurehooks fid --mode clean real/ fake/            # clean-fid's number
+  featurehooks fid real.npz fake/ --bootstrap 100 --infinity  # then a 95% interval and FD∞ on the same line
 
 The network is pytorch-fid's port of TensorFlow's FID Inception (backbone fid_inception) with its weights
 file pt_inception-2015-12-05-6726825d.pth, read from $TORCH_HOME/hub/checkpoints/ (where pytorch-fid's own
@@ -116,6 +118,7 @@ def add_fid_command(commands: Any) -> None:
         "or 'none' for a seeded random init, which is not the FID network",
         metavar="FILE",
     )
+    add_sample_size_options(fid)
     add_seed_option(fid)
     add_stream_options(fid)
     add_device_option(fid)
@@ -129,6 +132,7 @@ def _fid(args: argparse.Namespace) -> int:
     from .._stream import list_images
     from .._stream.sharding import process_group
     from ..metrics import fid_extractor, frechet_distance
+    from ..metrics.statistics import KEEP_ALL
 
     _check_mode(args.mode)
     device = device_from(args.device)  # a bad --device fails before anything is read
@@ -148,8 +152,12 @@ def _fid(args: argparse.Namespace) -> int:
                 print("featurehooks: warning: --weights none is a random init, not the FID network", file=sys.stderr)
         return fid_extractor(weights, dims=args.dims, mode=args.mode, device=device, precision=args.precision)
 
+    resampled = sample_size_asked(args)
+    if resampled and args.set_b in files:
+        _check_resamplable(args.set_b, files[args.set_b])
     with process_group(device):  # under torchrun: one group for both sets
-        sides = [files[s] if s in files else _computed(args, images[s], model) for s in sources]
+        keeps = (0, KEEP_ALL if resampled else 0)  # resampling B needs every vector of B
+        sides = [files[s] if s in files else _computed(args, images[s], model, k) for s, k in zip(sources, keeps)]
     if not is_main_rank():  # under torchrun every rank holds the merged statistics; one reports
         return 0
     for label, source, side in zip("AB", sources, sides):
@@ -157,9 +165,19 @@ def _fid(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = frechet_distance(sides[0], sides[1])
+        more = sample_size(args, sides[0], sides[1]).text(args.bootstrap) if resampled else ""  # type: ignore[arg-type]
     print_warnings([w for w in caught if _SINGULAR not in str(w.message)])
-    print("FID: ", value)  # exactly pytorch-fid's line: two spaces, the float's shortest repr
+    print("FID: ", value, end=f"{more}\n")  # pytorch-fid's line (two spaces, the float's shortest repr), then any more
     return 0
+
+
+def _check_resamplable(source: str, side: Side) -> None:
+    """Refuse, before any compute, a B file whose images cannot be resampled: it kept not every vector."""
+    if isinstance(side, tuple) or not side.keep or side.features.shape[0] < side.count:
+        raise UserError(
+            f"--bootstrap and --infinity resample B's images, and {source} holds their mean and covariance only: "
+            "pass B's images, or statistics saved with every vector kept (`featurehooks stats --kid-keep N`)"
+        )
 
 
 def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | None) -> int:
@@ -251,17 +269,16 @@ def _check_origin(args: argparse.Namespace, source: str, stats: FeatureStatistic
         )
 
 
-def _computed(args: argparse.Namespace, files: list[str], model: Callable[[], FeatureExtractor]) -> FeatureStatistics:
-    """FID statistics of ``files``, their warnings (unreadable images) printed as one line each."""
+def _computed(
+    args: argparse.Namespace, files: list[str], model: Callable[[], FeatureExtractor], keep: int = 0
+) -> FeatureStatistics:
+    """FID statistics of ``files`` (``keep`` vectors kept), their warnings (unreadable images) printed as one line
+    each."""
     from ..metrics import fid_statistics
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = fid_statistics(
-            files,
-            extractor=model(),
-            **stream_options(args),
-        )
+        stats = fid_statistics(files, extractor=model(), keep=keep, **stream_options(args))
     print_warnings(caught)
     return stats
 

@@ -32,6 +32,7 @@ from ._common import (
     weights_from,
 )
 from ._pairs import add_pair_options, folder_pairs, report_scores, score_folder_pairs
+from ._sample_size import add_sample_size_options, sample_size, sample_size_asked
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -136,26 +137,7 @@ def add_metric_commands(commands: Any) -> None:
         metavar="N",
         help="vectors kept per set for PRDC (default: 10000; with --kid, the larger of the two keeps)",
     )
-    fd.add_argument(
-        "--bootstrap",
-        type=at_least(2),
-        default=None,
-        metavar="ROUNDS",
-        help="also the 95%% interval of the FD over ROUNDS resamples of B's images (keeps every vector of B)",
-    )
-    fd.add_argument(
-        "--infinity",
-        action="store_true",
-        help="also FD∞, the FD extrapolated to infinitely many images of B (Chong & Forsyth 2020; keeps every "
-        "vector of B)",
-    )
-    fd.add_argument(
-        "--infinity-smallest",
-        type=at_least(2),
-        default=5000,
-        metavar="N",
-        help="the smallest subset of B that FD∞ fits on, below B's count (default: 5000, the paper's for 50,000)",
-    )
+    add_sample_size_options(fd)
     fd.set_defaults(run=_fd)
 
     stats = add_command(
@@ -243,7 +225,7 @@ def _fd(args: argparse.Namespace) -> int:
         _check_setup(args, source, stats.origin, computed)
     model = functools.cache(lambda: build_extractor(args))  # one model for both sets, none for two files
     keep = max(args.kid_keep if args.kid else 0, args.prdc_keep if args.prdc else 0)  # one sample serves both
-    keeps = (keep, KEEP_ALL if args.bootstrap or args.infinity else keep)  # resampling B needs all of B
+    keeps = (keep, KEEP_ALL if sample_size_asked(args) else keep)  # resampling B needs all of B
     with process_group(device_from(args.device)):  # under torchrun: one group for both sets
         sides = [
             {args.layers[0]: files[s]} if s in files else _computed(args, s, model, k) for s, k in zip(sources, keeps)
@@ -254,7 +236,8 @@ def _fd(args: argparse.Namespace) -> int:
         a, b = sides[0][layer], sides[1][layer]
         with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not Python's form
             warnings.simplefilter("always")
-            line = f"{layer}: FD {frechet_distance(a, b):.6g}" + _sample_size_text(args, a, b)
+            line = f"{layer}: FD {frechet_distance(a, b):.6g}"
+            line += sample_size(args, a, b).text(args.bootstrap)
         print_warnings(caught, f"{layer}: ")
         if args.kid:
             kept = min(_kept(a), _kept(b))
@@ -270,24 +253,6 @@ def _fd(args: argparse.Namespace) -> int:
             line += ", " + _prdc_text(a, b, args.prdc_k, layer)
         print(f"{line} (A: {a.count} images, B: {b.count} images)")
     return 0
-
-
-def _sample_size_text(args: argparse.Namespace, a: FeatureStatistics, b: FeatureStatistics) -> str:
-    """`` [low, high] (95% bootstrap, N rounds)`` and ``, FD∞ value`` as asked for, or nothing."""
-    from ..metrics import fd_bootstrap, fd_infinity
-
-    text = ""
-    if args.bootstrap:
-        low, high = fd_bootstrap(a, b, rounds=args.bootstrap)
-        text += f" [{low:.6g}, {high:.6g}] (95% bootstrap, {args.bootstrap} rounds)"
-    if args.infinity:
-        if b.count <= args.infinity_smallest:
-            raise UserError(
-                f"FD∞ fits on subsets of B from --infinity-smallest {args.infinity_smallest} images up to its "
-                f"{b.count}: pass --infinity-smallest {max(2, b.count // 10)} (a tenth of B) for a set this small"
-            )
-        text += f", FD∞ {fd_infinity(a, b, smallest=args.infinity_smallest).value:.6g}"
-    return text
 
 
 def _prdc_text(a: FeatureStatistics, b: FeatureStatistics, k: int, layer: str) -> str:

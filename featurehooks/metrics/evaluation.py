@@ -69,6 +69,20 @@ class Evaluation:
     real: dict[str, FeatureStatistics]
     fake: dict[str, FeatureStatistics]
 
+    def statistics_of(self, metric: str) -> tuple[FeatureStatistics, FeatureStatistics]:
+        """The statistics of ``real`` and ``fake`` that the number of ``metric`` comes from (e.g. for ``fd_bootstrap``
+        of ``"fid"``, from an ``evaluate(..., keep_vectors=True)``).
+
+        Raises:
+            InvalidValueError: ``metric`` is no name of ``METRICS``, or was not asked for.
+        """
+        (name,) = _check_metrics([metric])
+        kind = _VECTORS_OF[name]
+        if kind not in self.real:
+            held = ", ".join(self.real)
+            raise InvalidValueError(f"this evaluation holds no statistics of {metric!r} (it holds {held})")
+        return self.real[kind], self.fake[kind]
+
 
 def _builders(
     mode: FIDMode, dinov2_model: str, weights: Mapping[str, WeightsArg], device: str | torch.device | None
@@ -138,6 +152,7 @@ def evaluate(
     kid_subset_size: int = 1000,
     prdc_k: int = 5,
     is_splits: int = 10,
+    keep_vectors: bool = False,
     **options: Unpack[StreamOptions],
 ) -> Evaluation:
     """``metrics`` between ``real`` and ``fake``, each image decoded once for every backbone they need.
@@ -163,6 +178,8 @@ def evaluate(
         kid_subset_size: vectors per KID subset (each set needs at least as many).
         prdc_k: the nearest neighbour of PRDC's radii.
         is_splits: the splits of the Inception Score.
+        keep_vectors: keep every vector of every kind, not only those the metrics need (for ``fd_bootstrap`` and
+            ``fd_infinity`` of the Fréchet distances: ``statistics_of``).
         **options: the ``StreamOptions`` but ``resize_size`` and ``crop_size`` (each backbone prepares its images).
 
     Raises:
@@ -179,6 +196,8 @@ def evaluate(
         (['fid', 'kid'], ['inception'])
     """
     names = _check_metrics(metrics)
+    if not isinstance(keep_vectors, bool):
+        raise InvalidTypeError(f"keep_vectors must be True or False, got {keep_vectors!r}")
     for name in ("resize_size", "crop_size"):
         if name in options:
             raise InvalidValueError(f"evaluate takes no {name}: each backbone prepares the images as its metric does")
@@ -188,7 +207,7 @@ def evaluate(
         asked.setdefault(_BACKBONE_OF[kind], []).append(kind)
     makers = _builders(fid_mode, dinov2_model, weights or {}, device)
     backbones = functools.cache(lambda: {backbone: makers[backbone](of) for backbone, of in asked.items()})
-    kept = list(dict.fromkeys(_VECTORS_OF[name] for name in names if name in _NEED_VECTORS))
+    kept = kinds if keep_vectors else list(dict.fromkeys(_VECTORS_OF[n] for n in names if n in _NEED_VECTORS))
     real_stats = _side(real, "real", kinds, backbones, kept, options)
     fake_stats = _side(fake, "fake", kinds, backbones, kept, options)
     numbers: dict[str, Any] = {}

@@ -12,7 +12,8 @@ import torch
 
 from featurehooks.backbones import dinov2
 from featurehooks.cli import main
-from featurehooks.metrics import METRICS, PRDC, Evaluation, evaluate
+from featurehooks.errors import InvalidValueError
+from featurehooks.metrics import METRICS, PRDC, Evaluation, evaluate, fd_bootstrap, fd_infinity
 
 from dinov2_reference import hub_state
 
@@ -118,6 +119,25 @@ def test_json_holds_the_same_numbers_and_the_counts(
         assert found[name] == dict(zip(("mean", "std"), numbers[name]))
     assert found["prdc"] == numbers["prdc"]._asdict()
     assert found["images"] == {"real": 4, "fake": 4}
+
+
+def test_bootstrap_and_infinity_qualify_each_frechet_distance(
+    sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    options = ["--bootstrap", "3", "--infinity", "--infinity-smallest", "2", "--json"]
+    assert main(["eval", *map(str, sets), "--metrics", "fd_dinov2,kid", *options, *FLAGS, *RUN]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert list(found) == ["fd_dinov2", "fd_dinov2_bootstrap", "fd_dinov2_infinity", "kid", "images"]
+    expected = evaluate(
+        *sets, ["fd_dinov2"], dinov2_model="vits14", device="cpu", keep_vectors=True, num_workers=0, batch_size=2
+    )
+    real, fake = expected.statistics_of("fd_dinov2")
+    assert fake.features.shape[0] == 4  # every vector kept
+    assert found["fd_dinov2_bootstrap"] == list(fd_bootstrap(real, fake, rounds=3))
+    assert found["fd_dinov2_infinity"] == fd_infinity(real, fake, smallest=2).value
+    with pytest.raises(InvalidValueError, match="holds no statistics of 'fid'"):
+        expected.statistics_of("fid")
 
 
 def test_prints_the_metrics_asked_in_their_order(

@@ -12,7 +12,14 @@ import torch
 from PIL import Image
 
 from featurehooks.cli import main
-from featurehooks.metrics import FeatureOrigin, FeatureStatistics, load_mu_sigma
+from featurehooks.metrics import (
+    FeatureOrigin,
+    FeatureStatistics,
+    fd_bootstrap,
+    fd_infinity,
+    fid_statistics,
+    load_mu_sigma,
+)
 
 pytest.importorskip("pytorch_fid")
 from pytorch_fid.fid_score import calculate_fid_given_paths, get_activations  # noqa: E402
@@ -111,6 +118,29 @@ def test_saved_statistics_stand_in_for_the_folder(
     np.savez_compressed(bare, mu=mu.numpy(), sigma=sigma.numpy())
     assert main(["fid", str(bare), str(path), *FAST, *RUN]) == 0
     assert _printed(capsys.readouterr().out) == pytest.approx(0.0, abs=1e-6 * theirs)
+
+
+def test_bootstrap_and_infinity_follow_pytorch_fids_number(
+    sets: tuple[Path, Path], reference: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mu/sigma file serves as A; B's images are resampled, as ``fd_bootstrap``/``fd_infinity`` do."""
+    path, theirs = reference
+    bare = path.with_name("bare_a.npz")
+    mu, sigma = load_mu_sigma(path)
+    np.savez_compressed(bare, mu=mu.numpy(), sigma=sigma.numpy())
+    capsys.readouterr()
+    options = ["--bootstrap", "3", "--infinity", "--infinity-smallest", "2"]
+    assert main(["fid", str(bare), str(sets[1]), *options, *FAST, *RUN]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("FID:  ") and "(95% bootstrap, 3 rounds), FD∞ " in line
+    assert float(line[len("FID:  ") :].split(" ")[0]) == pytest.approx(theirs, rel=1e-6)
+    b = fid_statistics(sets[1], dims=64, device="cpu", keep=3, num_workers=0)
+    low, high = fd_bootstrap((mu, sigma), b, rounds=3)
+    interval = [float(value) for value in line.split("[")[1].split("]")[0].split(", ")]
+    assert interval == pytest.approx([low, high], rel=1e-5)
+    assert float(line.split("FD∞ ")[1]) == pytest.approx(fd_infinity((mu, sigma), b, smallest=2).value, rel=1e-5)
+    assert main(["fid", str(sets[0]), str(bare), "--bootstrap", "3", *FAST, *RUN]) == 2  # B holds no vectors
+    assert "resample B's images, and " in capsys.readouterr().err
 
 
 def test_errors_are_one_line_exit_2(
