@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import WeightsUnavailableError, did_you_mean
+from ..errors import InvalidValueError, WeightsUnavailableError, did_you_mean
 from ..metrics import FD_DINOV2_MODELS, FID_MODES, METRICS, PRDC
 from ._common import (
     UserError,
@@ -20,8 +20,10 @@ from ._common import (
     add_seed_option,
     add_stream_options,
     at_least,
+    check_output_file,
     device_from,
     is_main_rank,
+    is_statistics_file,
     positive,
     prdc_text,
     print_warnings,
@@ -31,7 +33,7 @@ from ._common import (
 from ._sample_size import SampleSize, add_sample_size_options, sample_size, sample_size_asked
 
 if TYPE_CHECKING:
-    from ..metrics import Evaluation
+    from ..metrics import Evaluation, FeatureStatistics
 
 __all__ = ["add_eval_command"]
 
@@ -50,6 +52,8 @@ examples:
   featurehooks eval real/ fake/ --metrics fid,kid,prdc --kid-subset-size 100 --prdc-k 3
   featurehooks eval real/ fake/ --metrics fid,is,sfid --fid-mode legacy_tensorflow --json  # as ADM's evaluator
   torchrun --nproc-per-node 4 -m featurehooks eval real/ fake/ --metrics fd_dinov2,cmmd
+  featurehooks eval --save-stats real/ real.npz --metrics fid,fd_dinov2   # a reference set, computed once
+  featurehooks eval real.npz fake/ --metrics fid,fd_dinov2
 
 Each image is read once; every backbone the metrics need prepares it as that metric's own function does,
 and each number equals that function's (featurehooks.metrics.evaluate). fid, kid, prdc and is use the FID
@@ -62,7 +66,8 @@ is no benchmark's network. Every vector is kept for cmmd, is, kid and prdc (N x 
 the Inception). --json prints one object: floats, {"mean", "std"} for is and kid, the four PRDC fields, and
 "images": the count of each set. --bootstrap and --infinity add to each Fréchet distance (fid, fd_dinov2,
 sfid) its 95% interval over resamples of FAKE and FD∞ (JSON: "fid_bootstrap": [low, high], "fid_infinity"),
-keeping every vector of both sets.
+keeping every vector of both sets. A statistics file of --save-stats holds what its --metrics needed (every
+vector, where they needed them); it must come from the same weights, --fid-mode and --dinov2-model.
 """
 
 
@@ -76,8 +81,22 @@ def add_eval_command(commands: Any) -> None:
         "they need from one decode of each image, one line per metric in the order asked.",
         epilog=_EPILOG,
     )
-    parser.add_argument("real", metavar="REAL", help="the reference images: folder (recursive), glob or file")
-    parser.add_argument("fake", metavar="FAKE", help="the generated images: folder (recursive), glob or file")
+    parser.add_argument(
+        "real",
+        metavar="REAL",
+        help="the reference images: folder (recursive), glob or file; or a statistics .npz of eval --save-stats",
+    )
+    parser.add_argument(
+        "fake",
+        metavar="FAKE",
+        help="the generated images, as REAL; with --save-stats, the .npz to write REAL's statistics to",
+    )
+    parser.add_argument(
+        "--save-stats",
+        action="store_true",
+        help="write the statistics of the images REAL that --metrics need to the file FAKE instead (a reference "
+        "set, computed once)",
+    )
     parser.add_argument(
         "--metrics",
         default=",".join(METRICS),
@@ -131,14 +150,16 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .._stream import list_images
     from .._stream.sharding import process_group
-    from ..metrics import evaluate
+    from ..metrics import evaluate, save_statistics
 
     metrics = _metrics(args.metrics)
     _check_name("--fid-mode", args.fid_mode, FID_MODES)
     _check_name("--dinov2-model", args.dinov2_model, FD_DINOV2_MODELS)
     device = device_from(args.device)  # a bad --device fails before anything is read
-    real, fake = (list_images([source]) for source in (args.real, args.fake))  # a missing set too
-    _check_sizes(args, metrics, len(real), len(fake))
+    if args.save_stats:
+        check_output_file(args.fake)
+    sides = [_read_side(source) if is_statistics_file(source) else list_images([source]) for source in _sets(args)]
+    _check_sizes(args, metrics, *(_count(side) for side in sides))
     weights = {backbone: getattr(args, f"{backbone}_weights") for backbone in _BACKBONES}
     if None in weights.values():
         torch.manual_seed(args.seed)  # random init, identical on every rank and every run
@@ -146,8 +167,8 @@ def _eval(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         try:
             found = evaluate(
-                real,
-                fake,
+                sides[0],
+                sides[1] if len(sides) > 1 else None,
                 metrics,
                 fid_mode=args.fid_mode,
                 dinov2_model=args.dinov2_model,
@@ -171,6 +192,11 @@ def _eval(args: argparse.Namespace) -> int:
         if weights[backbone] is None and any(name.startswith(marker) for name in used):
             note = f"{flag} none is a random init, not {network}: its numbers are no benchmark's"
             print(f"featurehooks: warning: {note}", file=sys.stderr)
+    if args.save_stats:
+        path = save_statistics(args.fake, found.real)
+        counts = ", ".join(f"{kind} {stats.count} images x {stats.dim}" for kind, stats in found.real.items())
+        print(f"wrote {path}: the statistics of REAL for {', '.join(metrics)} ({counts})")
+        return 0
     sizes = {
         name: sample_size(args, *found.statistics_of(name), "FAKE")
         for name in metrics
@@ -205,10 +231,41 @@ def _check_name(flag: str, name: str, names: tuple[str, ...]) -> None:
         raise UserError(f"{flag}: unknown name {name!r}" + (f"; {hint}" if hint else "") + f" ({', '.join(names)})")
 
 
-def _check_sizes(args: argparse.Namespace, metrics: list[str], real: int, fake: int) -> None:
+def _sets(args: argparse.Namespace) -> list[str]:
+    """The sets to read: REAL and FAKE, or REAL alone with --save-stats (refused as a statistics file)."""
+    if not args.save_stats:
+        return [args.real, args.fake]
+    if is_statistics_file(args.real):
+        raise UserError(f"--save-stats computes the statistics of images, and {args.real} is a statistics file")
+    return [args.real]
+
+
+def _read_side(source: str) -> dict[str, FeatureStatistics]:
+    """A set given as the statistics file of an ``eval --save-stats`` (one line for any other file)."""
+    from ..metrics import load_statistics
+    from ..metrics.statistics import FORMAT
+
+    try:
+        return load_statistics(source)
+    except InvalidValueError as exc:
+        if repr(FORMAT) in str(exc):
+            raise UserError(
+                f"{source} holds the statistics of one layer (fid --save-stats, stats --out); eval reads the "
+                "statistics of every backbone its metrics need: write them with eval --save-stats"
+            ) from None
+        raise
+
+
+def _count(side: list[str] | dict[str, FeatureStatistics]) -> int:
+    """Images in a set: files listed, or the count its statistics summarize."""
+    return len(side) if isinstance(side, list) else min(stats.count for stats in side.values())
+
+
+def _check_sizes(args: argparse.Namespace, metrics: list[str], real: int, fake: int | None = None) -> None:
     """Refuse, before any compute, sets too small for KID's subsets, PRDC's k or the Inception Score's splits (an
-    unreadable image, left out later, can still make one too small: the library then says so)."""
-    smaller = min(real, fake)
+    unreadable image, left out later, can still make one too small: the library then says so); with --save-stats,
+    REAL alone."""
+    smaller = real if fake is None else min(real, fake)
     if "kid" in metrics and smaller < args.kid_subset_size:
         raise UserError(
             f"kid: a set has {smaller} images, fewer than --kid-subset-size {args.kid_subset_size}; pass "
@@ -219,7 +276,7 @@ def _check_sizes(args: argparse.Namespace, metrics: list[str], real: int, fake: 
             f"prdc: a set has {smaller} images, and --prdc-k {args.prdc_k} needs at least {args.prdc_k + 1}; pass "
             f"--prdc-k {max(smaller - 1, 1)} or less for sets this small"
         )
-    if "is" in metrics and fake < args.is_splits:
+    if "is" in metrics and fake is not None and fake < args.is_splits:
         raise UserError(
             f"is: FAKE has {fake} images, fewer than --is-splits {args.is_splits}; pass --is-splits {fake} or less"
         )

@@ -26,7 +26,7 @@ from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
 from .sample_size import FDInfinity, fd_bootstrap, fd_infinity
 from .sfid import SFID_CHANNELS, SFID_LAYER, sfid, sfid_extractor, sfid_statistics, sfid_vectors
-from .statistics import FeatureOrigin, FeatureStatistics
+from .statistics import FeatureOrigin, FeatureStatistics, load_statistics, save_statistics
 
 __all__ = [
     "BATCH_PIXELS",
@@ -72,8 +72,10 @@ __all__ = [
     "kernel_inception_distance",
     "load_heads",
     "load_mu_sigma",
+    "load_statistics",
     "pair_files",
     "precision_recall",
+    "save_statistics",
     "score_pairs",
     "sfid",
     "sfid_extractor",

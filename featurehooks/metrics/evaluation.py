@@ -142,7 +142,7 @@ def _side(
 
 def evaluate(
     real: SourceSpec | Mapping[str, FeatureStatistics],
-    fake: SourceSpec | Mapping[str, FeatureStatistics],
+    fake: SourceSpec | Mapping[str, FeatureStatistics] | None,
     metrics: Sequence[str] = METRICS,
     *,
     fid_mode: FIDMode = "legacy_pytorch",
@@ -168,7 +168,8 @@ def evaluate(
     Args:
         real: the reference images (a folder, glob, file list, dataset or tensor, as ``dump_features`` takes), or
             the ``real`` statistics of an earlier ``Evaluation``.
-        fake: the generated images, or statistics as for ``real``.
+        fake: the generated images, or statistics as for ``real``; ``None`` computes the statistics of ``real`` only
+            (no numbers): a reference set to save (``save_statistics(path, found.real)``) and load later.
         metrics: names from ``METRICS``.
         fid_mode: the FID lineage of the Inception's features (``FID_MODES``).
         dinov2_model: the DINOv2 of ``"fd_dinov2"`` (``FD_DINOV2_MODELS``; ViT-L/14 is the reference's).
@@ -209,6 +210,8 @@ def evaluate(
     backbones = functools.cache(lambda: {backbone: makers[backbone](of) for backbone, of in asked.items()})
     kept = kinds if keep_vectors else list(dict.fromkeys(_VECTORS_OF[n] for n in names if n in _NEED_VECTORS))
     real_stats = _side(real, "real", kinds, backbones, kept, options)
+    if fake is None:
+        return Evaluation({}, real_stats, {})
     fake_stats = _side(fake, "fake", kinds, backbones, kept, options)
     numbers: dict[str, Any] = {}
     for name in names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
@@ -32,9 +33,18 @@ from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InvalidTypeError, InvalidValueError
 from ._npz import Check, Header, Mismatch, read_npz, write_npz
 
-__all__ = ["FORMAT", "KEEP_ALL", "FeatureOrigin", "FeatureStatistics"]
+__all__ = [
+    "FORMAT",
+    "KEEP_ALL",
+    "SET_FORMAT",
+    "FeatureOrigin",
+    "FeatureStatistics",
+    "load_statistics",
+    "save_statistics",
+]
 
 FORMAT = "featurehooks.statistics/1"
+SET_FORMAT = "featurehooks.statistics-set/1"  # several named statistics in one file (save_statistics)
 ArrayLike = Union[Tensor, np.ndarray]
 _STRICT = (
     "backbone",
@@ -382,6 +392,11 @@ class FeatureStatistics:
         Raises:
             InvalidValueError: nothing was added yet and no ``dim`` was given.
         """
+        meta, arrays = self._parts()
+        return write_npz(path, meta, **arrays)
+
+    def _parts(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The ``meta`` and the arrays (``mu``, ``sigma``, ``features``) a file holds of these statistics."""
         if self._dim is None:
             raise InvalidValueError("these statistics have no feature dimension yet: add features before saving")
         meta = {
@@ -395,7 +410,7 @@ class FeatureStatistics:
         }
         mean = self._mean if self._count else torch.zeros(self._dim, dtype=torch.float64)
         sigma = self.covariance if self._count >= 2 else torch.zeros(self._dim, self._dim, dtype=torch.float64)
-        return write_npz(path, meta, mu=mean.numpy(), sigma=sigma.numpy(), features=self._kept[: self._filled])
+        return meta, {"mu": mean.numpy(), "sigma": sigma.numpy(), "features": self._kept[: self._filled]}
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, dim: int | None = None) -> FeatureStatistics:
@@ -498,3 +513,73 @@ def _check_meta(meta: dict[str, Any]) -> dict[str, Any]:
         if value > _MAX_COUNT:
             raise InvalidValueError(f"its {name} {value} is out of range (at most 2**53)")
     return meta
+
+
+def save_statistics(path: str | os.PathLike[str], statistics: Mapping[str, FeatureStatistics]) -> Path:
+    """Write several named statistics to one ``.npz`` at exactly ``path``, atomically: e.g. ``Evaluation.real``, a
+    reference set of every backbone ``evaluate`` used, for later calls.
+
+    Each is stored as ``FeatureStatistics.save`` stores one, its arrays under ``<name>.mu``, ``<name>.sigma`` and
+    ``<name>.features``; ``meta`` lists the names and each one's own meta. ``load_statistics`` reads it back.
+
+    Raises:
+        InvalidValueError: no statistics, a name that is no identifier, or statistics without a dimension.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from featurehooks.metrics import FeatureStatistics, load_statistics, save_statistics
+        >>> stats = FeatureStatistics().update(torch.randn(10, 4))
+        >>> path = save_statistics(os.path.join(tempfile.mkdtemp(), "ref.npz"), {"inception": stats})
+        >>> {name: found.count for name, found in load_statistics(path).items()}
+        {'inception': 10}
+    """
+    if not statistics:
+        raise InvalidValueError("no statistics to save")
+    metas: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for name, stats in statistics.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise InvalidValueError(f"statistics names must be identifiers (letters, digits, _), got {name!r}")
+        if not isinstance(stats, FeatureStatistics):
+            raise InvalidTypeError(f"statistics[{name!r}] must be FeatureStatistics, not {type(stats).__name__}")
+        metas[name], parts = stats._parts()
+        arrays |= {f"{name}.{part}": value for part, value in parts.items()}
+    return write_npz(path, {"format": SET_FORMAT, "statistics": metas}, **arrays)
+
+
+def load_statistics(path: str | os.PathLike[str]) -> dict[str, FeatureStatistics]:
+    """The named statistics that ``save_statistics`` wrote to ``path``, each checked as ``FeatureStatistics.load``
+    checks one file before anything is unpacked (no pickles are read).
+
+    Raises:
+        InputNotFoundError: no such file.
+        InvalidValueError: not a file of named statistics, or one of them is inconsistent.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from featurehooks.metrics import FeatureStatistics, load_statistics, save_statistics
+        >>> path = save_statistics(os.path.join(tempfile.mkdtemp(), "ref.npz"), {"clip": FeatureStatistics(dim=3)})
+        >>> load_statistics(path)["clip"].dim
+        3
+    """
+    what = "featurehooks file of named statistics"
+    _, meta = read_npz(path, what, [], meta_format=SET_FORMAT)
+    metas = (meta or {}).get("statistics")
+    if not isinstance(metas, dict) or not metas or not all(isinstance(name, str) for name in metas):
+        raise InvalidValueError(f"{os.fspath(path)} is not a {what}: its meta names no statistics")
+    names = [f"{name}.{part}" for name in metas for part in _ARRAYS]
+
+    def check(headers: dict[str, Header], _: dict[str, Any] | None) -> None:
+        for name, one in metas.items():
+            if not isinstance(one, dict):
+                raise InvalidValueError(f"the meta of {name!r} is not an object")
+            _shapes(None)({part: headers[f"{name}.{part}"] for part in _ARRAYS}, one)
+
+    arrays, _ = read_npz(path, what, names, meta_format=SET_FORMAT, exact=True, check=check)
+    found = {}
+    for name, one in metas.items():
+        try:
+            found[name] = FeatureStatistics._from_arrays({part: arrays[f"{name}.{part}"] for part in _ARRAYS}, one)
+        except InvalidValueError as exc:
+            raise InvalidValueError(f"{os.fspath(path)} is not a {what}: {name}: {exc}") from None
+    return found

@@ -140,6 +140,28 @@ def test_bootstrap_and_infinity_qualify_each_frechet_distance(
         expected.statistics_of("fid")
 
 
+def test_saved_statistics_stand_in_for_real(
+    sets: tuple[Path, Path], expected: Evaluation, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real, fake = map(str, sets)
+    reference = tmp_path / "real.npz"
+    metrics = ["--metrics", "fd_dinov2,kid,prdc"]
+    assert main(["eval", "--save-stats", real, str(reference), *metrics, *FLAGS, *RUN]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {reference}: the statistics of REAL for fd_dinov2, kid, prdc")
+    assert main(["eval", str(reference), fake, *metrics, "--json", *FLAGS, *RUN]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["fd_dinov2"] == expected.numbers["fd_dinov2"]
+    assert found["kid"] == dict(zip(("mean", "std"), expected.numbers["kid"]))
+    assert found["prdc"] == expected.numbers["prdc"]._asdict()
+    assert main(["eval", str(reference), fake, "--metrics", "cmmd", *FLAGS, *RUN]) == 2  # not in the file
+    assert "real holds no statistics of clip" in capsys.readouterr().err
+    single = tmp_path / "fid.npz"
+    assert main(["fid", "--save-stats", real, str(single), "--dims", "64", *RUN]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(single), fake, *metrics, *FLAGS, *RUN]) == 2
+    assert "holds the statistics of one layer" in capsys.readouterr().err
+
+
 def test_prints_the_metrics_asked_in_their_order(
     sets: tuple[Path, Path], expected: Evaluation, capsys: pytest.CaptureFixture[str]
 ) -> None:

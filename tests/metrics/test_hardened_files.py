@@ -21,9 +21,18 @@ import pytest
 import torch
 
 from featurehooks.errors import InvalidValueError
-from featurehooks.metrics import FeatureStatistics, Manifold, _npz, load_mu_sigma
+from featurehooks.metrics import (
+    FeatureOrigin,
+    FeatureStatistics,
+    Manifold,
+    _npz,
+    load_mu_sigma,
+    load_statistics,
+    save_statistics,
+)
 from featurehooks.metrics.prdc import FORMAT as MANIFOLD
 from featurehooks.metrics.statistics import FORMAT as STATISTICS
+from featurehooks.metrics.statistics import SET_FORMAT as SET
 
 Zeros = tuple[tuple[int, ...], str]  # (shape, dtype) of an array of zeros, streamed
 Member = Union[np.ndarray, Zeros, str]  # an array, zeros, or a meta JSON text
@@ -125,6 +134,45 @@ def test_statistics_of_another_dimension_name_their_features(tmp_path: Path) -> 
     stats.save(path)
     _refused(lambda: FeatureStatistics.load(path, dim=64), path, "holds the statistics of 512 features, not dim=64")
     assert FeatureStatistics.load(path, dim=512).count == 4
+
+
+# -- named statistics: eval --save-stats --------------------------------------------------------------------------
+def test_named_statistics_read_back_as_written(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    origin = FeatureOrigin("fid_inception", "avgpool", "avg", None, lineage="clean")
+    written = {
+        "inception": FeatureStatistics(keep=3, origin=origin).update(rng.normal(size=(5, 8))),
+        "dinov2": FeatureStatistics().update(rng.normal(size=(4, 6))),
+    }
+    found = load_statistics(save_statistics(tmp_path / "ref.npz", written))
+    assert list(found) == ["inception", "dinov2"]
+    for name, stats in written.items():
+        assert found[name].count == stats.count and found[name].origin == stats.origin
+        torch.testing.assert_close(found[name].covariance, stats.covariance, rtol=0, atol=0)
+    np.testing.assert_array_equal(found["inception"].features, written["inception"].features)
+    with pytest.raises(InvalidValueError, match="identifiers"):
+        save_statistics(tmp_path / "bad.npz", {"a.b": written["dinov2"]})
+
+
+def test_named_statistics_are_checked_as_one_file_each_before_unpacking(tmp_path: Path) -> None:
+    meta = json.loads(_statistics_meta(2048))
+    members: dict[str, Member] = {
+        "inception.mu": np.zeros(2048),
+        "inception.sigma": ((2048, 2048), "<f8"),
+        "inception.features": np.zeros((0, 2048), dtype=np.float32),
+        "meta": json.dumps({"format": SET, "statistics": {"inception": meta}}),
+    }
+    path = _archive(tmp_path / "zeros.npz", members)
+    _refused(lambda: load_statistics(path), path, "not a featurehooks file of named statistics: its arrays unpack to")
+    members["meta"] = json.dumps({"format": SET, "statistics": {"inception": {**meta, "dim": 64}}})
+    path = _archive(tmp_path / "shapes.npz", members)
+    _refused(lambda: load_statistics(path), path, "do not fit count 10, dim 64")
+    members["extra"] = np.zeros(3)
+    path = _archive(tmp_path / "extra.npz", members)
+    _refused(lambda: load_statistics(path), path, "it holds .*extra")
+    single = tmp_path / "single.npz"
+    FeatureStatistics().update(np.zeros((3, 4))).save(single)
+    _refused(lambda: load_statistics(single), single, "format 'featurehooks.statistics/1', expected")
 
 
 # -- manifolds ---------------------------------------------------------------------------------------------
