@@ -1,5 +1,8 @@
 """Reading image files safely: regular files only, the size checked from the header, every mode decoded to RGB.
 
+Files are opened here (``read_pixels``, ``image_size``); an image already open (a member of a ZIP or tar archive,
+read by ``featurehooks._stream.archives``) goes through the same decoder (``decode_pixels``, ``header_size``).
+
 ``featurehooks.images`` builds ``read_image`` and ``image_size`` on this module and holds the limit it applies
 (``MAX_DECODED_PIXELS``), so that assigning the public constant changes what is read. A FIFO or a device is
 refused before it is opened, an image too large is refused before a pixel is decoded, EXIF (or XMP) orientation
@@ -30,7 +33,7 @@ try:
 except ImportError:  # a torchvision without it (deprecated since 0.29 for TorchCodec): Pillow decodes every file
     decode_jpeg = None
 
-__all__ = ["decode_jpeg_is_pillows", "image_size", "read_pixels"]
+__all__ = ["decode_jpeg_is_pillows", "decode_pixels", "header_size", "image_size", "read_pixels"]
 
 _HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 _SPECIAL_FILES = (
@@ -56,7 +59,14 @@ _EXIF_TRANSPOSES: dict[int, tuple[bool, tuple[int, ...]]] = {
 def read_pixels(path: str | os.PathLike[str], max_pixels: int) -> Tensor:
     """What ``featurehooks.images.read_image`` returns for ``path`` (see there), refusing an image of more than
     ``max_pixels`` pixels from its header, before any pixel is decoded."""
-    with _open_regular(path) as handle, _identify(handle, path) as image:
+    with _open_regular(path) as handle:
+        return decode_pixels(handle, path, max_pixels)
+
+
+def decode_pixels(handle: BinaryIO, name: str | os.PathLike[str], max_pixels: int) -> Tensor:
+    """``read_pixels`` of the image file open as ``handle`` (seekable; a member of an archive read into memory, or
+    an open file), ``name`` naming it in errors: the one decoder of files and of archives' members."""
+    with _identify(handle, name) as image:
         _check_decoded_size(image.size, max_pixels)
         if image.format == "JPEG" and image.mode in ("RGB", "L") and decode_jpeg_is_pillows():
             pixels = _decode_jpeg(handle)
@@ -70,7 +80,13 @@ def read_pixels(path: str | os.PathLike[str], max_pixels: int) -> Tensor:
 
 def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(H, W) of the image ``read_image`` would return, from the file's header (no pixel is decoded)."""
-    with _open_regular(path) as handle, _identify(handle, path) as image:
+    with _open_regular(path) as handle:
+        return header_size(handle, path)
+
+
+def header_size(handle: BinaryIO, name: str | os.PathLike[str]) -> tuple[int, int]:
+    """``image_size`` of the image file open as ``handle`` (seekable), ``name`` naming it in errors."""
+    with _identify(handle, name) as image:
         width, height = image.size
         rotated = image.getexif().get(ExifTags.Base.Orientation) in _ROTATED
     return (width, height) if rotated else (height, width)

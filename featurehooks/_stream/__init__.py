@@ -2,8 +2,11 @@
 
 Modules, in the order data flows through them:
 
-- ``sources``: a folder, glob, file list, dataset or tensor resolved to ``Inputs`` (the rows, the image
-  shape every row gets, the transform), and one row decoded into a ``Sample``;
+- ``sources``: a folder, glob, brace pattern, file list, container file, dataset or tensor resolved to ``Inputs``
+  (the rows, the image shape every row gets, the transform), and one row decoded into a ``Sample``;
+- ``members``: rows inside container files, named ``<container>/<inner>``: finding a name's container, reading a
+  row from its name alone, the containers each process holds open; ``archives`` (ZIP archives, WebDataset tar
+  shards: members read in place, decoded as files are) and ``arrays`` (``.npy``/``.npz`` of ``uint8`` images);
 - ``loader``: rows decoded in DataLoader worker processes and collated into batches cut to a pixel budget;
 - ``cpus``: the CPUs this process may use (affinity, cgroup quota), shared by decoding workers and torch's threads;
 - ``forward``: features of one batch, pooled and cast to arrays; a row's shapes before any forward

@@ -1,5 +1,6 @@
-"""Sources of the input pipeline: what the rows of a source are (listed image files, or the items of a
-dataset or tensor) and how one row is decoded (reading files lives in ``featurehooks.images``).
+"""Sources of the input pipeline: what the rows of a source are (listed image files, rows of container files, or
+the items of a dataset or tensor) and how one row is decoded (reading files lives in ``featurehooks.images``, rows
+of ZIP archives, tar shards and arrays in ``members``).
 
 Every input becomes one row. A file that cannot be decoded still owns its row (zero-filled and
 marked invalid), so row numbers depend only on the sorted input list, never on which files failed.
@@ -8,9 +9,12 @@ marked invalid), so row numbers depend only on the sorted input list, never on w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import numbers
 import os
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +26,9 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from ..images import ImageTransform, image_size, read_image, to_input_range, transform_for
+from ..images import ImageTransform, to_input_range, transform_for
+from .archives import IMAGE_SUFFIXES, TarShard
+from .members import container_of, identity_path, opened, read_row, row_size
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -46,16 +52,11 @@ __all__ = [
     "resolve_inputs",
 ]
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
-"""The suffixes (any case) of the files a folder or glob source lists as images.
-
-Examples:
-    >>> from featurehooks.dump import IMAGE_SUFFIXES
-    >>> ".png" in IMAGE_SUFFIXES, ".txt" in IMAGE_SUFFIXES
-    (True, False)
-"""
 SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor]
 _GLOB_CHARS = set("*?[")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)")
+_MAX_EXPANDED = 1_000_000  # names one brace pattern may stand for
 _PROBE_LIMIT = 64  # dataset items tried for the image shape before the dump is refused
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -93,34 +94,102 @@ def _glob(pattern: str) -> list[str]:
     )
 
 
+def expand_braces(pattern: str) -> list[str]:
+    """``pattern`` with each ``{a,b}`` and ``{000..009}`` group expanded, left to right, as bash and WebDataset
+    (``braceexpand``) expand them: a range keeps the zero padding of its bounds, and counts down when they do.
+
+    ``shards/{000000..000002}.tar`` is three names; a group of neither form stays as written.
+    """
+    for group in _BRACES.finditer(pattern):
+        span = _RANGE.fullmatch(group[1])
+        if span:
+            first, last = int(span[1]), int(span[2])
+            padded = any(bound.lstrip("-").startswith("0") and len(bound.lstrip("-")) > 1 for bound in span.groups())
+            width = max(len(span[1]), len(span[2])) if padded else 0
+            step = 1 if last >= first else -1
+            numbers = range(first, last + step, step)
+            if len(numbers) > _MAX_EXPANDED:
+                raise _too_many(pattern)
+            choices = [f"{number:0{width}d}" for number in numbers]
+        elif "," in group[1]:
+            choices = group[1].split(",")
+        else:
+            continue
+        head, tail = pattern[: group.start()], pattern[group.end() :]
+        names: list[str] = []
+        for choice in choices:
+            names.extend(expand_braces(head + choice + tail))
+            if len(names) > _MAX_EXPANDED:
+                raise _too_many(pattern)
+        return names
+    return [pattern]
+
+
+def _too_many(pattern: str) -> InvalidValueError:
+    return InvalidValueError(f"{pattern!r} stands for more than {_MAX_EXPANDED} names")
+
+
 def _expand(item: str | os.PathLike[str]) -> list[str]:
+    """The absolute names of the rows ``item`` stands for (see ``list_images``)."""
     text = os.fspath(item)
+    found = container_of(text)
+    if found is not None:
+        return _container_rows(*found)
+    if not os.path.exists(text):
+        names = expand_braces(text)
+        if names != [text]:
+            return [row for name in names for row in _expand(name)]
     if _GLOB_CHARS & set(text) and not os.path.exists(text):  # "photo [1].jpg" is a file, not a pattern
-        found = _glob(text)
-        if not found:
+        matched = _glob(text)
+        if not matched:
             raise InputNotFoundError(f"no files match {text!r}")
-        return found
+        return [row for name in matched for row in _matched(name)]
     path = Path(text)
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir())
         if not files:
             raise InputNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...) under {text}")
-        return files
+        return [os.path.abspath(file) for file in files]
     if not path.exists():
         raise InputNotFoundError(f"no such file or folder: {text}")
-    return [text]
+    return [os.path.abspath(text)]
+
+
+def _matched(name: str) -> list[str]:
+    """What a glob's match stands for: a container's rows, else the entry itself (whatever it is)."""
+    found = container_of(name)
+    return _container_rows(*found) if found is not None else [os.path.abspath(name)]
+
+
+def _container_rows(path: str, inner: str | None) -> list[str]:
+    """The names of the rows of container ``path`` that ``inner`` names (all of them for ``None``)."""
+    container = opened(path)
+    if isinstance(container, TarShard) and container.truncated_at is not None and inner is None:
+        warnings.warn(
+            f"{path} is truncated at byte {container.truncated_at}: the samples after it are not listed",
+            stacklevel=2,
+        )
+    return [f"{path}/{name}" for name in container.names(inner)]
 
 
 def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """Absolute paths of the images in ``source``, in a deterministic order.
 
     ``source`` is a folder (searched recursively for common image suffixes), a glob pattern, a file,
-    or a list of any of these. Each folder or glob is sorted; the items keep the order given.
+    a container file, a brace pattern (``shards/{000000..000009}.tar``), or a list of any of these. Each
+    folder or glob is sorted; the items keep the order given.
     Files listed explicitly are kept whatever their suffix (an unreadable one is reported later).
     Every entry but a folder is listed, so what is not a regular file (a FIFO, a socket, a device, a
     dangling link) becomes an invalid row that names why (``read_image`` never opens it), not a lost one.
-    A path that exists is taken literally even if it contains ``*?[`` (``photo [1].jpg``). Neither
+    A path that exists is taken literally even if it contains ``*?[{`` (``photo [1].jpg``). Neither
     folders nor ``**`` follow symlinked folders, so a symlink cycle cannot repeat files or run for ever.
+
+    A container file, given or matched by a glob (not found in a folder), stands for its rows, each named
+    ``<container>/<inner>``: the image members of a ZIP archive (``x.zip/dir/a.png``, sorted), the samples
+    of a WebDataset tar shard (``s.tar/<key>``, in the shard's order), the images of a ``.npy`` array
+    (``x.npy/<row>``) or of one array of an ``.npz`` (``x.npz/<key>/<row>``; ``arr_0`` unless the source names
+    another, ``x.npz/<key>``). A source may name part of a container (``x.zip/dir``, ``x.zip/dir/a.png``,
+    ``s.tar/<key>``, ``x.npy/3``), so a list of row names lists those rows again.
 
     Examples:
         >>> import pathlib, tempfile
@@ -137,7 +206,7 @@ def list_images(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
         raise InvalidValueError("no inputs given: pass a folder, a glob pattern or a list of image paths")
     paths: list[str] = []
     for item in items:
-        paths.extend(os.path.abspath(p) for p in _expand(item))
+        paths.extend(_expand(item))
     return paths
 
 
@@ -171,7 +240,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         try:
-            image = self.transform(read_image(self.paths[index]))
+            image = self.transform(read_row(self.paths[index]))
         except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
             return Sample(index, torch.zeros(self.shape), _describe(exc))
         if tuple(image.shape) != self.shape and not self.any_size:
@@ -310,7 +379,7 @@ class Inputs:
         if not self.sizes_vary or self.transform is None:
             return self.image_shape[-2] * self.image_shape[-1]
         try:
-            height, width = self.transform.prepared_size(*image_size(self.names[row]))
+            height, width = self.transform.prepared_size(*row_size(self.names[row]))
         except Exception:  # noqa: BLE001 - unreadable: reported as an invalid row when it is decoded
             return 0
         return height * width
@@ -359,14 +428,22 @@ def planned_on_main(ranks: Distributed, source: SourceSpec, plan: Callable[[], t
 
 
 def file_identity(names: list[str]) -> np.ndarray:
-    """``(N, 2)`` size and modification time (ns) of each file; ``-1`` where a file cannot be stat'ed."""
+    """``(N, 2)`` size and modification time (ns) of each file, of its container for a container's row (so a
+    replaced archive changes every row of it); ``-1`` where a file cannot be stat'ed."""
     identity = np.full((len(names), 2), -1, dtype=np.int64)
+    is_file = functools.lru_cache(maxsize=None)(os.path.isfile)  # one stat per container, not per row
+    stamps: dict[str, tuple[int, int] | None] = {}
     for row, name in enumerate(names):
-        try:
-            info = os.stat(name)
-        except OSError:  # reported as an invalid row when it is read
-            continue
-        identity[row] = (info.st_size, info.st_mtime_ns)
+        path = identity_path(name, is_file)
+        if path not in stamps:
+            try:
+                info = os.stat(path)
+                stamps[path] = (info.st_size, info.st_mtime_ns)
+            except OSError:  # reported as an invalid row when it is read
+                stamps[path] = None
+        stamp = stamps[path]
+        if stamp is not None:
+            identity[row] = stamp
     return identity
 
 
@@ -398,7 +475,7 @@ def resolve_inputs(
             _check_one_size(names, transform)
         for name in names:
             try:
-                shape = tuple(transform(read_image(name)).shape)
+                shape = tuple(transform(read_row(name)).shape)
                 break
             except Exception:  # unreadable: it is reported as an invalid row later
                 continue
@@ -412,7 +489,7 @@ def _check_one_size(names: list[str], transform: ImageTransform) -> None:
     first: tuple[str, tuple[int, int]] | None = None
     for name in names:
         try:
-            size = transform.prepared_size(*image_size(name))
+            size = transform.prepared_size(*row_size(name))
         except Exception:  # unreadable: an invalid row later
             continue
         if first is None:
