@@ -8,6 +8,7 @@ import re
 import stat
 import sys
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -358,5 +359,14 @@ def prdc_text(found: PRDC, k: int) -> str:
 
 
 def is_statistics_file(source: str) -> bool:
-    """Whether a set is given as a statistics ``.npz`` (any case: ``.NPZ`` too) rather than images."""
-    return source.lower().endswith(".npz") and Path(source).is_file()
+    """Whether a set is given as a statistics ``.npz`` (any case: ``.NPZ`` too) rather than images: one with a
+    ``meta`` (featurehooks' files) or ``mu`` (pytorch-fid's, TTUR's, the ADM evaluator's reference batches), or one
+    the readers will say is damaged. An ``.npz`` of images alone (ADM's samples, ``arr_0``) is a set of images."""
+    if not (source.lower().endswith(".npz") and Path(source).is_file()):
+        return False
+    try:
+        with zipfile.ZipFile(source) as archive:
+            members = set(archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return True  # the statistics reader says what is wrong with it
+    return bool(members & {"meta.npy", "mu.npy"}) or not members

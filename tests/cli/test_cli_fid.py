@@ -143,6 +143,24 @@ def test_bootstrap_and_infinity_follow_pytorch_fids_number(
     assert "resample B's images, and " in capsys.readouterr().err
 
 
+def test_an_npz_of_samples_is_a_set_of_images(
+    sets: tuple[Path, Path], reference: tuple[Path, float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ADM's sample batches (``arr_0``, uint8 NHWC) are images; a file with ``mu`` too (its reference batches) is
+    read as the statistics it holds."""
+    pixels = np.stack([np.asarray(Image.open(path)) for path in sorted(sets[1].glob("*.png"))])
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, arr_0=pixels)
+    capsys.readouterr()
+    assert main(["fid", str(sets[0]), str(samples), *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == pytest.approx(reference[1], rel=1e-6)
+    mu, sigma = load_mu_sigma(reference[0])
+    batch = tmp_path / "reference_batch.npz"
+    np.savez(batch, arr_0=pixels, mu=mu.numpy(), sigma=sigma.numpy())
+    assert main(["fid", str(batch), str(sets[0]), *FAST, *RUN]) == 0
+    assert _printed(capsys.readouterr().out) == pytest.approx(0.0, abs=1e-6 * reference[1])
+
+
 def test_errors_are_one_line_exit_2(
     sets: tuple[Path, Path],
     reference: tuple[Path, float],
