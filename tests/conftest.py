@@ -174,3 +174,20 @@ def cpu_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
         return "" if (precision, device_type) == ("bf16", "cpu") else refused(precision, device_type, index)
 
     monkeypatch.setattr(_precision, "unsupported", unsupported)
+
+
+@pytest.fixture(scope="session")
+def dinov2_vits14_cached(torch_home: Path) -> dict[str, torch.Tensor]:
+    """Seeded ViT-S/14 weights in the hub layout, where ``torch.hub`` caches ``dinov2_vits14``'s release (and
+    ``weights="DEFAULT"`` reads it); the state written."""
+    import torch
+
+    from featurehooks.backbones import dinov2
+
+    from dinov2_reference import hub_state
+
+    state = hub_state("dinov2_vits14")
+    path = Path(dinov2.weights_path("dinov2_vits14"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return state

@@ -8,15 +8,11 @@ import math
 from pathlib import Path
 
 import numpy as np
-import timm
 import torch
 import torch.nn.functional as F
 import torchvision.transforms as TF
 from PIL import Image
 from torch import Tensor
-
-from featurehooks.backbones import dinov2
-from featurehooks.backbones._meta import meta_parameters
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # the hub entries' architectures: (blocks, heads); all are ViT-*/14 trained at 518 (a 37x37 grid)
@@ -26,30 +22,10 @@ PHOTOS = ("astronaut", "chelsea", "coffee")  # 512x512, 300x451, 400x600: squash
 
 def hub_state(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """Seeded weights of hub entry ``name`` in the hub release's layout (its keys, a 37x37 ``pos_embed``,
-    ``mask_token``), scaled so that every block and the interpolated position embedding shape the features."""
-    with meta_parameters():
-        shapes = {
-            key: value.shape
-            for key, value in timm.create_model(dinov2.DINOV2_MODELS[name], img_size=518).state_dict().items()
-        }
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for key, shape in shapes.items():
-        noise = torch.randn(shape, generator=generator)
-        if key.endswith(("norm1.weight", "norm2.weight", "norm.weight")):
-            value = 1 + 0.1 * noise
-        elif key.endswith("gamma"):
-            value = 0.2 + 0.3 * torch.rand(shape, generator=generator)
-        elif key in ("pos_embed", "cls_token"):
-            value = 0.5 * noise
-        elif key.endswith("weight"):
-            value = noise / math.sqrt(math.prod(shape[1:]))
-        else:
-            value = 0.02 * noise
-        state[
-            key.replace("mlp.fc1.", "mlp.w12.").replace("mlp.fc2.", "mlp.w3.") if name == "dinov2_vitg14" else key
-        ] = value
-    state["mask_token"] = torch.zeros(1, shapes["cls_token"][-1])
+    ``mask_token``): the benchmarks' recipe (``benchmarks/_weights.py``), one definition for both."""
+    from helpers import load_script
+
+    state = load_script("benchmarks/_weights.py").dinov2_hub_state(name, seed)
     return {key: value.to(dtype) for key, value in state.items()}
 
 

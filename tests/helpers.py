@@ -245,19 +245,19 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
-    """``python -m featurehooks ARGS`` as two CPU ranks with the environment torchrun gives its workers (rank,
-    world size, rendezvous address), started without torchrun's launcher process (its start-up alone is 2.6 s of
-    CPU a test); the ranks' outputs one after the other, rank 0's first. ``torchrun`` runs the real launcher."""
+def each_rank(command: list[str], env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """``command`` as two CPU ranks with the environment torchrun gives its workers (rank, world size, rendezvous
+    address) and ``env``, started without torchrun's launcher process (its start-up alone is 2.6 s of CPU a test);
+    each rank's result, rank 0's first. Both ranks are killed if either outlives the deadline (a rank waiting for
+    the other at a rendezvous would otherwise outlive the test)."""
     port = str(free_port())
-    command = [sys.executable, "-m", "featurehooks", *args]
     procs = []
     for rank in range(2):
-        env = {
+        ranked = {
             **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", **(env or {}),
         }  # fmt: skip
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        procs.append(subprocess.Popen(command, env=ranked, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))  # fmt: skip
     outputs = []
     try:
@@ -267,5 +267,14 @@ def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"two ranks timed out: {procs[0].communicate()[1][-3000:]}")
-    code = next((proc.returncode for proc in procs if proc.returncode), 0)
-    return subprocess.CompletedProcess(command, code, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+    return [subprocess.CompletedProcess(command, proc.returncode, *out) for proc, out in zip(procs, outputs)]
+
+
+def two_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    """``python -m featurehooks ARGS`` as two CPU ranks (``each_rank``): the ranks' outputs one after the other,
+    rank 0's first, and the first failing rank's status. ``torchrun`` runs the real launcher."""
+    command = [sys.executable, "-m", "featurehooks", *args]
+    ranks = each_rank(command)
+    code = next((rank.returncode for rank in ranks if rank.returncode), 0)
+    stdout, stderr = ("".join(getattr(rank, stream) for rank in ranks) for stream in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(command, code, stdout, stderr)

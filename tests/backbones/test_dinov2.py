@@ -39,13 +39,8 @@ from dinov2_reference import (
 
 # -- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def vits14(torch_home: Path) -> dict[str, Tensor]:
-    """Seeded ViT-S/14 weights in the hub layout, where ``torch.hub`` caches ``dinov2_vits14``'s release."""
-    state = hub_state("dinov2_vits14")
-    path = Path(dinov2.weights_path("dinov2_vits14"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    return state
+def vits14(dinov2_vits14_cached: dict[str, Tensor]) -> dict[str, Tensor]:
+    return dinov2_vits14_cached
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +171,7 @@ def test_vitl14_equals_dinov2(torch_home: Path, photos: list[Path]) -> None:
     """ViT-L/14, FD_DINOv2's backbone, at its real configuration (24 blocks, 16 heads, 1024 wide)."""
     state = hub_state("dinov2_vitl14", seed=1, dtype=torch.float16)  # half the file; the model holds float32
     path = Path(dinov2.weights_path("dinov2_vitl14"))
+    path.parent.mkdir(parents=True, exist_ok=True)  # the first test of its worker to write there
     torch.save(state, path)
     try:
         extractor = fh.FeatureExtractor("dinov2_vitl14", [dinov2.DINOV2_LAYER])

@@ -8,14 +8,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from featurehooks.backbones import dinov2
 from featurehooks.cli import main
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import METRICS, PRDC, Evaluation, evaluate, fd_bootstrap, fd_infinity
-
-from dinov2_reference import hub_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in .* dimensions:UserWarning")
 pytest.importorskip("transformers")
@@ -31,13 +27,13 @@ RUN = ["--workers", "0", "--batch-size", "2", "--device", "cpu", "-q"]
 
 @pytest.fixture(scope="module")
 def sets(
-    png_folder: Callable[..., Path], fid_weights: Path, tmp_path_factory: pytest.TempPathFactory
+    png_folder: Callable[..., Path],
+    fid_weights: Path,
+    dinov2_vits14_cached: object,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Path, Path]]:
     """Two folders of four random PNGs, with seeded FID Inception, DINOv2 ViT-S/14 and tiny CLIP weights where the
     command's defaults find them."""
-    path = Path(dinov2.weights_path("dinov2_vits14"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(hub_state("dinov2_vits14"), path)
     with cached_clip(tmp_path_factory.mktemp("hub")):
         yield png_folder(4, (40, 44), seed=1), png_folder(4, (40, 44), seed=2)
 

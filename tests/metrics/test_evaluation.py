@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-from featurehooks.backbones import dinov2
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import (
     Evaluation,
@@ -24,19 +23,18 @@ from featurehooks.metrics import (
 )
 from featurehooks.metrics.isc import inception_score
 
-from dinov2_reference import hub_state, write_photos
+from dinov2_reference import write_photos
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in .* dimensions:UserWarning")
 OPTIONS = {"num_workers": 0, "batch_size": 2}
 
 
 @pytest.fixture(scope="module")
-def sets(tmp_path_factory: pytest.TempPathFactory, torch_home: Path, fid_weights: Path) -> tuple[Path, Path]:
+def sets(
+    tmp_path_factory: pytest.TempPathFactory, fid_weights: Path, dinov2_vits14_cached: object
+) -> tuple[Path, Path]:
     """Two folders of photos of several sizes (the second mirrored), seeded FID Inception and DINOv2 ViT-S/14
     weights where their functions find them."""
-    path = Path(dinov2.weights_path("dinov2_vits14"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(hub_state("dinov2_vits14"), path)
     root = tmp_path_factory.mktemp("evaluation")
     for folder, flip in ((root / "real", False), (root / "fake", True)):
         for path in write_photos(folder, flip=flip):  # 512x512, 300x451, 400x600: down to a quarter (or less)

@@ -12,23 +12,17 @@ import torch
 from torch import Tensor
 
 import featurehooks as fh
-from featurehooks.backbones import dinov2
 from featurehooks.metrics import FeatureOrigin, FeatureStatistics, frechet_distance
 from featurehooks.metrics.dinov2_fd import fd_dinov2, fd_dinov2_extractor, fd_dinov2_statistics
 
-from dinov2_reference import dgm_eval_transform, dinov2_oracle, hub_state, write_photos
+from dinov2_reference import dgm_eval_transform, dinov2_oracle, write_photos
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*feature vectors in 384 dimensions:UserWarning")
 
 
 @pytest.fixture(scope="module")
-def vits14(torch_home: Path) -> dict[str, Tensor]:
-    """Seeded ViT-S/14 weights in the hub layout, where ``torch.hub`` caches ``dinov2_vits14``'s release."""
-    state = hub_state("dinov2_vits14")
-    path = Path(dinov2.weights_path("dinov2_vits14"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    return state
+def vits14(dinov2_vits14_cached: dict[str, Tensor]) -> dict[str, Tensor]:
+    return dinov2_vits14_cached
 
 
 @pytest.fixture(scope="module")

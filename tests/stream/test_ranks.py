@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from featurehooks._stream.sharding import Distributed
 from featurehooks.errors import RunFailedError
 
-from helpers import free_port, write_pngs
+from helpers import each_rank, write_pngs
 
 pytestmark = pytest.mark.slow  # two Python processes a test
 
@@ -68,20 +67,11 @@ _RANK = textwrap.dedent(
 
 
 def _two_ranks(script: Path, folder: Path) -> list[dict[str, list[object]]]:
-    port = str(free_port())
-    procs = []
     path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
-    for rank in range(2):
-        env = {
-            **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": path,
-        }  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script), str(folder)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for proc, (_, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stderr[-3000:]
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    ranks = each_rank([sys.executable, str(script), str(folder)], {"PYTHONPATH": path})
+    for rank in ranks:
+        assert rank.returncode == 0, rank.stderr[-3000:]
+    return [json.loads(rank.stdout.strip().splitlines()[-1]) for rank in ranks]
 
 
 def test_rank_zero_plans_and_a_failing_rank_stops_the_others(tmp_path: Path) -> None:
