@@ -24,6 +24,7 @@ from typing_extensions import Unpack
 
 from ..backbones.clip import EMBEDDING_LAYER
 from ..errors import InvalidTypeError, InvalidValueError
+from ._reuse import given_or_built
 from .collect import PassSettings, collect
 from .statistics import KEEP_ALL
 
@@ -229,9 +230,6 @@ def cmmd(
         (0.0, True)
     """
     settings = PassSettings.of(None, KEEP_ALL, 0, options)  # bad options fail before the model is read
-    if extractor is None:
-        extractor = cmmd_extractor(weights, device=device)
-    elif weights != "DEFAULT" or device is not None:
-        raise InvalidValueError("extractor= already fixes the weights and device: pass either extractor= or them")
+    extractor = given_or_built(extractor, lambda: cmmd_extractor(weights, device=device), weights, device, None)
     x, y = (_embed(extractor, source, settings).to(extractor.device) for source in (real, fake))
     return cmmd_of_embeddings(x, y)

@@ -21,8 +21,8 @@ from typing_extensions import Unpack
 
 from ..backbones.dinov2 import DINOV2_LAYER, DINOV2_MODELS
 from ..errors import InvalidValueError, did_you_mean
+from ._reuse import distance_of_sets, given_or_built
 from .collect import PassSettings, collect
-from .frechet import frechet_distance
 from .statistics import FeatureStatistics
 
 if TYPE_CHECKING:
@@ -163,13 +163,14 @@ def fd_dinov2_statistics(
         NeurIPS. https://github.com/layer6ai-labs/dgm-eval
         Oquab et al. (2024). DINOv2: Learning Robust Visual Features without Supervision. TMLR.
     """
-    if extractor is None:
-        extractor = fd_dinov2_extractor(model, weights, device=device, precision=precision)
-    elif model != _DEFAULT_MODEL or weights != "DEFAULT" or device is not None or precision != "float32":
-        raise InvalidValueError(
-            "extractor= already fixes the model, weights, device and precision: pass either extractor= or "
-            "model=/weights=/device=/precision="
-        )
+    extractor = given_or_built(
+        extractor,
+        lambda: fd_dinov2_extractor(model, weights, device=device, precision=precision),
+        weights,
+        device,
+        precision,
+        model=model != _DEFAULT_MODEL,
+    )
     _check_extractor(extractor)
     return collect(extractor, source, [DINOV2_LAYER], PassSettings.of("cls", keep, seed, options))[DINOV2_LAYER]
 
@@ -214,13 +215,9 @@ def fd_dinov2(
         ...     fd_dinov2(real, fake, model="vits14", weights=None, device="cpu") > 0
         True
     """
-    extractor = None
-    if not (isinstance(real, FeatureStatistics) and isinstance(fake, FeatureStatistics)):
-        extractor = fd_dinov2_extractor(model, weights, device=device, precision=precision)
-
-    def statistics(images: SourceSpec | FeatureStatistics) -> FeatureStatistics:
-        if isinstance(images, FeatureStatistics):
-            return images
-        return fd_dinov2_statistics(images, extractor=extractor, **options)
-
-    return frechet_distance(statistics(real), statistics(fake))
+    return distance_of_sets(
+        real,
+        fake,
+        lambda: fd_dinov2_extractor(model, weights, device=device, precision=precision),
+        lambda images, extractor: fd_dinov2_statistics(images, extractor=extractor, **options),
+    )

@@ -45,6 +45,7 @@ from ..backbones._fid_resize import LINEAGES, check_lineage
 from ..backbones.fid_inception import FID_INCEPTION, FIDInceptionV3
 from ..errors import InvalidValueError
 from ._npz import Header, Mismatch, read_npz
+from ._reuse import given_or_built
 from .collect import PassSettings, collect
 from .statistics import FeatureStatistics
 
@@ -286,15 +287,15 @@ def fid_statistics(
     """
     if mode is not None:
         check_lineage(mode)
-    if extractor is None:
-        extractor = fid_extractor(
-            weights, dims=dims, mode="legacy_pytorch" if mode is None else mode, device=device, precision=precision
-        )
-    elif weights != "DEFAULT" or dims != _DEFAULT_DIMS or device is not None or precision != "float32":
-        raise InvalidValueError(
-            "extractor= already fixes the weights, dims, mode, device and precision: pass either extractor= or "
-            "weights=/dims=/mode=/device=/precision="
-        )
+    extractor = given_or_built(
+        extractor,
+        lambda: fid_extractor(weights, dims=dims, mode=mode or "legacy_pytorch", device=device, precision=precision),
+        weights,
+        device,
+        precision,
+        dims=dims != _DEFAULT_DIMS,
+        mode=False,
+    )
     layer = _layer_of(extractor)
     lineage = fid_mode(extractor)
     if mode is not None and mode != lineage:

@@ -20,6 +20,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from ..errors import InvalidTypeError, InvalidValueError
+from ._reuse import given_or_built
 from .fid import FID_LAYERS, FIDMode, WeightsArg, fid_extractor, fid_network, fid_statistics
 from .statistics import KEEP_ALL, as_matrix, check_count
 
@@ -158,15 +159,14 @@ def inception_score(
         Obukhov, Seitzer, Wu, Zhydenko, Kyl, Lin (2020). torch-fidelity. https://github.com/toshas/torch-fidelity
     """
     check_count(splits, "splits", least=1)
-    if extractor is None:
-        extractor = fid_extractor(
-            weights, mode="legacy_tensorflow" if mode is None else mode, device=device, precision=precision
-        )
-    elif weights != "DEFAULT" or device is not None or precision != "float32":
-        raise InvalidValueError(
-            "extractor= already fixes the weights, mode, device and precision: pass either extractor= or "
-            "weights=/mode=/device=/precision="
-        )
+    extractor = given_or_built(
+        extractor,
+        lambda: fid_extractor(weights, mode=mode or "legacy_tensorflow", device=device, precision=precision),
+        weights,
+        device,
+        precision,
+        mode=False,
+    )
     network = fid_network(extractor)
     if [tap.path for tap in extractor.taps] != [FID_LAYERS[2048]]:
         raise InvalidValueError(

@@ -20,8 +20,8 @@ from typing_extensions import Unpack
 from ..backbones._fid_resize import check_lineage
 from ..errors import InvalidValueError
 from ._one_pass import Vectors, one_pass
+from ._reuse import distance_of_sets, given_or_built
 from .fid import FIDMode, WeightsArg, fid_mode, fid_network, inception_extractor
-from .frechet import frechet_distance
 from .statistics import FeatureStatistics
 
 if TYPE_CHECKING:
@@ -147,24 +147,23 @@ def sfid_statistics(
     """
     if mode is not None:
         check_lineage(mode)
-    if extractor is None:
-        extractor = sfid_extractor(
-            weights, mode="legacy_tensorflow" if mode is None else mode, device=device, precision=precision
-        )
-    elif weights != "DEFAULT" or device is not None or precision != "float32":
-        raise InvalidValueError(
-            "extractor= already fixes the weights, mode, device and precision: pass either extractor= or "
-            "weights=/mode=/device=/precision="
-        )
+    for name in ("resize_size", "crop_size"):
+        if name in options:
+            raise InvalidValueError(f"sFID takes no {name}: the network resizes each image to 299x299 itself")
+    extractor = given_or_built(
+        extractor,
+        lambda: sfid_extractor(weights, mode=mode or "legacy_tensorflow", device=device, precision=precision),
+        weights,
+        device,
+        precision,
+        mode=False,
+    )
     fid_network(extractor)  # refuses another network
     if [tap.path for tap in extractor.taps] != [SFID_LAYER] or (mode is not None and mode != fid_mode(extractor)):
         raise InvalidValueError(
             f"extractor= must be an sfid_extractor() (layer {SFID_LAYER!r}) of mode {mode or fid_mode(extractor)!r}; "
             f"this one returns {extractor.layers} in mode {fid_mode(extractor)!r}"
         )
-    for name in ("resize_size", "crop_size"):
-        if name in options:
-            raise InvalidValueError(f"sFID takes no {name}: the network resizes each image to 299x299 itself")
     backbones = {"inception": (extractor, {"sfid": spatial_vectors()})}
     return one_pass(source, backbones, 0, (), options)["sfid"]
 
@@ -209,13 +208,9 @@ def sfid(
         ...     sfid(real, fake, weights=None, device="cpu") > 0
         True
     """
-    extractor = None
-    if not (isinstance(real, FeatureStatistics) and isinstance(fake, FeatureStatistics)):
-        extractor = sfid_extractor(weights, mode=mode, device=device, precision=precision)
-
-    def statistics(images: SourceSpec | FeatureStatistics) -> FeatureStatistics:
-        if isinstance(images, FeatureStatistics):
-            return images
-        return sfid_statistics(images, extractor=extractor, **options)
-
-    return frechet_distance(statistics(real), statistics(fake))
+    return distance_of_sets(
+        real,
+        fake,
+        lambda: sfid_extractor(weights, mode=mode, device=device, precision=precision),
+        lambda images, extractor: sfid_statistics(images, extractor=extractor, **options),
+    )
