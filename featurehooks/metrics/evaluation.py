@@ -26,7 +26,7 @@ from ._one_pass import Vectors, one_pass
 from .clip_mmd import cmmd_extractor, cmmd_of_embeddings
 from .dinov2_fd import fd_dinov2_extractor
 from .fid import FIDMode, WeightsArg, fid_network, inception_extractor
-from .frechet import frechet_distance, kernel_inception_distance
+from .frechet import kernel_inception_distance, named_distance
 from .isc import inception_score_of_features
 from .prdc import precision_recall
 from .sfid import spatial_vectors
@@ -217,7 +217,7 @@ def evaluate(
     for name in names:
         a, b = real_stats[_VECTORS_OF[name]], fake_stats[_VECTORS_OF[name]]
         if name in ("fid", "fd_dinov2", "sfid"):
-            numbers[name] = frechet_distance(a, b)
+            numbers[name] = named_distance(a, b, ("real", "fake"))
         elif name == "kid":
             numbers[name] = kernel_inception_distance(a, b, subset_size=kid_subset_size)
         elif name == "prdc":

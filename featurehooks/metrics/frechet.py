@@ -20,7 +20,7 @@ from torch import Tensor
 from ..errors import InvalidTypeError, InvalidValueError
 from .statistics import FeatureStatistics, as_matrix
 
-__all__ = ["frechet_distance", "kernel_inception_distance"]
+__all__ = ["frechet_distance", "kernel_inception_distance", "named_distance"]
 
 Moments = Union[FeatureStatistics, Tensor, np.ndarray, Sequence[Any]]
 Features = Union[FeatureStatistics, Tensor, np.ndarray]
@@ -45,7 +45,7 @@ def _warn_if_singular(count: int, dim: int, side: str) -> None:
             f"use at least {dim + 1} vectors (FID is usually reported on 10,000 or more) and compare only "
             "distances computed from equal numbers of vectors",
             UserWarning,
-            stacklevel=4,  # frechet_distance -> _moments -> here: the warning names the caller
+            stacklevel=5,  # frechet_distance -> named_distance -> _moments -> here: the warning names the caller
         )
 
 
@@ -159,11 +159,17 @@ def frechet_distance(a: Moments, b: Moments) -> float:
         Dowson, Landau (1982). The Fréchet distance between multivariate normal distributions.
         Journal of Multivariate Analysis.
     """
+    return named_distance(a, b, ("a", "b"))
+
+
+def named_distance(a: Moments, b: Moments, names: tuple[str, str]) -> float:
+    """``frechet_distance`` whose messages call the two sets ``names`` (``evaluate``'s ``"real"`` and ``"fake"``)."""
     _check_pair(a, b)
-    mean_a, cov_a = _moments(a, "a")
-    mean_b, cov_b = _moments(b, "b")
+    mean_a, cov_a = _moments(a, names[0])
+    mean_b, cov_b = _moments(b, names[1])
     if mean_a.shape != mean_b.shape:
-        raise InvalidValueError(f"a has {mean_a.shape[0]} features per vector and b {mean_b.shape[0]}")
+        first, second = names
+        raise InvalidValueError(f"{first} has {mean_a.shape[0]} features per vector and {second} {mean_b.shape[0]}")
     diff = mean_a - mean_b
     cross = torch.linalg.svdvals(_root_factor(cov_a).T @ _root_factor(cov_b)).sum()
     distance = diff.dot(diff) + cov_a.trace() + cov_b.trace() - 2 * cross
