@@ -6,7 +6,8 @@ in a fresh copy of the checkout's files (tracked and not ignored) so that no blo
 offline, with the session's seeded weights in ``TORCH_HOME`` for the torchvision models the blocks read (a block
 that reads any other pretrained weights fails: that is the point). ```text blocks are output and never run; a block
 that is illustrative only has ``<!-- not run: <reason> -->`` on the line before its fence, and there are at most
-``MAX_NOT_RUN`` of them.
+``MAX_NOT_RUN`` of them. A block that needs an optional extra which is no dev dependency (``OPTIONAL``: Ray) has
+``<!-- needs: <module> -->`` on the line before its fence, and is skipped where that module is not installed.
 
 Python blocks are forked from a warm interpreter (``ZYGOTE``: started once per test process with ``sys.executable``
 and the same environment, it has imported torch, torchvision and featurehooks and nothing else, and forks a child per
@@ -17,6 +18,7 @@ sees only what it imports itself. ``FH_DOC_BLOCKS_COLD=1`` runs each one as ``py
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -37,6 +39,8 @@ PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 RUN = ("python", "bash")  # the one fence for Python and the one for shell commands
 NOT_RUN_FENCES = ("text",)  # what a command prints
 MAX_NOT_RUN = 3
+# modules of optional extras that the dev install leaves out: a block marked as needing one is skipped without it
+OPTIONAL = ("ray",)
 # torchvision weights the blocks read (DEFAULT members), written seeded into the session's TORCH_HOME;
 # alexnet, squeezenet1_1: LPIPS trunks (vgg16 too)
 SEEDED = ("vgg16", "resnet18", "alexnet", "squeezenet1_1")
@@ -45,6 +49,7 @@ TIMEOUT_S = 240
 FENCE = re.compile(r"^```(\S*)\s*$")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
 NOT_RUN = re.compile(r"^<!-- not run:(.*?)-->\s*$")
+NEEDS = re.compile(r"^<!-- needs:(.*?)-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class Block:
     language: str
     code: str
     not_run: str | None  # the reason, for a block marked illustrative
+    needs: str | None = None  # the optional module a block marked so imports
 
     @property
     def id(self) -> str:
@@ -79,10 +85,12 @@ def blocks(path: Path) -> list[Block]:
         end = next((j for j in range(index + 1, len(lines)) if lines[j].rstrip() == "```"), None)
         if end is None:
             raise AssertionError(f"{page}:{index + 1}: a fence that never closes")
-        marker = NOT_RUN.match(lines[index - 1]) if index > 0 else None
+        above = lines[index - 1] if index > 0 else ""
+        marker, needs = NOT_RUN.match(above), NEEDS.match(above)
         code = "\n".join(lines[index + 1 : end]) + "\n"
         not_run = marker.group(1).strip() if marker else None
-        found.append(Block(page, index + 1, heading, fence.group(1), code, not_run))
+        needed = needs.group(1).strip() if needs else None
+        found.append(Block(page, index + 1, heading, fence.group(1), code, not_run, needed))
         index = end + 1
     return found
 
@@ -104,6 +112,15 @@ def test_illustrative_blocks_are_few_and_say_why() -> None:
     assert all(block.not_run for block in marked), [block.id for block in marked if not block.not_run]
     assert all(block.language in RUN for block in marked), [block.id for block in marked]
     assert len(marked) <= MAX_NOT_RUN, [f"{block.id}: {block.not_run}" for block in marked]
+
+
+def test_optional_blocks_need_an_optional_extra() -> None:
+    """Only the modules of optional extras excuse a block: a dev dependency that is missing fails it."""
+    marked = [block for block in ALL if block.needs is not None]
+    odd = [f"{b.id}: {b.needs!r}" for b in marked if b.needs not in OPTIONAL or b.language != "python"]
+    assert not odd, f"<!-- needs: --> names one of {OPTIONAL}, before a python block: {odd}"
+    unused = [block.id for block in marked if not re.search(rf"^(import|from) {block.needs}\b", block.code, re.M)]
+    assert not unused, f"blocks marked as needing a module they never import: {unused}"
 
 
 def test_readme_python_blocks_import_featurehooks() -> None:
@@ -221,7 +238,14 @@ def clone(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
+def as_param(block: Block) -> object:
+    """``block`` as a test case, skipped before any fixture where the optional module it needs is missing."""
+    missing = block.needs is not None and importlib.util.find_spec(block.needs) is None
+    reason = f"needs {block.needs}, an optional extra that is not installed"
+    return pytest.param(block, id=block.id, marks=pytest.mark.skipif(missing, reason=reason))
+
+
+@pytest.mark.parametrize("block", [as_param(block) for block in RUNNABLE])
 def test_block_runs(
     block: Block, clone: Path, tmp_path: Path, doc_weights: None, zygote: subprocess.Popen[str] | None
 ) -> None:
