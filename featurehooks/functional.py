@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._masks import MaskNormalization, check_mask, check_mask_normalization, mask_area, masked_mean, resize_mask
+from ._masks import on_positions as _on_positions
 from .errors import InvalidTypeError, InvalidValueError
 
 __all__ = [
@@ -31,17 +33,23 @@ __all__ = [
     "DISTANCES",
     "Distance",
     "GramNormalization",
+    "MaskNormalization",
     "Reduction",
     "batch_frobenius",
     "channel_normalize",
     "check_batch",
     "check_images",
+    "check_mask",
+    "check_mask_normalization",
     "check_reduction",
     "check_rgb_pair",
     "feature_distance",
     "gram_matrix",
+    "mask_area",
+    "masked_mean",
     "per_sample_mean",
     "reduce_loss",
+    "resize_mask",
     "resolve_distance",
     "total_variation",
 ]
@@ -92,22 +100,37 @@ def _no_autocast(x: Tensor) -> AbstractContextManager[None]:
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
-def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> Tensor:
+def gram_matrix(
+    features: Tensor,
+    normalization: GramNormalization = "chw",
+    mask: Tensor | None = None,
+    mask_normalization: MaskNormalization = "mask",
+) -> Tensor:
     r"""Batched Gram matrix ``G = F F^\top`` of feature maps, in float32 with autocast disabled.
 
     Under autocast ``bmm`` would run in float16 and overflow for large activations, so the inputs
     are upcast to float32 (float64 stays float64) and the result keeps that dtype.
 
+    With a ``mask`` on the features' grid (see ``resize_mask``), the Gram matrix of the masked region, as
+    masked style-transfer code computes it: the features are multiplied by the mask, ``(F m)(F m)^\top``
+    (a position of weight ``m`` counts ``m^2``; a binary mask counts each masked position once), and
+    with ``mask_normalization="mask"`` the ``H * W`` of ``normalization`` becomes the mask's area
+    ``\sum m`` (``"image"`` keeps ``H * W``; ``"none"`` divides by neither). An all-ones mask gives the
+    unmasked matrix bitwise; an all-zeros mask a zero matrix.
+
     Args:
         features: feature maps; every dimension after the channel dimension is flattened.
         normalization: ``"chw"`` divides by ``C * H * W`` (Johnson et al. 2016), ``"hw"`` by ``H * W``,
             ``"none"`` leaves the raw sums (Gatys et al. 2016; piq's ``StyleLoss``).
+        mask: weights in [0, 1] on the features' positions, or None (every position).
+        mask_normalization: ``"mask"`` (default) or ``"image"``, see above.
 
     Returns:
         The Gram matrices.
 
     Shape:
-        features: ``(B, C, H, W)`` or ``(B, C, N)``; output: ``(B, C, C)``, float32 or float64.
+        features: ``(B, C, H, W)`` or ``(B, C, N)``; mask: ``(B, 1, H, W)`` or ``(1, 1, H, W)`` (maps only);
+        output: ``(B, C, C)``, float32 or float64.
 
     Examples:
         >>> import torch
@@ -126,15 +149,22 @@ def gram_matrix(features: Tensor, normalization: GramNormalization = "chw") -> T
         raise InvalidValueError(f"features must have shape (B, C, H, W) or (B, C, N), got {tuple(features.shape)}")
     if normalization not in _GRAM_NORMALIZATIONS:
         raise InvalidValueError(f"normalization must be one of {_GRAM_NORMALIZATIONS}, not {normalization!r}")
-    batch, channels = features.shape[:2]
+    if mask is not None:
+        check_mask_normalization(mask_normalization)
     with _no_autocast(features):
-        flat = _float32_or_wider(features).reshape(batch, channels, -1)
+        wide = _float32_or_wider(features)
+        if mask is not None:
+            wide = wide * _on_positions(mask, wide)
+        batch, channels = wide.shape[:2]
+        flat = wide.reshape(batch, channels, -1)
         gram = torch.bmm(flat, flat.transpose(1, 2))
     positions = flat.shape[-1]
     if normalization == "chw":
         gram = gram / (channels * positions)
     elif normalization == "hw":
         gram = gram / positions
+    if mask is not None and mask_normalization == "mask" and normalization != "none":
+        gram = gram / mask_area(mask).view(-1, 1, 1)
     return gram
 
 
@@ -324,7 +354,9 @@ DISTANCES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 """Named distances. ``"mse"``/``"l2"``: squared difference; ``"l1"``/``"mae"``: absolute difference;
 ``"smooth_l1"``: Huber with beta 1; ``"charbonnier"``: ``\\sqrt{d^2 + 10^{-6}}``; ``"cosine"``:
-one minus the cosine similarity over the channel dimension (dim 1).
+one minus the cosine similarity over the channel dimension (dim 1), ``1 - F.cosine_similarity(x, y, dim=1,
+eps=1e-8)``: one value per position (DINO/CLIP feature losses), which losses average over the positions as they
+average the elementwise distances over channels and positions.
 
 Examples:
     >>> import torch
@@ -391,22 +423,34 @@ def resolve_distance(distance: Distance) -> Callable[[Tensor, Tensor], Tensor]:
     )
 
 
-def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") -> Tensor:
+def feature_distance(
+    input: Tensor,
+    target: Tensor,
+    distance: Distance = "mse",
+    mask: Tensor | None = None,
+    mask_normalization: MaskNormalization = "mask",
+) -> Tensor:
     """Per-sample distance between two feature maps: the mean of the elementwise distance over C, H, W.
 
-    The target's batch dimension may be 1 (it broadcasts over the input's batch).
+    The target's batch dimension may be 1 (it broadcasts over the input's batch). With a ``mask`` on the
+    features' grid, the mean is ``masked_mean``'s: each position weighs its mask value, and the sum is
+    divided by the mask's area (``"mask"``) or the grid's (``"image"``).
 
     Args:
         input: features of the input.
         target: features of the target.
         distance: a name from ``DISTANCES`` or a callable ``(input, target) -> Tensor`` whose result
-            has the batch as its first dimension (it is averaged over all other dimensions).
+            has the batch as its first dimension (it is averaged over all other dimensions; with a
+            mask, its last dimensions must be the mask's grid).
+        mask: weights in [0, 1] on the features' positions (``resize_mask`` brings an image's mask there).
+        mask_normalization: ``"mask"`` (default) or ``"image"``; see ``MaskNormalization``.
 
     Returns:
         One value per sample.
 
     Shape:
-        input: ``(B, C, H, W)``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``; output: ``(B,)``.
+        input: ``(B, C, H, W)``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``; mask: ``(B, 1, H, W)`` or
+        ``(1, 1, H, W)``; output: ``(B,)``.
 
     Examples:
         >>> import torch
@@ -417,7 +461,10 @@ def feature_distance(input: Tensor, target: Tensor, distance: Distance = "mse") 
         >>> feature_distance(features, features + 2, "l1")
         tensor([2., 2.])
     """
-    return per_sample_mean(resolve_distance(distance)(input, target))
+    values = resolve_distance(distance)(input, target)
+    if mask is None:
+        return per_sample_mean(values)
+    return masked_mean(values, mask, mask_normalization)
 
 
 def total_variation(images: Tensor, norm: Literal["l1", "l2"] = "l1", reduction: Reduction = "mean") -> Tensor:

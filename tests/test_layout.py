@@ -15,7 +15,7 @@ PACKAGE = REPO / "featurehooks"
 # README.md "Layout", bottom up: a unit may import its own floor and the floors before it
 FLOORS = [
     {"errors", "_atomic", "_version", "_openmp"},
-    {"_taps", "_layout", "_copy", "_precision"},
+    {"_taps", "_layout", "_copy", "_precision", "_masks"},
     {"_trace", "_hooks", "_tap_session", "_formats", "_compute", "_inputs", "_outputs"},
     {"backbones", "layers"},
     {"extractor", "_capture", "images", "_decode", "functional"},

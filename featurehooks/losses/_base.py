@@ -12,7 +12,7 @@ import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar, Union
+from typing import Any, Literal, ParamSpec, TypeVar, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +25,16 @@ from ..extractor import FeatureExtractor
 from ..functional import (
     BATCH_DISTANCES,
     Distance,
+    MaskNormalization,
     Reduction,
     check_batch,
     check_images,
+    check_mask,
+    check_mask_normalization,
     check_reduction,
     feature_distance,
     reduce_loss,
+    resize_mask,
     resolve_distance,
 )
 
@@ -128,6 +132,18 @@ def as_layer_list(layers: str | Sequence[str]) -> list[str]:
     return names
 
 
+def layer_mask(mask: Tensor, features: Tensor, name: str) -> Tensor:
+    """``mask`` (image coordinates) on the grid of one layer's channels-first ``(B, C, h, w)`` features, by
+    ``functional.resize_mask``'s area average; tokens and pooled vectors have no grid and are refused."""
+    if features.dim() != 4:
+        raise InvalidValueError(
+            f"layer {name!r} gives features of shape {tuple(features.shape)} (channels first) without an (h, w) grid "
+            "to resize a mask to: tokens or pooled vectors; for a ViT, build the extractor with output_format='nchw' "
+            "(patch tokens as maps)"
+        )
+    return resize_mask(mask, features.shape[-2:])
+
+
 def grad_extractor(backbone: BackboneSpec, layers: Sequence[str], options: Mapping[str, Any]) -> FeatureExtractor:
     """The ``mode="grad"`` extractor a loss runs on, built with the user's ``FeatureExtractor`` options."""
     if "mode" in options:
@@ -179,6 +195,7 @@ class FeatureLoss(nn.Module):
         reduction: Reduction,
         input_size: InputSize,
         extractor_options: Mapping[str, Any],
+        mask_normalization: MaskNormalization = "mask",
     ) -> None:
         super().__init__()
         if layers is None and isinstance(layer_weights, Mapping):
@@ -216,6 +233,8 @@ class FeatureLoss(nn.Module):
         )
         self.reduction: Reduction = reduction
         self.input_size = check_input_size(input_size)
+        check_mask_normalization(mask_normalization)
+        self.mask_normalization: MaskNormalization = mask_normalization
         self._target: list[Tensor] | None = None
 
     # -- features ---------------------------------------------------------------------------------
@@ -242,7 +261,27 @@ class FeatureLoss(nn.Module):
         """
         return features
 
+    def masked_statistic(self, features: Tensor, mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The statistic under ``mask`` (on the features' grid), and the mask left to weigh the distance's positions.
+
+        Here the statistic keeps the features' positions, so it is ``statistic(features)`` and the mask weighs
+        the distance (``functional.masked_mean``); a statistic without positions applies the mask itself and
+        returns None (``StyleLoss``: the Gram matrix of the masked region).
+        """
+        return self.statistic(features), mask
+
     def _statistics(self, features: Mapping[str, Tensor], side: str) -> list[Tensor]:
+        return [self.statistic(layer) for layer in self._channels_first(features, side)]
+
+    def _masked_statistics(self, layers: list[Tensor], mask: Tensor) -> tuple[list[Tensor], list[Tensor | None]]:
+        """Each layer's masked statistic and the mask left for its distance (see ``masked_statistic``)."""
+        pairs = [
+            self.masked_statistic(layer, layer_mask(mask, layer, name)) for name, layer in zip(self.layers, layers)
+        ]
+        return [statistic for statistic, _ in pairs], [left for _, left in pairs]
+
+    def _channels_first(self, features: Mapping[str, Tensor], side: str) -> list[Tensor]:
+        """This loss's layers of ``features``, each ``(B, C, *positions)`` (float32 for a bf16/fp16 extractor)."""
         if not isinstance(features, Mapping):
             raise InvalidTypeError(
                 f"{side} features must be a dict of layer name -> Tensor, got {type(features).__name__}"
@@ -254,9 +293,7 @@ class FeatureLoss(nn.Module):
         # a bf16/fp16 extractor's features are reduced in float32 (a float32 one's are left as they are, bitwise)
         wide = self.extractor.precision != "float32"
         return [
-            self.statistic(
-                channels_first(_float32_or_wider(features[name]) if wide else features[name], layouts[name].kind)
-            )
+            channels_first(_float32_or_wider(features[name]) if wide else features[name], layouts[name].kind)
             for name in self.layers
         ]
 
@@ -274,9 +311,19 @@ class FeatureLoss(nn.Module):
         Shape:
             target: ``(1, C, H, W)`` (broadcast over the input batch) or ``(B, C, H, W)``.
         """
+        self._store_target(target, None)
+
+    def _store_target(self, target: Tensor, mask: Tensor | None) -> None:
+        """Keep the statistics of ``target`` (of its masked region with a ``mask``), without a graph."""
         check_images(target, "target")
         target = target.to(self.extractor.mean.device)
-        self._target = [stat.detach() for stat in self._statistics(self.features(target), "target")]
+        features = self.features(target)
+        if mask is None:
+            statistics = self._statistics(features, "target")
+        else:
+            checked = check_mask(mask, target.shape[0], target.shape[-2:], target.device)
+            statistics = self._masked_statistics(self._channels_first(features, "target"), checked)[0]
+        self._target = [stat.detach() for stat in statistics]
 
     def clear_target(self) -> None:
         """Forget the fixed target; the loss then needs a target on every call."""
@@ -316,7 +363,7 @@ class FeatureLoss(nn.Module):
             "(C, H, W) and a batch of 1 or the input's batch"
         )
 
-    def _target_statistics(self, input: Tensor, target: Tensor | None) -> list[Tensor]:
+    def _target_statistics(self, input: Tensor, target: Tensor | None, mask: Tensor | None = None) -> list[Tensor]:
         if target is None:
             if self._target is None:
                 raise InvalidValueError(
@@ -329,43 +376,142 @@ class FeatureLoss(nn.Module):
                 "or call clear_target() first"
             )
         self.check_target(input, target)
-        return self._statistics(self.target_features(target), "target")
+        if mask is None:
+            return self._statistics(self.target_features(target), "target")
+        if self.input_size is None and target.shape[-2:] != input.shape[-2:]:
+            raise InvalidValueError(
+                f"a mask lies on the pixels of input and target alike, but target {tuple(target.shape)} is not the "
+                f"input's size {tuple(input.shape[-2:])}; for a style image of its own size, call "
+                "set_target(style, mask=its_mask) once and the loss without a target"
+            )
+        return self._masked_statistics(self._channels_first(self.target_features(target), "target"), mask)[0]
 
-    def forward(self, input: Tensor, target: Tensor | None = None) -> Tensor:
+    @overload
+    def forward(
+        self,
+        input: Tensor,
+        target: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        return_layers: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self, input: Tensor, target: Tensor | None = None, *, mask: Tensor | None = None, return_layers: Literal[True]
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+    def forward(
+        self, input: Tensor, target: Tensor | None = None, *, mask: Tensor | None = None, return_layers: bool = False
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The loss of ``input`` against ``target`` (or against the fixed target from ``set_target``).
+
+        Args:
+            input: the images that receive gradients.
+            target: the images to compare with; None with a fixed target (``set_target``).
+            mask: weights in [0, 1] on the images' pixels (binary, or soft); see ``docs/losses.md``, "Masked
+                losses": each layer compares its positions weighted by the mask's area average over them,
+                divided by the mask's area (``mask_normalization="mask"``) or the whole grid's (``"image"``).
+            return_layers: also return each layer's weighted term, by layer name (reduced as the total is).
 
         Shape:
             input: ``(B, C, H, W)`` in ``input_range``; target: ``(B, C, H, W)`` or ``(1, C, H, W)``;
-            output: scalar, or ``(B,)`` with ``reduction="none"``.
+            mask: ``(B, 1, H, W)`` or ``(1, 1, H, W)``; output: scalar, or ``(B,)`` with ``reduction="none"``
+            (with ``return_layers``: that and ``{layer: term}``).
         """
         check_images(input, "input")
-        target_stats = self._target_statistics(input, target)
-        return self._combine(self._statistics(self.features(input), "input"), target_stats)
+        if mask is None:
+            target_stats = self._target_statistics(input, target)
+            total, terms = self._combine(self._statistics(self.features(input), "input"), target_stats)
+        else:
+            checked = self._checked_mask(mask, input, input.shape[-2:])
+            target_stats = self._target_statistics(input, target, checked)
+            input_stats, grids = self._masked_statistics(self._channels_first(self.features(input), "input"), checked)
+            total, terms = self._combine(input_stats, target_stats, checked, grids)
+        return (total, self._by_layer(terms)) if return_layers else total
+
+    @overload
+    def from_features(
+        self,
+        input_features: Mapping[str, Tensor],
+        target_features: Mapping[str, Tensor] | None = None,
+        *,
+        mask: Tensor | None = None,
+        return_layers: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def from_features(
+        self,
+        input_features: Mapping[str, Tensor],
+        target_features: Mapping[str, Tensor] | None = None,
+        *,
+        mask: Tensor | None = None,
+        return_layers: Literal[True],
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def from_features(
-        self, input_features: Mapping[str, Tensor], target_features: Mapping[str, Tensor] | None = None
-    ) -> Tensor:
+        self,
+        input_features: Mapping[str, Tensor],
+        target_features: Mapping[str, Tensor] | None = None,
+        *,
+        mask: Tensor | None = None,
+        return_layers: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The loss from feature dicts computed elsewhere, e.g. by one shared ``FeatureExtractor``.
 
         Extra layers in the dicts are ignored. Without ``target_features``, the fixed target is used.
+        ``mask`` and ``return_layers`` are ``forward``'s; as the images' size is not known here, the mask's is
+        not checked (a mask of the images' size gives ``forward``'s value).
 
         Shape:
             features: ``{layer: (B, C, H, W)}``; output: scalar, or ``(B,)`` with ``reduction="none"``.
         """
-        input_stats = self._statistics(input_features, "input")
-        if target_features is None:
-            if self._target is None:
-                raise InvalidValueError(f"{type(self).__name__} needs target features, or call set_target(image) once")
-            return self._combine(input_stats, self._target)
-        if self._target is not None:
-            raise InvalidValueError(
-                f"this {type(self).__name__} has a fixed target from set_target(); pass no target_features"
-            )
-        return self._combine(input_stats, self._statistics(target_features, "target"))
+        checked, grids = None, None
+        if mask is None:
+            input_stats = self._statistics(input_features, "input")
+        else:
+            layers = self._channels_first(input_features, "input")
+            checked = self._checked_mask(mask, layers[0], None)
+            input_stats, grids = self._masked_statistics(layers, checked)
+        if target_features is not None:
+            if self._target is not None:
+                raise InvalidValueError(
+                    f"this {type(self).__name__} has a fixed target from set_target(); pass no target_features"
+                )
+            if checked is None:
+                target_stats = self._statistics(target_features, "target")
+            else:
+                target_stats = self._masked_statistics(self._channels_first(target_features, "target"), checked)[0]
+        elif self._target is None:
+            raise InvalidValueError(f"{type(self).__name__} needs target features, or call set_target(image) once")
+        else:
+            target_stats = self._target
+        total, terms = self._combine(input_stats, target_stats, checked, grids)
+        return (total, self._by_layer(terms)) if return_layers else total
 
-    def _combine(self, input_stats: list[Tensor], target_stats: list[Tensor]) -> Tensor:
+    def _checked_mask(self, mask: Tensor, like: Tensor, size: Sequence[int] | None) -> Tensor:
+        """``functional.check_mask`` for ``like``'s batch and device; a whole-batch distance takes no mask."""
+        if self._whole_batch:
+            raise InvalidValueError(
+                f"distance={self.distance!r} is one norm over the whole batch, with no per-position mean for a mask "
+                "to weigh; use a per-sample distance ('l1', 'mse', ...) with mask="
+            )
+        return check_mask(mask, like.shape[0], size, like.device)
+
+    def _combine(
+        self,
+        input_stats: list[Tensor],
+        target_stats: list[Tensor],
+        mask: Tensor | None = None,
+        grids: list[Tensor | None] | None = None,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The reduced loss and each layer's weighted, unreduced term. With the images' ``mask``, ``grids`` holds each
+        layer's mask left for the distance: None where the statistic applied it (there a sample whose ``mask`` is all
+        zeros counts 0)."""
         terms = []
-        for name, weight, a, b in zip(self.layers, self.layer_weights, input_stats, target_stats):
+        layer_grids = grids if grids is not None else [None] * len(self.layers)
+        for name, weight, a, b, grid in zip(self.layers, self.layer_weights, input_stats, target_stats, layer_grids):
             check_batch(a, f"the input features of layer {name!r}")
             check_batch(b, f"the target features of layer {name!r}")
             if a.shape[1:] != b.shape[1:] or b.shape[0] not in (1, a.shape[0]):
@@ -373,11 +519,21 @@ class FeatureLoss(nn.Module):
                     f"layer {name!r}: input {tuple(a.shape)} and target {tuple(b.shape)} do not match "
                     "(the target's batch may be 1 or the input's)"
                 )
-            terms.append(
-                weight * (self._distance(a, b) if self._whole_batch else feature_distance(a, b, self._distance))
-            )
+            if mask is None:
+                value = self._distance(a, b) if self._whole_batch else feature_distance(a, b, self._distance)
+            elif grid is None:
+                value = feature_distance(a, b, self._distance) * (mask.flatten(1).amax(dim=1) > 0).to(a.dtype)
+            else:
+                value = feature_distance(a, b, self._distance, grid, self.mask_normalization)
+            terms.append(weight * value)
         total = sum(terms[1:], terms[0])
-        return total if self._whole_batch else reduce_loss(total, self.reduction)
+        return (total if self._whole_batch else reduce_loss(total, self.reduction)), terms
+
+    def _by_layer(self, terms: list[Tensor]) -> dict[str, Tensor]:
+        """Each layer's weighted term, reduced over the batch as the total is (the terms sum to it)."""
+        if self._whole_batch:
+            return dict(zip(self.layers, terms))
+        return {name: reduce_loss(term, self.reduction) for name, term in zip(self.layers, terms)}
 
     def extra_repr(self) -> str:
         weights = "" if all(w == 1.0 for w in self.layer_weights) else f", layer_weights={self.layer_weights}"

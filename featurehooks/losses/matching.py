@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Union, cast
+from typing import Literal, Union, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from .. import functional
 from .._layout import channels_first
 from ..errors import InvalidTypeError, InvalidValueError
-from ._base import LayerWeights, resolve_layer_weights
+from ._base import LayerWeights, layer_mask, resolve_layer_weights
 
 __all__ = ["FeatureMatchingLoss"]
 
@@ -64,6 +64,16 @@ class FeatureMatchingLoss(nn.Module):
     (whose per-layer weight is ``4 / (n_layers + 1)`` and whose loss weight is 10). The real side
     is detached, so only the generator receives gradients through the fake features.
 
+    A ``mask=`` in the call (``(B, 1, H, W)`` weights in [0, 1] on the images' pixels, at any resolution)
+    compares the masked region only, as the other feature losses do: each layer's per-position
+    distances are weighted by the mask's area average over that layer's cells
+    (``functional.resize_mask``) and divided by the mask's area there (``mask_normalization="mask"``)
+    or the whole grid's (``"image"``). Every layer of every discriminator covers the whole image, so
+    one mask serves the scales of a multi-scale discriminator alike. Features without an ``(h, w)``
+    grid (``"NLC"`` tokens, final logits as vectors) take no mask. ``return_layers=True`` returns each
+    layer's term too, by name (``"<discriminator>/<name>"`` with several discriminators), the
+    per-discriminator mean included, so that they sum to the total.
+
     Capture the features with ``featurehooks.capture`` during the discriminator forwards you run
     anyway (copy the dict after each forward, since every forward refills it)::
 
@@ -79,6 +89,8 @@ class FeatureMatchingLoss(nn.Module):
             with each discriminator's list of features; default 1 each.
         distance: ``"l1"`` (default), ``"mse"``, ... or a callable; see ``functional.DISTANCES``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        mask_normalization: ``"mask"`` (default: the mean over the masked region) or ``"image"`` (the
+            mean over the whole grid, masked-out positions counting 0).
         layout: where the channels of the features sit: ``"NCHW"`` (default, also any ``(B, C, ...)``),
             ``"NHWC"`` (channels last, e.g. Swin) or ``"NLC"`` (transformer tokens), or a dict of
             those by layer name. Elementwise distances average the same over any layout; the
@@ -86,7 +98,8 @@ class FeatureMatchingLoss(nn.Module):
 
     Shape:
         fake, real: ``{name: (B, ...)}``, ``[(B, ...), ...]`` or ``[[(B, ...), ...], ...]`` with
-        matching structure and shapes; output: scalar, or ``(B,)`` with ``reduction="none"``.
+        matching structure and shapes; mask: ``(B, 1, H, W)`` or ``(1, 1, H, W)``; output: scalar, or
+        ``(B,)`` with ``reduction="none"``.
 
     Examples:
         >>> import torch
@@ -109,6 +122,7 @@ class FeatureMatchingLoss(nn.Module):
         *,
         distance: functional.Distance = "l1",
         reduction: functional.Reduction = "mean",
+        mask_normalization: functional.MaskNormalization = "mask",
         layout: str | Mapping[str, str] = "NCHW",
     ) -> None:
         super().__init__()
@@ -121,15 +135,47 @@ class FeatureMatchingLoss(nn.Module):
         self._distance = functional.resolve_distance(distance)
         functional.check_reduction(reduction)
         self.reduction: functional.Reduction = reduction
+        functional.check_mask_normalization(mask_normalization)
+        self.mask_normalization: functional.MaskNormalization = mask_normalization
 
-    def forward(self, fake: MultiScaleFeatures, real: MultiScaleFeatures) -> Tensor:
-        """The loss between ``fake`` features (with graph) and ``real`` features (detached)."""
+    @overload
+    def forward(
+        self,
+        fake: MultiScaleFeatures,
+        real: MultiScaleFeatures,
+        *,
+        mask: Tensor | None = None,
+        return_layers: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        fake: MultiScaleFeatures,
+        real: MultiScaleFeatures,
+        *,
+        mask: Tensor | None = None,
+        return_layers: Literal[True],
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+    def forward(
+        self,
+        fake: MultiScaleFeatures,
+        real: MultiScaleFeatures,
+        *,
+        mask: Tensor | None = None,
+        return_layers: bool = False,
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """The loss between ``fake`` features (with graph) and ``real`` features (detached), inside ``mask`` if given;
+        with ``return_layers``, also each layer's term by name (see the class docstring)."""
         fake_scales, real_scales = _as_scales(fake, "fake"), _as_scales(real, "real")
         if len(fake_scales) != len(real_scales):
             raise InvalidValueError(
                 f"fake has features of {len(fake_scales)} discriminators but real of {len(real_scales)}"
             )
-        per_scale = []
+        first = fake_scales[0][0][1]
+        checked = None if mask is None else functional.check_mask(mask, first.shape[0], None, first.device)
+        per_scale, layer_terms = [], {}
         for index, (fake_items, real_items) in enumerate(zip(fake_scales, real_scales)):
             where = f"discriminator {index}: " if len(fake_scales) > 1 else ""
             names = [name for name, _ in fake_items]
@@ -152,10 +198,21 @@ class FeatureMatchingLoss(nn.Module):
                 kind = self.layout.get(name, "NCHW") if isinstance(self.layout, Mapping) else self.layout
                 a = channels_first(fake_value.to(torch.promote_types(fake_value.dtype, torch.float32)), kind)
                 b = channels_first(real_value.to(a.dtype), kind)
-                terms.append(weight * functional.feature_distance(a, b, self._distance))
+                if checked is None:
+                    terms.append(weight * functional.feature_distance(a, b, self._distance))
+                else:
+                    grid = layer_mask(checked, a, name)
+                    terms.append(
+                        weight * functional.feature_distance(a, b, self._distance, grid, self.mask_normalization)
+                    )
+                if return_layers:
+                    layer_terms[f"{index}/{name}" if len(fake_scales) > 1 else name] = terms[-1]
             per_scale.append(sum(terms[1:], terms[0]))
-        total = sum(per_scale[1:], per_scale[0]) / len(per_scale)
-        return functional.reduce_loss(total, self.reduction)
+        total = functional.reduce_loss(sum(per_scale[1:], per_scale[0]) / len(per_scale), self.reduction)
+        if not return_layers:
+            return total
+        scales = len(per_scale)
+        return total, {key: functional.reduce_loss(term / scales, self.reduction) for key, term in layer_terms.items()}
 
     def extra_repr(self) -> str:
         weights = f"layer_weights={self.layer_weights!r}, " if self.layer_weights is not None else ""

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..backbones import BackboneSpec
 from ..extractor import FeatureExtractor
-from ..functional import Distance, Reduction, channel_normalize
+from ..functional import Distance, MaskNormalization, Reduction, channel_normalize
 from ._base import FeatureLoss, InputSize, LayerWeights, takes_old_resize
 
 __all__ = ["PerceptualLoss"]
@@ -38,13 +38,18 @@ class PerceptualLoss(FeatureLoss):
         layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``);
             default 1 each. A dict alone names the layers too, as BasicSR and KAIR configs do.
         distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ``"charbonnier"``, ``"cosine"``
-            (over channels), ``"fro"`` (BasicSR's ``criterion: fro``: one Frobenius norm of the
-            whole batch's difference per layer, so only with ``reduction="mean"``), or a callable
-            ``(input, target) -> Tensor`` of elementwise values, which are averaged per sample over
-            every dimension but the batch before ``reduction`` (so ``F.l1_loss``-style means over
-            the whole batch come out the same); see ``functional.DISTANCES``.
+            (one minus the cosine similarity over channels at each position, averaged over the
+            positions: DINO/CLIP feature losses), ``"fro"`` (BasicSR's ``criterion: fro``: one
+            Frobenius norm of the whole batch's difference per layer, so only with ``reduction="mean"``
+            and without a mask), or a callable ``(input, target) -> Tensor`` of elementwise values,
+            which are averaged per sample over every dimension but the batch before ``reduction`` (so
+            ``F.l1_loss``-style means over the whole batch come out the same); see
+            ``functional.DISTANCES``.
         normalize_features: scale each feature vector to unit length over channels first (LPIPS).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        mask_normalization: with a ``mask=`` in the call, each layer's weighted sum over its positions is
+            divided by the mask's area there (``"mask"``, default: the mean over the masked region) or by
+            the whole grid (``"image"``: the mean over the image, masked-out positions counting 0).
         input_size: the exact ``(H, W)`` (an int: a square) input and target are resized to before the
             backbone; ``None`` (default) leaves them as they are. Formerly ``resize``, which still works
             with a FutureWarning.
@@ -58,9 +63,15 @@ class PerceptualLoss(FeatureLoss):
     concatenated batch is slower, because the backward then runs over the target's rows too
     (measured in docs/performance.md).
 
+    A ``mask=`` in the call (``(B, 1, H, W)`` weights in [0, 1] on the images' pixels) compares the masked
+    region only: each layer's per-position distances are weighted by the mask's area average over that
+    layer's cells (``functional.resize_mask``) and normalized as ``mask_normalization`` says; an all-ones
+    mask gives the unmasked loss bitwise, an all-zeros one 0 (with a warning). ``return_layers=True``
+    returns each layer's weighted term too (they sum to the total).
+
     Shape:
-        input: ``(B, 3, H, W)``; target: ``(B, 3, H, W)`` or ``(1, 3, H, W)``; output: scalar, or
-        ``(B,)`` with ``reduction="none"``.
+        input: ``(B, 3, H, W)``; target: ``(B, 3, H, W)`` or ``(1, 3, H, W)``; mask: ``(B, 1, H, W)`` or
+        ``(1, 1, H, W)``; output: scalar, or ``(B,)`` with ``reduction="none"``.
 
     Examples:
         >>> import torch
@@ -69,6 +80,11 @@ class PerceptualLoss(FeatureLoss):
         >>> output = torch.rand(2, 3, 64, 64, requires_grad=True)
         >>> loss = loss_fn(output, torch.rand(2, 3, 64, 64))
         >>> loss.backward()
+        >>> hole = torch.zeros(2, 1, 64, 64)
+        >>> hole[..., 16:48, 16:48] = 1  # compare inside the hole only
+        >>> loss, terms = loss_fn(output, torch.rand(2, 3, 64, 64), mask=hole, return_layers=True)
+        >>> sorted(terms), bool(torch.isclose(terms["relu2_2"] + terms["relu3_3"], loss))
+        (['relu2_2', 'relu3_3'], True)
 
     References:
         Johnson, Alahi, Fei-Fei (2016). Perceptual Losses for Real-Time Style Transfer and
@@ -88,10 +104,13 @@ class PerceptualLoss(FeatureLoss):
         distance: Distance = "mse",
         normalize_features: bool = False,
         reduction: Reduction = "mean",
+        mask_normalization: MaskNormalization = "mask",
         input_size: InputSize = None,
         **extractor_options: Any,
     ) -> None:
-        super().__init__(backbone, layers, layer_weights, distance, reduction, input_size, extractor_options)
+        super().__init__(
+            backbone, layers, layer_weights, distance, reduction, input_size, extractor_options, mask_normalization
+        )
         self.normalize_features = normalize_features
 
     def statistic(self, features: Tensor) -> Tensor:

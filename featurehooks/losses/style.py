@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..backbones import BackboneSpec
 from ..errors import InvalidValueError
 from ..extractor import FeatureExtractor
-from ..functional import Distance, GramNormalization, Reduction, gram_matrix
+from ..functional import Distance, GramNormalization, MaskNormalization, Reduction, gram_matrix
 from ._base import FeatureLoss, InputSize, LayerWeights, takes_old_resize
 
 __all__ = ["StyleLoss"]
@@ -29,6 +30,15 @@ class StyleLoss(FeatureLoss):
 
     With ``gram_normalization="none"`` this equals piq's ``StyleLoss`` (tested).
 
+    A ``mask=`` in the call (``(B, 1, H, W)`` weights in [0, 1] on the images' pixels) compares the Gram
+    matrices of the masked region, as masked style-transfer code computes them: each layer's features are
+    multiplied by the mask's area average over its cells (``functional.resize_mask``), and the ``H * W``
+    that ``gram_normalization`` divides by becomes the mask's area there (``mask_normalization="mask"``;
+    ``"image"`` keeps ``H * W``); see ``functional.gram_matrix``. The mask applies to the input and to a
+    target passed in the call (then of the input's size); a fixed target keeps the Grams it was set with
+    (``set_target(style, mask=...)`` for a region of the style image). A sample whose mask is all zeros
+    has a loss of 0 (with a warning).
+
     Args:
         backbone: backbone name, ``nn.Module``, or a shared ``FeatureExtractor`` (``mode="grad"``).
         layers: layers whose Grams are compared; default the keys of a ``layer_weights`` dict, else
@@ -37,9 +47,12 @@ class StyleLoss(FeatureLoss):
         layer_weights: a weight per layer (dict by name, or a sequence aligned with ``layers``); a
             dict alone names the layers too.
         distance: ``"mse"`` (default), ``"l1"``, ``"smooth_l1"``, ... or a callable, averaged over
-            C x C per sample; ``"fro"``: one Frobenius norm over the whole batch (BasicSR).
+            C x C per sample (``"cosine"``: over the C columns of the Grams); ``"fro"``: one Frobenius
+            norm over the whole batch (BasicSR, without a mask).
         gram_normalization: ``"chw"`` (default, Johnson et al.), ``"hw"`` or ``"none"`` (Gatys et al., piq).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (one value per sample).
+        mask_normalization: what masked Grams divide by: the mask's area (``"mask"``, default) or the
+            whole grid's (``"image"``).
         input_size: the exact ``(H, W)`` (an int: a square) images are resized to before the backbone
             (formerly ``resize``, which still works with a FutureWarning).
         target: a fixed style image, same as calling ``set_target(target)``.
@@ -78,6 +91,7 @@ class StyleLoss(FeatureLoss):
         distance: Distance = "mse",
         gram_normalization: GramNormalization = "chw",
         reduction: Reduction = "mean",
+        mask_normalization: MaskNormalization = "mask",
         input_size: InputSize = None,
         target: Tensor | None = None,
         **extractor_options: Any,
@@ -86,7 +100,9 @@ class StyleLoss(FeatureLoss):
             raise InvalidValueError(
                 f"gram_normalization must be one of {_GRAM_NORMALIZATIONS}, not {gram_normalization!r}"
             )
-        super().__init__(backbone, layers, layer_weights, distance, reduction, input_size, extractor_options)
+        super().__init__(
+            backbone, layers, layer_weights, distance, reduction, input_size, extractor_options, mask_normalization
+        )
         self.gram_normalization: GramNormalization = gram_normalization
         if target is not None:
             self.set_target(target)
@@ -94,6 +110,21 @@ class StyleLoss(FeatureLoss):
     def statistic(self, features: Tensor) -> Tensor:
         """The Gram matrix of one layer's features (float32)."""
         return gram_matrix(features, self.gram_normalization)
+
+    def masked_statistic(self, features: Tensor, mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The Gram matrix of the masked region (``mask`` on the features' grid); nothing left for the distance."""
+        return gram_matrix(features, self.gram_normalization, mask, self.mask_normalization), None
+
+    @torch.no_grad()
+    def set_target(self, target: Tensor, mask: Tensor | None = None) -> None:
+        """Compute the target's Grams once (of its region under ``mask``) and reuse them for every call without a
+        target.
+
+        Shape:
+            target: ``(1, C, H, W)`` (broadcast over the input batch) or ``(B, C, H, W)``; mask: ``(1, 1, H, W)``
+            or ``(B, 1, H, W)`` on the target's pixels.
+        """
+        self._store_target(target, mask)
 
     def _needs_same_size(self) -> bool:
         return False

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,17 @@ from .._precision import autocast_off
 from ..backbones import WeightsSpec, load_backbone
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidValueError, WeightsUnavailableError
-from ..functional import Reduction, check_reduction, check_rgb_pair, reduce_loss
+from ..functional import (
+    MaskNormalization,
+    Reduction,
+    check_mask,
+    check_mask_normalization,
+    check_reduction,
+    check_rgb_pair,
+    mask_area,
+    reduce_loss,
+    resize_mask,
+)
 from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["DISTS", "DISTS_LAYERS", "MIN_SIDE", "L2Pool2d", "L2PooledVGG16", "find_alpha_beta", "load_alpha_beta"]
@@ -229,6 +239,15 @@ class DISTS(KeepsPrecision):
     ``require_grad=False`` still returns a graph to the input, through the image term alone: an input
     gradient taken from it misses every VGG term.
 
+    As a loss, ``mask=`` (``(B, 1, H, W)`` weights in [0, 1] on the images' pixels) compares a region only:
+    each term's means, variances and covariance become those of the region, every spatial mean
+    ``\operatorname{mean}(v)`` weighted by the mask's area average over that term's cells
+    (``functional.resize_mask``): ``\operatorname{mean}(v m) / \operatorname{mean}(m)``. With
+    ``mask_normalization="image"`` each term's distance is then multiplied by the mask's coverage of its grid,
+    ``\operatorname{mean}(m)``, as the mean over the whole image of a per-position loss would count the region.
+    An all-ones mask gives the unmasked value bitwise; an all-zeros one 0 (with a warning). ``return_layers=True``
+    also returns each term (``"image"``, then the layers) with its alpha and beta, reduced as the total is.
+
     Images of any size from ``MIN_SIDE`` (17) pixels a side are accepted; the two images of a pair
     must have one size. DISTS resizes nothing: ``piq.DISTS`` first shrinks images whose shorter side
     exceeds 256 to 256, this (like ``DISTS_pytorch``) does not.
@@ -236,13 +255,15 @@ class DISTS(KeepsPrecision):
     Speed and memory: as ``LPIPS``, a pair that needs no graph runs as one concatenated batch on an
     accelerator and in two forwards on the CPU (as ``DISTS_pytorch`` does, at the same speed); the
     image without a graph in a loss is computed without one. ``torch.compile(fullgraph=True)``
-    traces it whole.
+    traces it whole (without a mask: checking a mask reads its values, a graph break).
 
     Args:
         calibrated: use the learned ``alpha`` and ``beta``; ``False`` weighs every channel of every
             term equally (a baseline that needs no file; not a metric anyone reports).
         reduction: over the batch: ``"mean"`` (default, a training loss), ``"sum"``, or ``"none"``
             (one value per image, a metric).
+        mask_normalization: with a ``mask=`` in the call, the statistics of the region (``"mask"``, default),
+            or those times the region's coverage (``"image"``), see above.
         input_range: the value range of the images you pass: ``(0, 1)`` (default, as DISTS_pytorch
             takes them), ``(-1, 1)`` or ``(0, 255)``; the same image gives the same score either way.
         weights: the VGG16 weights, as for ``FeatureExtractor``: ``"DEFAULT"`` (ImageNet
@@ -258,7 +279,7 @@ class DISTS(KeepsPrecision):
 
     Shape:
         input, target: ``(B, 3, H, W)`` in ``input_range``, ``H, W >= 17``; target may have batch 1
-        (broadcast). output: ``(B,)`` for ``"none"``, else a scalar.
+        (broadcast); mask: ``(B, 1, H, W)`` or ``(1, 1, H, W)``. output: ``(B,)`` for ``"none"``, else a scalar.
 
     Raises:
         WeightsUnavailableError: no alpha/beta found (install ``DISTS_pytorch`` or pass
@@ -291,6 +312,7 @@ class DISTS(KeepsPrecision):
         *,
         calibrated: bool = True,
         reduction: Reduction = "mean",
+        mask_normalization: MaskNormalization = "mask",
         input_range: tuple[float, float] = (0.0, 1.0),
         weights: WeightsSpec = "DEFAULT",
         alpha_beta: AlphaBetaSpec = None,
@@ -299,6 +321,8 @@ class DISTS(KeepsPrecision):
         super().__init__()
         check_reduction(reduction)
         self.reduction: Reduction = reduction
+        check_mask_normalization(mask_normalization)
+        self.mask_normalization: MaskNormalization = mask_normalization
         self.calibrated = bool(calibrated)
         (alpha, beta), self.alpha_beta_source = calibration(
             self.calibrated,
@@ -349,24 +373,54 @@ class DISTS(KeepsPrecision):
         low, high = self.input_range
         return images if (low, high) == (0.0, 1.0) else (images - low) / (high - low)
 
-    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+    @overload
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[False] = False
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[True]
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: bool = False
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The DISTS distance of ``input`` to ``target`` (0 for identical images), reduced over the batch.
+
+        Args:
+            input: images in ``input_range``.
+            target: images of the same size (batch 1 is broadcast).
+            mask: weights in [0, 1] on the pixels (see the class docstring).
+            return_layers: also return each term (``"image"``, ``"relu1_2"``, ...) reduced as the total is.
 
         Shape:
             see the class docstring.
         """
         self._check_pair(input, target)
+        checked = None if mask is None else check_mask(mask, input.shape[0], input.shape[-2:], input.device)
         first, second = self._features(input, target)
         pairs = [(self._unit(input), self._unit(target))] + [(first[name], second[name]) for name in DISTS_LAYERS]
         alphas, betas = self.alpha.float().split(_CHANNELS), self.beta.float().split(_CHANNELS)
         structures, textures = [], []
         with autocast_off(input.device.type):
             for (x, y), alpha, beta in zip(pairs, alphas, betas):
-                structure, texture = _structure_texture(x.float(), y.float())
+                if checked is None:
+                    structure, texture = _structure_texture(x.float(), y.float())
+                else:
+                    grid = resize_mask(checked, x.shape[-2:])
+                    structure, texture = _structure_texture(x.float(), y.float(), _masked_mean(grid))
+                    if self.mask_normalization == "image":
+                        coverage = grid.mean(dim=(2, 3))
+                        structure, texture = structure * coverage, texture * coverage
                 structures.append((structure * alpha).sum(dim=1))
                 textures.append((texture * beta).sum(dim=1))
             score = sum(structures[1:], structures[0]) + sum(textures[1:], textures[0])
-        return reduce_loss(score, self.reduction)
+        total = reduce_loss(score, self.reduction)
+        if not return_layers:
+            return total
+        names = ("image", *DISTS_LAYERS)
+        return total, {name: reduce_loss(s + t, self.reduction) for name, s, t in zip(names, structures, textures)}
 
     def extra_repr(self) -> str:
         return (
@@ -375,13 +429,26 @@ class DISTS(KeepsPrecision):
         )
 
 
-def _structure_texture(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+def _spatial_mean(values: Tensor) -> Tensor:
+    """Each channel's mean over the positions, ``(B, C)``."""
+    return values.mean(dim=(2, 3))
+
+
+def _masked_mean(mask: Tensor) -> Callable[[Tensor], Tensor]:
+    """Each channel's mean over the positions weighted by ``mask`` (on the grid): ``mean(v m) / mean(m)``, 0 where
+    the mask is all zeros."""
+    area = mask_area(mask)[:, None]
+    return lambda values: (values * mask).mean(dim=(2, 3)) / area
+
+
+def _structure_texture(x: Tensor, y: Tensor, mean: Callable[[Tensor], Tensor] = _spatial_mean) -> tuple[Tensor, Tensor]:
     """Per-channel structure (means) and texture (variances, covariance) distances of two maps, ``(B, C)``: one
     minus DISTS' similarities, written as squares over sums (``1 - (2ab + c) / (a² + b² + c) = (a - b)² / (a² + b²
-    + c)``), so that they are never negative and exactly 0 for identical maps."""
-    x_mean, y_mean = x.mean(dim=(2, 3)), y.mean(dim=(2, 3))
+    + c)``), so that they are never negative and exactly 0 for identical maps. ``mean`` is the spatial average
+    every statistic takes (a masked one for a region)."""
+    x_mean, y_mean = mean(x), mean(y)
     structure = (x_mean - y_mean).square() / (x_mean.square() + y_mean.square() + _C1)
     x_centered, y_centered = x - x_mean[..., None, None], y - y_mean[..., None, None]
-    x_var, y_var = x_centered.square().mean(dim=(2, 3)), y_centered.square().mean(dim=(2, 3))
-    texture = (x_centered - y_centered).square().mean(dim=(2, 3)) / (x_var + y_var + _C2)
+    x_var, y_var = mean(x_centered.square()), mean(y_centered.square())
+    texture = mean((x_centered - y_centered).square()) / (x_var + y_var + _C2)
     return structure, texture

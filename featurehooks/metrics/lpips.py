@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,18 @@ from .._compute import KeepsPrecision
 from ..backbones import WeightsSpec
 from ..backbones._files import check_state_dict, read_state_dict
 from ..errors import InvalidTypeError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ..functional import Reduction, channel_normalize, check_reduction, check_rgb_pair, reduce_loss
+from ..functional import (
+    MaskNormalization,
+    Reduction,
+    channel_normalize,
+    check_mask,
+    check_mask_normalization,
+    check_reduction,
+    check_rgb_pair,
+    masked_mean,
+    reduce_loss,
+    resize_mask,
+)
 from ._full_reference import calibration, concatenation_pays, metric_extractor, package_dir, pair_features
 
 __all__ = ["LPIPS", "LPIPS_NETS", "LPIPS_VERSIONS", "LpipsNet", "find_heads", "load_heads"]
@@ -202,6 +213,13 @@ class LPIPS(KeepsPrecision):
     ``lpips.LPIPS(lpips=False)``). Equal to ``lpips.LPIPS(net=net, version=version)`` on the same
     trunk weights (tested to 1e-5), except that a zero feature vector gets a finite gradient here.
 
+    As a loss, ``mask=`` (``(B, 1, H, W)`` weights in [0, 1] on the images' pixels) compares a region only
+    (inpainting, matting, faces): each layer's per-position distance is weighted by the mask's area
+    average over that layer's cells (``functional.resize_mask``) and divided by the mask's area there
+    (``mask_normalization="mask"``, the mean over the region) or the whole grid's (``"image"``). An
+    all-ones mask gives the unmasked value bitwise; an all-zeros one 0 (with a warning). ``return_layers=True``
+    also returns each layer's term, as ``lpips.LPIPS(retPerLayer=True)`` does (tested).
+
     Speed and memory: when no image of the pair needs a graph (metric use), both go through the
     backbone in one concatenated batch on a GPU (half the kernel launches); on the CPU in two
     forwards, which measured within 1-8% of one concatenated forward in time (faster above ~32 MiB
@@ -220,6 +238,8 @@ class LPIPS(KeepsPrecision):
             Its spatial mean is close to, not equal to, the non-spatial value (as in lpips).
         reduction: over the batch: ``"mean"`` (default, a training loss), ``"sum"``, or ``"none"``
             (one value per image, a metric). With ``spatial=True`` it acts over the batch only.
+        mask_normalization: with a ``mask=`` in the call, divide each layer's weighted sum by the mask's
+            area (``"mask"``, default) or by the whole grid (``"image"``).
         input_range: the value range of the images you pass: ``(0, 1)`` (default) or lpips' own
             ``(-1, 1)``; the same image gives the same distance either way.
         weights: the backbone's weights, as for ``FeatureExtractor``: ``"DEFAULT"`` (the ImageNet
@@ -232,9 +252,10 @@ class LPIPS(KeepsPrecision):
             features the heads were fitted on (``mean``, ``std``, ``normalize``, ``mode``, ...) are refused.
 
     Shape:
-        input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast).
-        output: ``spatial=False``: ``(B,)`` for ``"none"``, else a scalar; ``spatial=True``:
-        ``(B, 1, H, W)`` for ``"none"``, else ``(1, H, W)`` (the batch's mean or sum map).
+        input, target: ``(B, 3, H, W)`` in ``input_range``; target may have batch 1 (broadcast); mask:
+        ``(B, 1, H, W)`` or ``(1, 1, H, W)``. output: ``spatial=False``: ``(B,)`` for ``"none"``, else a
+        scalar; ``spatial=True``: ``(B, 1, H, W)`` for ``"none"``, else ``(1, H, W)`` (the batch's mean or
+        sum map).
 
     Raises:
         WeightsUnavailableError: no heads found (install ``lpips`` or pass ``heads=``), a head file
@@ -260,6 +281,7 @@ class LPIPS(KeepsPrecision):
         calibrated: bool = True,
         spatial: bool = False,
         reduction: Reduction = "mean",
+        mask_normalization: MaskNormalization = "mask",
         input_range: tuple[float, float] = (0.0, 1.0),
         weights: WeightsSpec = "DEFAULT",
         heads: HeadsSpec = None,
@@ -270,6 +292,8 @@ class LPIPS(KeepsPrecision):
         self.version = _resolve_version(version)
         check_reduction(reduction)
         self.reduction: Reduction = reduction
+        check_mask_normalization(mask_normalization)
+        self.mask_normalization: MaskNormalization = mask_normalization
         self.calibrated = bool(calibrated)
         self.spatial = bool(spatial)
         spec = LPIPS_NETS[self.net]
@@ -336,19 +360,26 @@ class LPIPS(KeepsPrecision):
 
     # -- distances ---------------------------------------------------------------------------------
 
-    def layer_distances(self, input: Tensor, target: Tensor) -> dict[str, Tensor]:
-        """Each layer's unreduced contribution, by layer name (the terms that ``forward`` sums).
+    def layer_distances(self, input: Tensor, target: Tensor, *, mask: Tensor | None = None) -> dict[str, Tensor]:
+        """Each layer's unreduced contribution, by layer name (the terms that ``forward`` sums), inside ``mask``.
 
         Shape:
             output: ``{layer: (B,)}``, or ``{layer: (B, 1, H, W)}`` with ``spatial=True``.
         """
         self._check_pair(input, target)
+        checked = None
+        if mask is not None:
+            if self.spatial:
+                raise InvalidValueError(
+                    "spatial=True returns the distance map itself; weigh it by your mask instead of passing mask="
+                )
+            checked = check_mask(mask, input.shape[0], input.shape[-2:], input.device)
         first, second = self._features(input, target)
         size = (input.shape[-2], input.shape[-1])
         with torch.autocast(device_type=input.device.type, enabled=False):
-            return {name: self._layer_map(name, first[name], second[name], size) for name in self.layers}
+            return {name: self._layer_map(name, first[name], second[name], size, checked) for name in self.layers}
 
-    def _layer_map(self, name: str, a: Tensor, b: Tensor, size: tuple[int, int]) -> Tensor:
+    def _layer_map(self, name: str, a: Tensor, b: Tensor, size: tuple[int, int], mask: Tensor | None) -> Tensor:
         """Head-weighted squared difference of normalized features: ``(B,)``, or ``(B, 1, H, W)`` if spatial."""
         diff = channel_normalize(a) - channel_normalize(b)
         # the head weighs the squares in place: one feature-sized temporary fewer than (diff * diff * w), and
@@ -358,23 +389,51 @@ class LPIPS(KeepsPrecision):
         per_position = squares.mul_(weight).sum(dim=1, keepdim=True)
         if self.spatial:
             return F.interpolate(per_position, size=size, mode="bilinear", align_corners=False)
-        return per_position.mean(dim=(1, 2, 3))
+        if mask is None:
+            return per_position.mean(dim=(1, 2, 3))
+        return masked_mean(per_position, resize_mask(mask, per_position.shape[-2:]), self.mask_normalization)
 
-    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+    def _reduce(self, values: Tensor) -> Tensor:
+        """Per-image values (or maps) reduced over the batch."""
+        if not self.spatial:
+            return reduce_loss(values, self.reduction)
+        if self.reduction == "mean":
+            return values.mean(dim=0)
+        if self.reduction == "sum":
+            return values.sum(dim=0)
+        return values
+
+    @overload
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[False] = False
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[True]
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+    def forward(
+        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: bool = False
+    ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """The LPIPS distance of ``input`` to ``target`` (0 for identical images), reduced over the batch.
+
+        Args:
+            input: images in ``input_range``.
+            target: images of the same size (batch 1 is broadcast).
+            mask: weights in [0, 1] on the pixels (see the class docstring); not with ``spatial=True``.
+            return_layers: also return each layer's term by layer name, reduced as the total is: with
+                ``reduction="none"``, lpips' ``retPerLayer`` list (flattened).
 
         Shape:
             see the class docstring.
         """
-        terms = list(self.layer_distances(input, target).values())
-        total = sum(terms[1:], terms[0])
-        if not self.spatial:
-            return reduce_loss(total, self.reduction)
-        if self.reduction == "mean":
-            return total.mean(dim=0)
-        if self.reduction == "sum":
-            return total.sum(dim=0)
-        return total
+        layers = self.layer_distances(input, target, mask=mask)
+        terms = list(layers.values())
+        total = self._reduce(sum(terms[1:], terms[0]))
+        if not return_layers:
+            return total
+        return total, {name: self._reduce(term) for name, term in layers.items()}
 
     def extra_repr(self) -> str:
         return (
