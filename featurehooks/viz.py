@@ -16,7 +16,7 @@ from torch import Tensor
 from .errors import InvalidValueError
 from .images import from_input_range
 
-__all__ = ["add_caption", "feature_grid", "save_feature_grid", "top_channels"]
+__all__ = ["add_caption", "colorize", "feature_grid", "save_feature_grid", "top_channels"]
 
 # Anchors of the viridis colormap (no matplotlib needed), interpolated linearly.
 _VIRIDIS = np.array(
@@ -41,8 +41,15 @@ _CAPTION_MARGIN = 3
 _CAPTION_LEFT = 4
 
 
-def _colorize(values: np.ndarray) -> np.ndarray:
-    """Map values in [0, 1] to viridis RGB uint8."""
+def colorize(values: np.ndarray) -> np.ndarray:
+    """Map values in [0, 1] to viridis RGB ``uint8`` (the colors of every picture featurehooks draws).
+
+    Examples:
+        >>> import numpy as np
+        >>> from featurehooks.viz import colorize
+        >>> colorize(np.array([0.0, 1.0])).tolist()  # viridis' ends: dark purple, yellow
+        [[68, 1, 84], [253, 231, 37]]
+    """
     position = np.clip(values, 0.0, 1.0) * (len(_VIRIDIS) - 1)
     low = np.floor(position).astype(int)
     high = np.minimum(low + 1, len(_VIRIDIS) - 1)
@@ -149,11 +156,11 @@ def _tile(values: Tensor, size: int) -> np.ndarray:
     plane = F.interpolate(plane, size=(size, size), mode="nearest" if values.shape[-1] < size else "area")[0, 0]
     finite = plane[torch.isfinite(plane)]  # inf/nan (an fp16 overflow) must not decide the scale
     if finite.numel() == 0:
-        return _colorize(np.zeros(plane.shape, dtype=np.float32))
+        return colorize(np.zeros(plane.shape, dtype=np.float32))
     low, high = float(finite.min()), float(finite.max())
     plane = plane.nan_to_num(nan=low, posinf=high, neginf=low)
     scaled = (plane - low) / (high - low) if high > low else torch.zeros_like(plane)
-    return _colorize(scaled.numpy())
+    return colorize(scaled.numpy())
 
 
 def _image_tile(image: Tensor, size: int, input_range: tuple[float, float]) -> np.ndarray:
