@@ -17,7 +17,8 @@ Modules, in the order data flows through them:
   ``extract_batches``, that loop for a ``FeatureExtractor`` over ``Inputs``;
 - ``options``: the keyword options every streaming entry point takes (``StreamOptions``), checked once;
 - ``progress``: the best-effort bar on stderr;
-- ``sharding``: torchrun ranks, the contiguous share of the rows each takes, and the collectives that join them.
+- ``sharding``: torchrun ranks, the contiguous share of the rows each takes, and the collectives that join them;
+  the shards of jobs that share nothing (``shard=(i, n)``, the ``Shard`` their parts record, ``check_cover``).
 
 It imports the modules below it (``images``, ``_layout``, ``errors``; ``extractor`` for types only) and
 nothing from ``dump``, ``metrics`` or ``cli``, which all import it.

@@ -32,6 +32,12 @@ class StreamOptions(TypedDict, total=False):
         crop_size: center crop of image files to this square, after the resize; ``"weights"`` or ``None``
             as for ``resize_size``. Default: ``"weights"``.
         progress: a tqdm bar on stderr. Default: ``False`` (the command line shows one unless ``-q``).
+        shard: ``(i, n)``: compute only shard ``i`` of ``n`` (``0 <= i < n``), the ``i``-th of ``n`` contiguous runs of
+            whole batches of the sorted inputs (the rows torchrun's rank ``i`` of ``n`` takes), into a part of its
+            own: a dump of those rows, or statistics of them, that records which shard of which input set it holds;
+            ``featurehooks.dump.merge_dumps`` and ``featurehooks.metrics.merge_statistics`` join the parts of all
+            ``n`` shards into what one run gives. For jobs that share no filesystem (job arrays), on the entry points
+            that collect one set (dumps, statistics). Default: ``None``, every row.
 
     Examples:
         >>> import torch
@@ -48,6 +54,7 @@ class StreamOptions(TypedDict, total=False):
     crop_size: int | Literal["weights"] | None
     progress: bool
     batch_pixels: int | None
+    shard: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class Streaming:
     crop_size: int | str | None = FROM_WEIGHTS
     progress: bool = False
     batch_pixels: int | None = 2**24
+    shard: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, options: Mapping[str, object]) -> Streaming:
@@ -84,6 +92,18 @@ class Streaming:
                 checked_size(name, getattr(self, name))
         if not isinstance(self.progress, bool):
             raise InvalidTypeError(f"progress must be True or False, got {self.progress!r}")
+        if self.shard is not None:
+            object.__setattr__(self, "shard", _checked_shard(self.shard))
+
+
+def _checked_shard(shard: object) -> tuple[int, int]:
+    """``shard`` as an ``(i, n)`` tuple, refused unless two ints with ``0 <= i < n``."""
+    if not isinstance(shard, (tuple, list)) or len(shard) != 2 or any(_not_int(value) for value in shard):
+        raise InvalidTypeError(f"shard must be (i, n), two ints: shard i of n jobs; got {shard!r}")
+    index, count = shard
+    if not 0 <= index < count:
+        raise InvalidValueError(f"shard must be (i, n) with 0 <= i < n (shard i of n jobs), got ({index}, {count})")
+    return index, count
 
 
 def _not_int(value: object) -> bool:

@@ -7,6 +7,10 @@ equal one process's to float rounding. Every distributed entry point follows one
 (``Distributed.from_main``: the ranks agree on the rows, and a planning error is raised on every rank),
 every rank computes its share (``Distributed.each``: a rank that fails tells the others, which stop with
 a ``RunFailedError`` naming it instead of waiting for it).
+
+Jobs that share no process group and no filesystem (a SLURM job array, spot instances) split the rows by the
+same rule: ``shard=(i, n)`` takes the rows rank ``i`` of ``n`` would (``shard_of``), and its output records
+them as a ``Shard`` of its input set; ``check_cover`` tells whether the shards of a merge cover their set once.
 """
 
 from __future__ import annotations
@@ -15,16 +19,18 @@ import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Subset
 
-from ..errors import RunFailedError, first_line
+from ..errors import InvalidValueError, RunFailedError, first_line
+from .sources import Inputs, inputs_digest
 
-__all__ = ["Distributed", "chunk_rows", "process_group", "split_contiguous"]
+__all__ = ["Distributed", "Shard", "check_cover", "chunk_rows", "process_group", "shard_of", "split_contiguous"]
 
 T = TypeVar("T")  # what is split: row indices, batches of them
 
@@ -91,6 +97,12 @@ class Distributed:
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
+
+    def agree(self, value: Any, what: str) -> None:
+        """Refuse, on every rank, a ``value`` that is not the same on every rank (``what`` names it)."""
+        values = self.all_gather(value)
+        if any(other != values[0] for other in values):
+            raise InvalidValueError(f"the ranks were given other {what} ({', '.join(map(repr, values))}, by rank)")
 
     def from_main(self, work: Callable[[], T]) -> T:
         """``work()`` run on rank 0 only, its value on every rank; its error raised on every rank (of the same
@@ -160,3 +172,127 @@ def process_group(device: torch.device) -> Iterator[Distributed]:
         yield ranks
     finally:
         ranks.close()
+
+
+# -- shards: jobs without a process group ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    """Which rows of which input set a part holds: shard ``index`` of ``count`` (``shard=(index, count)``), rows
+    ``[start, stop)`` of a set of ``set_count`` rows whose names hash to ``set_sha256`` (``inputs_digest``)."""
+
+    index: int
+    count: int
+    start: int
+    stop: int
+    set_count: int
+    set_sha256: str
+
+    def __str__(self) -> str:
+        return f"shard {self.index}/{self.count} (rows {self.start}:{self.stop} of {self.set_count})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON a dump's manifest and a statistics file's meta record it as."""
+        return {
+            "index": self.index,
+            "count": self.count,
+            "rows": [self.start, self.stop],
+            "set": {"count": self.set_count, "sha256": self.set_sha256},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Shard:
+        """The shard ``to_dict`` gave ``data``; ``InvalidValueError`` saying what is unfit."""
+        try:
+            index, count, (start, stop), whole = data["index"], data["count"], data["rows"], data["set"]
+            set_count, digest = whole["count"], whole["sha256"]
+            fit = set(data) == {"index", "count", "rows", "set"} and set(whole) == {"count", "sha256"}
+            numbers = (index, count, start, stop, set_count)
+            fit = (
+                fit
+                and isinstance(digest, str)
+                and not any(isinstance(n, bool) or not isinstance(n, int) for n in numbers)
+            )
+        except (TypeError, KeyError, ValueError):
+            fit = False
+        if not fit:
+            raise InvalidValueError(
+                f"shard {data!r} is not {{index, count, rows: [start, stop], set: {{count, sha256}}}}"
+            )
+        if not (0 <= index < count and 0 <= start < stop <= set_count):
+            raise InvalidValueError(f"shard {data!r} is out of range (0 <= index < count, 0 <= start < stop <= count)")
+        return cls(index, count, start, stop, set_count, digest)
+
+
+def shard_rows(shard: tuple[int, int], num_rows: int, batch_size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of shard ``(i, n)``: the whole batches rank ``i`` of ``n`` takes (``split_contiguous``).
+
+    Raises:
+        InvalidValueError: the shard is empty (fewer batches than shards).
+    """
+    index, count = shard
+    batches = -(-num_rows // batch_size)
+    mine = split_contiguous(range(batches), count, index)
+    if not mine:
+        raise InvalidValueError(
+            f"shard {index}/{count} is empty: {num_rows} rows make {batches} batch(es) of {batch_size}, fewer than "
+            f"{count} shards; split into at most {batches} shards, or pass a smaller batch size"
+        )
+    return mine[0] * batch_size, min((mine[-1] + 1) * batch_size, num_rows)
+
+
+def shard_of(inputs: Inputs, shard: tuple[int, int] | None, batch_size: int) -> tuple[Inputs, Shard | None]:
+    """The rows of ``inputs`` that ``shard`` takes (every row for ``None``), and the ``Shard`` record of them.
+
+    Rows keep their names (``dataset[7]`` stays ``dataset[7]``), so a merge of the parts writes a single run's index.
+    """
+    if shard is None:
+        return inputs, None
+    start, stop = shard_rows(shard, len(inputs.names), batch_size)
+    record = Shard(*shard, start, stop, len(inputs.names), inputs_digest(inputs.names))
+    return replace(
+        inputs,
+        names=inputs.names[start:stop],
+        dataset=None if inputs.dataset is None else Subset(inputs.dataset, range(start, stop)),
+        identity=None if inputs.identity is None else inputs.identity[start:stop],
+    ), record
+
+
+def check_cover(shards: Sequence[tuple[str, Shard]]) -> list[tuple[str, Shard]]:
+    """``(name, shard)`` pairs of one input set in row order, once checked to cover it exactly once.
+
+    Raises:
+        InvalidValueError: naming them, two parts of the same shard, parts whose rows overlap, or rows no part holds
+            (the shards missing, when the parts split the set alike).
+    """
+    seen: dict[tuple[int, int], str] = {}
+    for name, shard in shards:
+        other = seen.setdefault((shard.index, shard.count), name)
+        if other != name:
+            raise InvalidValueError(f"{other} and {name} are both {shard}: pass each shard once")
+    ordered = sorted(shards, key=lambda pair: pair[1].start)
+    covered = 0
+    for (before, earlier), (name, shard) in zip([("", None), *ordered], ordered):
+        if shard.start < covered:
+            raise InvalidValueError(
+                f"{before} ({earlier}) and {name} ({shard}) overlap in rows {shard.start}:{min(covered, shard.stop)}; "
+                "merge the parts of one split (--shard i/N with one N)"
+            )
+        if shard.start > covered:
+            raise InvalidValueError(_missing(ordered, covered, shard.start))
+        covered = shard.stop
+    total = ordered[0][1].set_count
+    if covered < total:
+        raise InvalidValueError(_missing(ordered, covered, total))
+    return ordered
+
+
+def _missing(ordered: Sequence[tuple[str, Shard]], start: int, stop: int) -> str:
+    """Why rows ``[start, stop)`` in no part stop a merge, naming the shards missing where the parts agree on ``n``."""
+    counts = {shard.count for _, shard in ordered}
+    named = ""
+    if len(counts) == 1:
+        count = counts.pop()
+        absent = sorted(set(range(count)) - {shard.index for _, shard in ordered})
+        named = f"; missing: {', '.join(f'shard {index}/{count}' for index in absent)}"
+    total = ordered[0][1].set_count
+    return f"rows {start}:{stop} of the {total} are in no part{named} (a job not run, or its output not given)"

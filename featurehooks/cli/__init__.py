@@ -1,5 +1,6 @@
 """The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid),
-the metrics ``lpips``, ``fd`` and ``stats`` (see ``cli._metrics``), ``dists`` and ``fid``.
+the metrics ``lpips``, ``fd`` and ``stats`` (see ``cli._metrics``), ``dists``, ``fid``, ``eval``, and ``merge`` (the
+parts of sharded dumps and statistics, ``cli._merge``).
 
 Exit status: 0 success, 1 the run failed (I/O error, another rank), 2 bad input (unknown backbone
 or layer, missing images, unusable weights, an existing output without ``--resume``/``--overwrite``),
@@ -20,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FeatureHooksError, InvalidValueError, RunFailedError
 from ..layers import list_layers
+from ._cka import add_cka_command
 from ._common import (
     UserError,
     add_command,
     add_model_options,
+    add_shard_option,
     add_stream_options,
     add_weights_option,
     at_least,
@@ -38,6 +41,7 @@ from ._common import (
 from ._dists import add_dists_command
 from ._eval import add_eval_command
 from ._fid import add_fid_command
+from ._merge import add_merge_command
 from ._metrics import add_metric_commands
 
 if TYPE_CHECKING:
@@ -84,7 +88,8 @@ def _extract(args: argparse.Namespace) -> int:
         skipped = len(result.skipped)
         note = f"; {skipped} unreadable input(s) zero-filled, see manifest.json" if skipped else ""
         done = f"wrote {result.num_rows} rows to" if result.rows_computed else "already complete:"
-        print(f"{done} {result.out_dir}: {shapes} {settings.dtype}{note}")
+        part = f" ({settings.shard}; join the parts with `featurehooks merge`)" if settings.shard else ""
+        print(f"{done} {result.out_dir}: {shapes} {settings.dtype}{note}{part}")
     return 0
 
 
@@ -213,6 +218,8 @@ examples:
   featurehooks extract images/ --backbone vgg16 --layers relu3_3 relu4_3 --out feats/
   featurehooks extract 'data/**/*.jpg' --backbone resnet50 --layers layer4 --pool avg --dtype float16 --out feats/
   torchrun --nproc-per-node 4 -m featurehooks extract images/ --backbone resnet50 --layers layer4 --out feats/
+  featurehooks extract images/ --backbone resnet50 --layers layer4 --shard 0/3 --out part0/   # one job of 3, then:
+  featurehooks merge feats/ part0/ part1/ part2/
 
 writes <layer>.npy (rows x feature shape), index.csv (row,valid,path) and manifest.json to --out.
 Unreadable images keep their row, zero-filled, with valid=0 and a reason in manifest.json.
@@ -240,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--out", required=True, metavar="DIR", help="output folder")
     add_model_options(extract)
     add_stream_options(extract)
+    add_shard_option(extract)
     extract.add_argument(
         "--pool",
         choices=("avg", "max", "cls", "none"),
@@ -289,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dists_command(commands)
     add_fid_command(commands)
     add_eval_command(commands)
+    add_merge_command(commands)
+    add_cka_command(commands)
     return parser
 
 

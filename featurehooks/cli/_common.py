@@ -9,7 +9,7 @@ import stat
 import sys
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ __all__ = [
     "add_model_options",
     "add_precision_option",
     "add_seed_option",
+    "add_shard_option",
     "add_size_options",
     "add_stream_options",
     "add_weights_option",
@@ -38,6 +39,7 @@ __all__ = [
     "device_from",
     "non_negative",
     "positive",
+    "shard_from",
     "size",
     "sizes",
     "stream_options",
@@ -294,6 +296,55 @@ def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images", ba
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+_SLURM = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX")
+
+
+def add_shard_option(parser: argparse.ArgumentParser, what: str = "dump") -> None:
+    """``--shard I/N`` (or ``slurm``): the streaming option ``shard`` of a command that writes a part (``what``)."""
+    parser.add_argument(
+        "--shard",
+        type=shard_from,
+        default=None,
+        metavar="I/N",
+        help=f"compute only shard I of N (0 <= I < N: the whole batches torchrun's rank I of N would take) into a "
+        f"{what} of its own, joined with the others by `featurehooks merge`; 'slurm' takes I and N from a job "
+        "array's SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT",
+    )
+
+
+def shard_from(text: str, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``--shard``: ``I/N``, or ``slurm`` for a SLURM job array's task (its index from the array's lowest, of the
+    array's count), which must be a range of consecutive indices (``--array=0-9``, not ``--array=0-9:2`` or
+    ``1,4,7``)."""
+    if text.lower() == "slurm":
+        return _slurm_shard(os.environ if environ is None else environ)
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if match is None or not int(match[1]) < int(match[2]):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (shard I of N jobs) or 'slurm', got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def _slurm_shard(environ: Mapping[str, str]) -> tuple[int, int]:
+    """The shard of this SLURM array task, from the variables SLURM sets for each task of a job array."""
+    try:
+        task, count, low, high = (int(environ[name]) if name in environ else None for name in _SLURM)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard slurm: {', '.join(_SLURM)} are not integers") from None
+    if task is None or count is None:
+        raise argparse.ArgumentTypeError(
+            "--shard slurm: SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT are not set: run it as a task of a "
+            "SLURM job array (sbatch --array=0-N), or pass --shard I/N"
+        )
+    low = 0 if low is None else low
+    step = environ.get("SLURM_ARRAY_TASK_STEP", "1")
+    if step != "1" or (high is not None and high - low + 1 != count) or not 0 <= task - low < count:
+        raise argparse.ArgumentTypeError(
+            f"--shard slurm: task {task} of an array of {count} whose indices are not one range of consecutive "
+            f"numbers (min {low}, max {high}, step {step}); use --array=0-{count - 1}, or pass --shard I/N"
+        )
+    return task - low, count
+
+
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
     """``resize_size``/``crop_size`` keyword arguments for the sizes given on the command line (none given: the
     library's default)."""
@@ -302,14 +353,16 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stream_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``StreamOptions`` the command line gives: batch size, workers, pixel budget, progress, and sizes where
-    given."""
+    """The ``StreamOptions`` the command line gives: batch size, workers, pixel budget, progress, and sizes and
+    the shard where given."""
+    shard = getattr(args, "shard", None)
     return {
         "batch_size": args.batch_size,
         "num_workers": args.workers,
         "batch_pixels": args.batch_pixels,
         "progress": not args.quiet,
         **sizes(args),
+        **({"shard": shard} if shard is not None else {}),
     }
 
 

@@ -19,6 +19,7 @@ from ._common import (
     add_device_option,
     add_precision_option,
     add_seed_option,
+    add_shard_option,
     add_stream_options,
     add_weights_option,
     check_output_file,
@@ -121,6 +122,7 @@ def add_fid_command(commands: Any) -> None:
     add_sample_size_options(fid)
     add_seed_option(fid)
     add_stream_options(fid)
+    add_shard_option(fid, "statistics file (with --save-stats)")
     add_device_option(fid)
     add_precision_option(fid)
     fid.set_defaults(run=_fid)
@@ -140,6 +142,11 @@ def _fid(args: argparse.Namespace) -> int:
     weights = weights_from(args.weights)
     if args.save_stats:
         return _save_stats(args, device, weights)
+    if args.shard is not None:
+        raise UserError(
+            "--shard computes a part of a set's statistics: pass it with --save-stats, then merge the "
+            "parts with `featurehooks merge`"
+        )
     sources = (args.set_a, args.set_b)
     files = {source: _read_file(args, source, weights) for source in sources if is_statistics_file(source)}
     images = {source: list_images([source]) for source in sources if source not in files}  # before any compute
@@ -201,8 +208,10 @@ def _save_stats(args: argparse.Namespace, device: torch.device, weights: str | N
     if not is_main_rank():  # every rank holds the merged statistics; one writes them
         return 0
     path = stats.save(args.set_b)
-    _warn_if_small("A", args.set_a, stats, args.dims)
-    print(f"wrote {path}: FID statistics of {stats.count} images, {stats.dim} features, mode {args.mode}")
+    if stats.shard is None:  # a part is small by design; the merged statistics are what FID is computed from
+        _warn_if_small("A", args.set_a, stats, args.dims)
+    part = f" of {stats.shard}" if stats.shard else ""
+    print(f"wrote {path}: FID statistics of {stats.count} images{part}, {stats.dim} features, mode {args.mode}")
     return 0
 
 

@@ -15,6 +15,7 @@ from ._common import (
     UserError,
     add_command,
     add_model_options,
+    add_shard_option,
     add_stream_options,
     at_least,
     build_extractor,
@@ -154,6 +155,7 @@ def add_metric_commands(commands: Any) -> None:
     stats.add_argument(
         "--keep", type=non_negative, default=10_000, metavar="N", help="vectors kept for KID (default: 10000)"
     )
+    add_shard_option(stats, "statistics file")
     stats.set_defaults(run=_stats)
 
 
@@ -209,7 +211,8 @@ def _stats(args: argparse.Namespace) -> int:
         )
     if is_main_rank():  # under torchrun every rank holds the merged statistics; one writes them
         path = stats.save(args.out)
-        print(f"wrote {path}: {args.layers[0]}, {stats.count} images, {stats.dim} features")
+        part = f" of {stats.shard}" if stats.shard else ""
+        print(f"wrote {path}: {args.layers[0]}, {stats.count} images{part}, {stats.dim} features")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,24 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
     """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
     --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, --precision, -q."""
     parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
-    parser.add_argument("dir_b", metavar="DIR_B", help="a folder of images with the same relative paths")
+    parser.add_argument(
+        "dir_b",
+        metavar="DIR_B",
+        nargs="?",
+        help="a folder of images with the same relative paths (none with --all-pairs)",
+    )
+    within = parser.add_mutually_exclusive_group()
+    within.add_argument(
+        "--all-pairs",
+        action="store_true",
+        help="score every pair of images of DIR_A alone, N(N-1)/2 of them: the diversity of a set of samples "
+        "(lpips_1dir_allpairs.py --all-pairs)",
+    )
+    within.add_argument(
+        "--consecutive",
+        action="store_true",
+        help="score each image of DIR_A alone with the next (the script's default)",
+    )
     add_weights_option(parser, "backbone weights: DEFAULT, a member name, a local file, or none (default: DEFAULT)")
     add_seed_option(parser)
     parser.add_argument("--out", metavar="CSV", default=None, help="write name,score per pair")
@@ -44,16 +62,28 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
     add_precision_option(parser)
 
 
-def folder_pairs(args: argparse.Namespace) -> list[ImagePair]:
-    """The pairs of ``DIR_A`` and ``DIR_B``, once ``--out`` is known to be writable (before any compute).
+def folder_pairs(args: argparse.Namespace) -> Sequence[ImagePair]:
+    """The pairs of ``DIR_A`` and ``DIR_B`` (or of ``DIR_A`` alone, with ``--all-pairs`` or ``--consecutive``), once
+    ``--out`` is known to be writable (before any compute).
 
     What is left out (files in one folder only, unreadable entries) is listed on stderr; no pair at all
     is a UserError.
     """
     from ..metrics import pair_files
+    from ..metrics.pairs import pairs_within
 
     if args.out is not None:
         check_output_file(args.out)
+    within = args.all_pairs or args.consecutive
+    if within != (args.dir_b is None):
+        flag = "--all-pairs" if args.all_pairs else "--consecutive"
+        raise UserError(f"{flag} scores the images of DIR_A alone: pass one folder" if within else "pass DIR_B too")
+    if within:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = pairs_within(args.dir_a, consecutive=args.consecutive)
+        print_warnings(caught)
+        return found
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pairs, only_a, only_b = pair_files(args.dir_a, args.dir_b, ignore_suffix=args.ignore_suffix)
@@ -67,14 +97,14 @@ def folder_pairs(args: argparse.Namespace) -> list[ImagePair]:
     return pairs
 
 
-def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: list[ImagePair]) -> list[float]:
+def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: Sequence[ImagePair]) -> list[float]:
     """``score_pairs`` with the command's options."""
     from ..metrics import score_pairs
 
     return score_pairs(metric, pairs, **stream_options(args))
 
 
-def report_scores(args: argparse.Namespace, label: str, pairs: list[ImagePair], scores: list[float]) -> None:
+def report_scores(args: argparse.Namespace, label: str, pairs: Sequence[ImagePair], scores: list[float]) -> None:
     """Write ``--out`` (``name,score``) and print ``<label>: mean ± std over N pairs``."""
     import statistics
 

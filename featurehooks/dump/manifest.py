@@ -8,7 +8,8 @@ writes the bytes an uninterrupted one would, and journal lines keep naming the m
 
 Schema ``featurehooks.dump/1``. Fields newer than it are optional: ``weights_sha256`` (``UNRECORDED`` when absent),
 ``inputs.identity_sha256``, ``inputs.labels`` and ``labels``, so dumps begun before them still read and resume;
-``precision`` (what the backbone computed in) is written only when it is not ``"float32"``, which it is when absent.
+``precision`` (what the backbone computed in) is written only when it is not ``"float32"``, which it is when absent;
+``shard`` only in a part of a sharded dump (``shard=(i, n)``): which rows of which input set it holds.
 
 ``read_manifest`` and ``DumpResult.manifest`` hand out a ``Manifest``. For one release it also answers the dict
 access of the releases that handed out the JSON dict (``manifest["layers"]``, ``"labels" in manifest``, ``.get``),
@@ -29,6 +30,7 @@ from typing import Any, Literal, TypeGuard
 
 from .._layout import Pool, as_pool
 from .._precision import PRECISIONS
+from .._stream.sharding import Shard
 from ..errors import CorruptDumpError, InvalidValueError
 
 __all__ = [
@@ -71,6 +73,7 @@ _COMPARED = (
     "pool",
     "preprocessing",
     "inputs",
+    "shard",
 )
 _FIELDS = (
     "format",
@@ -171,7 +174,8 @@ class Settings:
     ``shapes``: per layer, in request order, ``(rows, *feature shape)``. ``weights_sha256``: the backbone's
     state dict hashed, ``None`` without an ``nn.Module``, ``UNRECORDED`` in dumps begun before it was recorded.
     ``preprocessing``: the JSON values the image transform describes itself with. ``precision``: what the
-    backbone computed in (``FeatureExtractor.precision``); ``dtype`` is what the arrays are stored in.
+    backbone computed in (``FeatureExtractor.precision``); ``dtype`` is what the arrays are stored in. ``shard``: in
+    a part of a sharded dump, which rows of which input set its rows are (``None`` in a whole dump).
 
     Examples:
         >>> import tempfile, torch
@@ -192,6 +196,7 @@ class Settings:
     preprocessing: Mapping[str, Any]
     inputs: InputsRecord
     precision: str = "float32"
+    shard: Shard | None = None
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -224,6 +229,8 @@ class Settings:
         fields["pool"] = self.pool
         fields["preprocessing"] = copy.deepcopy(dict(self.preprocessing))
         fields["inputs"] = self.inputs.to_dict()
+        if self.shard is not None:  # only then: manifests of whole dumps stay what they always were
+            fields["shard"] = self.shard.to_dict()
         return fields
 
 
@@ -495,6 +502,7 @@ def _parse(data: dict[str, Any]) -> Manifest:
         preprocessing=copy.deepcopy(preprocessing),
         inputs=inputs,
         precision=precision,
+        shard=_shard(data["shard"], count) if "shard" in data else None,
     )
     labels = data.get("labels")
     if inputs.labelled and labels != LABELS:
@@ -540,6 +548,17 @@ def _inputs(raw: dict[str, Any], count: int) -> InputsRecord:
         _text(raw, "identity_sha256", where="inputs.")
     _known(raw, _INPUTS_FIELDS, "inputs.")
     return InputsRecord(kind, count, digest, labelled, identity)
+
+
+def _shard(raw: Any, count: int) -> Shard:
+    """The ``"shard"`` object of a part, its rows ``inputs.count``."""
+    try:
+        shard = Shard.from_dict(raw)
+    except InvalidValueError as exc:
+        raise _Unfit(str(exc)) from None
+    if shard.stop - shard.start != count:
+        raise _Unfit(f"shard rows {shard.start}:{shard.stop} are not inputs.count ({count}) rows")
+    return shard
 
 
 def _skipped(data: Mapping[str, Any], count: int) -> tuple[SkippedRow, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import torch
 
 from .._layout import Pool
 from .._stream import Inputs, inputs_digest, row_shapes
+from .._stream.sharding import Shard
 from .._version import __version__
 from ..errors import InvalidValueError, OutputExistsError, RunFailedError
 from .manifest import INDEX, LABELS, InputsRecord, Manifest, Settings, SkippedRow, layer_file_name
@@ -58,8 +60,11 @@ class Plan:
         return self.manifest.chunk_size
 
 
-def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: Pool | None, dtype: str) -> Settings:
-    """What the dump computes, as its manifest records it (compared on resume)."""
+def describe_settings(
+    extractor: FeatureExtractor, inputs: Inputs, pool: Pool | None, dtype: str, shard: Shard | None = None
+) -> Settings:
+    """What the dump computes, as its manifest records it (compared on resume); ``inputs`` are the rows of ``shard``
+    in a part of a sharded dump."""
     shapes = {
         name: (len(inputs.names), *shape) for name, shape in row_shapes(extractor, inputs.image_shape, pool).items()
     }
@@ -92,6 +97,7 @@ def describe_settings(extractor: FeatureExtractor, inputs: Inputs, pool: Pool | 
             identity_sha256=None if identity is None else hashlib.sha256(identity.tobytes()).hexdigest(),
         ),
         precision=extractor.precision,
+        shard=shard,
     )
 
 
@@ -129,9 +135,18 @@ def _save_identity(store: DumpStore, identity: np.ndarray | None) -> None:
 
 
 def plan_dump(
-    store: DumpStore, settings: Settings, inputs: Inputs, batch_size: int, resume: bool, overwrite: bool
+    store: DumpStore,
+    settings: Settings,
+    inputs: Inputs,
+    batch_size: int,
+    resume: bool,
+    overwrite: bool,
+    versions: Mapping[str, str] | None = None,
 ) -> Plan:
-    """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows."""
+    """Rank 0: decide what to compute, and prepare the files for it. Returns the plan every rank follows.
+
+    ``versions``: the library versions a new manifest records (default: this process's; a merge passes its parts').
+    """
     out = store.root
     labelled = settings.inputs.labelled
     files: dict[str, str] = {LABELS: "the labels"} if labelled else {}
@@ -179,7 +194,7 @@ def plan_dump(
                 f"{out} already has {', '.join(clash)} but no manifest; "
                 "pass overwrite=True (--overwrite) to replace them"
             )
-    manifest = Manifest(settings, chunk_size=batch_size, versions=_versions())
+    manifest = Manifest(settings, chunk_size=batch_size, versions=dict(versions or _versions()))
     out.mkdir(parents=True, exist_ok=True)
     store.reset_journal()  # before the new manifest: a kill in between must not pair it with an old journal
     store.write_manifest(manifest)  # "running" before any array exists

@@ -27,7 +27,7 @@ from .._stream import (
     resolve_inputs,
     worker_deaths,
 )
-from .._stream.sharding import Distributed, chunk_rows, split_contiguous
+from .._stream.sharding import Distributed, chunk_rows, shard_of, split_contiguous
 from ..errors import InvalidValueError
 from .manifest import LABELS, Manifest
 from .plan import Plan, describe_settings, finish_dump, plan_dump
@@ -107,7 +107,9 @@ def dump_features(
     ``kill -9``) finished with ``resume=True`` gives files identical to an uninterrupted one.
     Under ``torchrun`` (``WORLD_SIZE > 1``) rank 0 lists the inputs for every rank, every rank takes a
     contiguous share of the rows, and the result is identical to a single-process run; on several nodes
-    ``out_dir`` must be on a shared filesystem.
+    ``out_dir`` must be on a shared filesystem. Without one, jobs that share nothing each dump one shard
+    (``shard=(i, n)``: a dump of its rows only, whose manifest names the shard and its input set) and
+    ``merge_dumps`` joins the parts into the dump one run writes, byte for byte.
 
     ``out_dir`` receives ``<layer>.npy`` per layer, ``index.csv`` (``row,valid,path``), and
     ``manifest.json`` (backbone, weights and their SHA-256, layers, shapes, dtype, precision, pool, preprocessing,
@@ -129,7 +131,7 @@ def dump_features(
         overwrite: replace whatever dump ``out_dir`` holds.
         **options: the ``StreamOptions`` (``batch_size``, also the unit of commit and resume; ``num_workers``;
             ``batch_pixels``, which may cut a batch's forward, not its commit; ``resize_size`` and ``crop_size``
-            of image files; ``progress``).
+            of image files; ``progress``; ``shard``).
 
     Returns:
         A ``DumpResult`` with the output folder and the manifest.
@@ -159,14 +161,17 @@ def dump_features(
     dist = Distributed.from_environment(extractor.device)
     store = DumpStore(out_dir)
     try:
+        dist.agree(streaming.shard, "shards: every rank takes the one --shard I/N, which the ranks split")
 
         def plan() -> tuple[Plan, Inputs]:
-            inputs = resolve_inputs(extractor, source, streaming.resize_size, streaming.crop_size, pooling)
-            settings = describe_settings(extractor, inputs, pooling, dtype)
+            every = resolve_inputs(extractor, source, streaming.resize_size, streaming.crop_size, pooling)
+            inputs, shard = shard_of(every, streaming.shard, streaming.batch_size)
+            settings = describe_settings(extractor, inputs, pooling, dtype, shard)
             store.lock()  # one dump per folder: rank 0 holds it for every rank
-            return plan_dump(store, settings, inputs, streaming.batch_size, resume, overwrite), inputs
+            return plan_dump(store, settings, inputs, streaming.batch_size, resume, overwrite), every
 
-        planned, inputs = planned_on_main(dist, source, plan)
+        planned, every = planned_on_main(dist, source, plan)
+        inputs, _ = shard_of(every, streaming.shard, streaming.batch_size)  # every rank: the rows of the shard
         manifest = planned.manifest
         if manifest.status == "complete":
             return DumpResult(store.root, manifest)

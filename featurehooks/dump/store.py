@@ -478,17 +478,26 @@ class DumpStore:
 
     def commit(self, chunk: int, start: int, stop: int, skipped: Sequence[tuple[int, str]]) -> None:
         """Record chunk ``chunk`` (rows ``start:stop``) as done, after flushing its rows to disk."""
-        self.flush(start, stop)
+        self.commit_chunks([(chunk, start, stop, skipped)])
+
+    def commit_chunks(self, chunks: Sequence[tuple[int, int, int, Sequence[tuple[int, str]]]]) -> None:
+        """Record several ``(chunk, start, stop, skipped)`` as done: one flush of their rows, one fsynced write."""
+        if not chunks:
+            return
+        self.flush(min(start for _, start, _, _ in chunks), max(stop for _, _, stop, _ in chunks))
         rank, digest = self._journal_tag
-        body = {
-            "chunk": chunk,
-            "rows": [start, stop],
-            "skipped": [list(pair) for pair in skipped],
-            "rank": rank,
-            "manifest": digest,
-        }
-        line = json.dumps({**body, "crc": _checksum(body)}) + "\n"
-        self._append(line.encode(), f"commit rows {start}:{stop}")
+        lines = []
+        for chunk, start, stop, skipped in chunks:
+            body = {
+                "chunk": chunk,
+                "rows": [start, stop],
+                "skipped": [list(pair) for pair in skipped],
+                "rank": rank,
+                "manifest": digest,
+            }
+            lines.append(json.dumps({**body, "crc": _checksum(body)}) + "\n")
+        rows = f"{chunks[0][1]}:{chunks[-1][2]}"
+        self._append("".join(lines).encode(), f"commit rows {rows}")
 
     def close_journal(self) -> None:
         if self._journal is not None:

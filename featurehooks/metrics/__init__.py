@@ -12,6 +12,8 @@ Examples:
     >>> mean, std = metrics.kernel_inception_distance(real, fake, subsets=10, subset_size=100)
 """
 
+from .cka import CKAMatrix, MinibatchCKA, cka
+from .cka_sources import cka_matrix, cka_matrix_from_dumps
 from .clip_mmd import CMMD_BACKBONE, cmmd, cmmd_embeddings, cmmd_extractor, cmmd_of_embeddings
 from .collect import feature_statistics, feature_statistics_by_layer, statistics_from_dump
 from .dinov2_fd import FD_DINOV2_MODELS, fd_dinov2, fd_dinov2_extractor, fd_dinov2_statistics
@@ -22,7 +24,8 @@ from .frechet import frechet_distance, kernel_inception_distance
 from .interop import PooledFeatures
 from .isc import inception_score, inception_score_of_features, inception_score_of_logits
 from .lpips import LPIPS, find_heads, load_heads
-from .pairs import BATCH_PIXELS, ImagePair, pair_files, score_pairs
+from .merge import merge_statistics
+from .pairs import BATCH_PIXELS, ImagePair, PairsWithin, pair_files, pairs_within, score_pairs
 from .prdc import PRDC, Manifold, precision_recall
 from .sample_size import FDInfinity, fd_bootstrap, fd_infinity
 from .sfid import SFID_CHANNELS, SFID_LAYER, sfid, sfid_extractor, sfid_statistics, sfid_vectors
@@ -30,6 +33,7 @@ from .statistics import FeatureOrigin, FeatureStatistics, load_statistics, save_
 
 __all__ = [
     "BATCH_PIXELS",
+    "CKAMatrix",
     "CMMD_BACKBONE",
     "DISTS",
     "Evaluation",
@@ -46,8 +50,13 @@ __all__ = [
     "FeatureOrigin",
     "FeatureStatistics",
     "ImagePair",
+    "MinibatchCKA",
+    "PairsWithin",
     "Manifold",
     "PooledFeatures",
+    "cka",
+    "cka_matrix",
+    "cka_matrix_from_dumps",
     "cmmd",
     "cmmd_embeddings",
     "cmmd_extractor",
@@ -73,7 +82,9 @@ __all__ = [
     "load_heads",
     "load_mu_sigma",
     "load_statistics",
+    "merge_statistics",
     "pair_files",
+    "pairs_within",
     "precision_recall",
     "save_statistics",
     "score_pairs",

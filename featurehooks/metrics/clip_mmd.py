@@ -230,6 +230,8 @@ def cmmd(
         (0.0, True)
     """
     settings = PassSettings.of(None, KEEP_ALL, 0, options)  # bad options fail before the model is read
+    if settings.streaming.shard is not None:
+        raise InvalidValueError("CMMD is of two whole sets: shard= is for cmmd_embeddings of a part of one")
     extractor = given_or_built(extractor, lambda: cmmd_extractor(weights, device=device), weights, device, None)
     x, y = (_embed(extractor, source, settings).to(extractor.device) for source in (real, fake))
     return cmmd_of_embeddings(x, y)

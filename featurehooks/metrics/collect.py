@@ -4,8 +4,10 @@
 (``featurehooks._stream``: listing, decoding, resize and crop, DataLoader workers, pooling, torchrun ranks) and
 writes no feature file; ``feature_statistics_by_layer`` does it for several layers in one pass, and
 ``fid_statistics`` with pytorch-fid's preprocessing: each builds one ``PassSettings`` (the pool, the kept sample
-and the ``StreamOptions``) and forwards it to ``collect``. ``statistics_from_dump`` reads the pooled features of
-a finished dump in memory-mapped chunks.
+and the ``StreamOptions``) and forwards it to ``collect``. With ``shard=(i, n)`` (a job of a job array) ``collect``
+takes the rows of that shard only and records it on the statistics (``FeatureStatistics.shard``), which
+``merge_statistics`` joins. ``statistics_from_dump`` reads the pooled features of a finished dump in memory-mapped
+chunks.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .._stream import (
     resolve_inputs,
     worker_deaths,
 )
-from .._stream.sharding import Distributed, split_contiguous
+from .._stream.sharding import Distributed, shard_of, split_contiguous
 from ..backbones.fid_inception import FIDInceptionV3
 from ..dump import DumpResult, read_manifest
 from ..errors import InputNotFoundError, InvalidValueError, LayerNotFoundError, did_you_mean
@@ -172,8 +174,9 @@ def _merged(
 def collect(
     extractor: FeatureExtractor, source: SourceSpec, layers: Sequence[str] | None, settings: PassSettings
 ) -> dict[str, FeatureStatistics]:
-    """``{layer: FeatureStatistics}`` of ``layers`` (``None``: every output) over ``source``: what the public
-    collection functions forward to."""
+    """``{layer: FeatureStatistics}`` of ``layers`` (``None``: every output) over ``source`` (the rows of the
+    streaming options' ``shard`` only, which each statistics records): what the public collection functions
+    forward to."""
     available = _output_names(extractor)
     wanted = list(available if layers is None else ([layers] if isinstance(layers, str) else layers))
     if not wanted:
@@ -191,7 +194,9 @@ def collect(
 
     ranks = Distributed.from_environment(extractor.device)
     try:
-        _, inputs = planned_on_main(ranks, source, resolve)
+        ranks.agree(streaming.shard, "shards: every rank takes the one --shard I/N, which the ranks split")
+        _, every = planned_on_main(ranks, source, resolve)
+        inputs, shard = shard_of(every, streaming.shard, streaming.batch_size)
         origins = _origins(extractor, wanted, settings.pool, inputs.transform)
         stats = {
             name: FeatureStatistics(keep=settings.keep_of(name), seed=settings.seed, origin=origin)
@@ -207,6 +212,8 @@ def collect(
     finally:
         ranks.close()
     stats, skipped = _merged(shares)
+    for one in stats.values():
+        one.shard = shard
     if ranks.is_main:
         _warn_skipped(skipped, total)
     return stats
@@ -269,7 +276,8 @@ def feature_statistics(
         keep: keep a uniform random sample of at most this many vectors (for the kernel inception distance).
         seed: seed of that sample.
         **options: the ``StreamOptions`` (``batch_size``, ``num_workers``, ``batch_pixels``, ``resize_size``,
-            ``crop_size``, ``progress``).
+            ``crop_size``, ``progress``; ``shard=(i, n)``: statistics of shard ``i`` of ``n`` only, a part that
+            ``merge_statistics`` joins with the others into the statistics of the whole set).
 
     Shape:
         the statistics are of ``(N, C)`` vectors: ``C`` the layer's channels, ``N`` the readable inputs.

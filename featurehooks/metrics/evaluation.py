@@ -197,6 +197,11 @@ def evaluate(
         (['fid', 'kid'], ['inception'])
     """
     names = _check_metrics(metrics)
+    if options.get("shard") is not None and fake is not None:
+        raise InvalidValueError(
+            "metrics compare two whole sets: shard= is for evaluate(real, None) (a part of a "
+            "reference set, merged with merge_statistics)"
+        )
     if not isinstance(keep_vectors, bool):
         raise InvalidTypeError(f"keep_vectors must be True or False, got {keep_vectors!r}")
     for name in ("resize_size", "crop_size"):

@@ -159,6 +159,8 @@ def inception_score(
         Obukhov, Seitzer, Wu, Zhydenko, Kyl, Lin (2020). torch-fidelity. https://github.com/toshas/torch-fidelity
     """
     check_count(splits, "splits", least=1)
+    if options.get("shard") is not None:
+        raise InvalidValueError("the Inception Score is of a whole set: shard= is for statistics and dumps")
     extractor = given_or_built(
         extractor,
         lambda: fid_extractor(weights, mode=mode or "legacy_tensorflow", device=device, precision=precision),

@@ -13,12 +13,13 @@ bounds, never on the number of workers or on timing.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from .._stream import (
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
 from ..images import ImageTransform, read_image
 
-__all__ = ["BATCH_PIXELS", "ImagePair", "pair_files", "score_pairs"]
+__all__ = ["BATCH_PIXELS", "ImagePair", "PairsWithin", "pair_files", "pairs_within", "score_pairs"]
 
 PairMetric = Callable[[Tensor, Tensor], Tensor]
 
@@ -177,6 +178,83 @@ def pair_files(
     return pairs, only_in_a, only_in_b
 
 
+class PairsWithin(Sequence[ImagePair]):
+    """Every pair ``(i, j)``, ``i < j``, of a list of images (or each image with the next only, ``consecutive``),
+    in the order ``lpips_1dir_allpairs.py`` scores them: ``(0, 1), (0, 2), ..., (1, 2), ...``. Pairs are made when
+    asked for, so ``N (N - 1) / 2`` of them cost no memory; each is named ``(a,b)`` as the script prints it.
+
+    Examples:
+        >>> from featurehooks.metrics.pairs import PairsWithin
+        >>> pairs = PairsWithin(["/x/a.png", "/x/b.png", "/x/c.png"], ["a.png", "b.png", "c.png"])
+        >>> len(pairs), [pair.name for pair in pairs]
+        (3, ['(a.png,b.png)', '(a.png,c.png)', '(b.png,c.png)'])
+    """
+
+    def __init__(self, paths: Sequence[str], names: Sequence[str], *, consecutive: bool = False) -> None:
+        self.paths, self.names, self.consecutive = list(paths), list(names), consecutive
+        count = len(self.paths)
+        self._length = max(count - 1, 0) if consecutive else count * (count - 1) // 2
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> ImagePair: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ImagePair]: ...
+
+    def __getitem__(self, index: int | slice) -> ImagePair | list[ImagePair]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"pair {index} of {self._length}")
+        first, second = (index, index + 1) if self.consecutive else self._row_and_column(index)
+        name = f"({self.names[first]},{self.names[second]})"
+        return ImagePair(name, self.paths[first], self.paths[second])
+
+    def _row_and_column(self, index: int) -> tuple[int, int]:
+        """``(i, j)`` of pair ``index`` in the rows of the upper triangle: row ``i`` holds ``N - 1 - i`` pairs."""
+        count = len(self.paths)
+        before = lambda row: row * (2 * count - row - 1) // 2  # noqa: E731 - pairs in the rows above ``row``
+        row = int((2 * count - 1 - math.sqrt((2 * count - 1) ** 2 - 8 * index)) // 2)
+        while before(row + 1) <= index:  # the float root may land one row short
+            row += 1
+        while before(row) > index:
+            row -= 1
+        return row, row + 1 + index - before(row)
+
+
+def pairs_within(folder: str | os.PathLike[str], *, consecutive: bool = False) -> PairsWithin:
+    """Every pair of the images of one folder (searched recursively, sorted by relative path): the pairs of
+    ``lpips_1dir_allpairs.py --all-pairs``, whose mean score is the diversity of a set of samples; with
+    ``consecutive``, each image with the next (the script without ``--all-pairs``). Unreadable entries are left
+    out with a warning, as ``pair_files`` leaves them out.
+
+    Raises:
+        InputNotFoundError: the folder does not exist or holds no images.
+        InvalidValueError: fewer than two readable images.
+
+    Examples:
+        >>> import pathlib, tempfile, torch
+        >>> from torchvision.utils import save_image
+        >>> from featurehooks.metrics import pairs_within
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> for name in ("0.png", "1.png", "2.png", "3.png"):
+        ...     save_image(torch.rand(3, 16, 16), root / name)
+        >>> len(pairs_within(root)), len(pairs_within(root, consecutive=True))
+        (6, 3)
+    """
+    listed = _images_by_name(folder, ignore_suffix=False)
+    _warn_unreadable(sorted((entry for entry in listed.values() if entry.reason), key=lambda entry: entry.path))
+    readable = sorted((entry for entry in listed.values() if not entry.reason), key=lambda entry: entry.name)
+    if len(readable) < 2:
+        raise InvalidValueError(f"{os.fspath(folder)} holds {len(readable)} readable image(s); pairs need 2 or more")
+    return PairsWithin([entry.path for entry in readable], [entry.name for entry in readable], consecutive=consecutive)
+
+
 class _PairBatches(IterableDataset):
     """Batches of prepared pairs, cut where they are decoded: in a DataLoader worker, or in this process.
 
@@ -303,6 +381,8 @@ def score_pairs(
         (2, True)
     """
     streaming = Streaming.of({"batch_pixels": BATCH_PIXELS, **options})  # a pair's budget: two images each
+    if streaming.shard is not None:
+        raise InvalidValueError("score_pairs scores every pair it is given: pass each job its pairs, not shard=")
     if not callable(metric):
         raise InvalidTypeError(f"metric must be callable as metric(a, b), got {type(metric).__name__}")
     try:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._stream.sharding import Shard
 from ..backbones._fid_resize import DEFAULT_LINEAGE, check_lineage
 from ..backbones.fid_inception import FID_INCEPTION
 from ..errors import InvalidTypeError, InvalidValueError
@@ -205,6 +206,7 @@ class FeatureStatistics:
         if origin is not None and not isinstance(origin, FeatureOrigin):
             raise InvalidTypeError(f"origin must be a FeatureOrigin or None, not {type(origin).__name__}")
         self.origin = origin
+        self.shard: Shard | None = None  # the rows of a set these hold when computed with shard=(i, n); None: all
         self._rng = np.random.default_rng(self._seed)
         self._count = 0
         self._dim: int | None = None
@@ -357,6 +359,8 @@ class FeatureStatistics:
         """
         if not isinstance(other, FeatureStatistics):
             raise InvalidTypeError(f"can only merge FeatureStatistics, not {type(other).__name__}")
+        if self.shard is not None or other.shard is not None:
+            raise InvalidValueError("statistics of a shard are joined by merge_statistics, which checks the shards")
         if self.origin is not None and other.origin is not None:
             self.origin.check_matches(other.origin, "the merged statistics")
         if other._dim is None:
@@ -407,6 +411,7 @@ class FeatureStatistics:
             "seed": self._seed,
             "rng_state": self._rng.bit_generator.state,
             "origin": origin_fields(self.origin),
+            **({"shard": self.shard.to_dict()} if self.shard is not None else {}),
         }
         mean = self._mean if self._count else torch.zeros(self._dim, dtype=torch.float64)
         sigma = self.covariance if self._count >= 2 else torch.zeros(self._dim, self._dim, dtype=torch.float64)
@@ -453,6 +458,7 @@ class FeatureStatistics:
             )
             if "rng_state" in meta:
                 stats._rng.bit_generator.state = meta["rng_state"]
+            stats.shard = Shard.from_dict(meta["shard"]) if "shard" in meta else None
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise InvalidValueError(f"its meta is malformed ({exc})") from None
         stats._count = count
@@ -463,7 +469,11 @@ class FeatureStatistics:
         return stats
 
     def check_matches(self, other: FeatureStatistics, what: str = "the two statistics") -> None:
-        """Raise ``InvalidValueError`` unless ``other`` has the same dimension and a matching origin."""
+        """Raise ``InvalidValueError`` unless ``other`` has the same dimension and a matching origin (and both
+        summarize a whole set, not a shard)."""
+        for side in (self, other):
+            if side.shard is not None:
+                raise InvalidValueError(f"{what}: one holds {side.shard} only; join the shards with merge_statistics")
         if self.origin is not None and other.origin is not None:  # first: another backbone explains another D
             self.origin.check_matches(other.origin, what)
         if self._dim is not None and other._dim is not None and self._dim != other._dim:
