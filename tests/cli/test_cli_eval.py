@@ -117,6 +117,7 @@ def test_json_holds_the_same_numbers_and_the_counts(
     assert found["images"] == {"real": 4, "fake": 4}
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_bootstrap_and_infinity_qualify_each_frechet_distance(
     sets: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,6 +137,7 @@ def test_bootstrap_and_infinity_qualify_each_frechet_distance(
         expected.statistics_of("fid")
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_saved_statistics_stand_in_for_real(
     sets: tuple[Path, Path], expected: Evaluation, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -89,6 +89,7 @@ def test_the_forward_stops_after_the_spatial_layer() -> None:
     assert later == []
 
 
+@pytest.mark.slow  # a reference oracle with networks of its own
 def test_statistics_compare_only_with_sfid_statistics_of_their_lineage() -> None:
     images = torch.rand(3, 3, 30, 30, generator=torch.Generator().manual_seed(SEED))
     torch.manual_seed(SEED)
