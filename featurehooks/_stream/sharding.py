@@ -15,6 +15,7 @@ them as a ``Shard`` of its input set; ``check_cover`` tells whether the shards o
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,10 @@ class Distributed:
     """Rank and world size of this process, and the collectives dumps and statistics need (no-ops when alone).
 
     With ``WORLD_SIZE > 1`` in the environment (torchrun sets it) and no process group yet, one is
-    created (``nccl`` for CUDA devices, else ``gloo``) and destroyed by ``close()``.
+    created (``nccl`` for CUDA devices, else ``gloo``) and kept for the process's later steps, destroyed at its exit:
+    a group created right after another was destroyed can meet the first's stale addresses in the rendezvous store
+    and wait for ever (seen: two CPU ranks calling ``feature_statistics``, ``fid_statistics`` and ``dump_features``
+    one after the other hung 2 runs in 5).
     """
 
     rank: int = 0
@@ -72,6 +76,7 @@ class Distributed:
             raise RunFailedError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=60))
+        atexit.register(_destroy_group)
         return cls(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
     @property
@@ -140,8 +145,13 @@ class Distributed:
         return values
 
     def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """The end of a step: a group this process created stays for its later steps (see the class docstring)."""
+
+
+def _destroy_group() -> None:
+    """At the exit of a process that created a group from the environment: destroy it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -163,9 +173,8 @@ def _portable(exc: BaseException) -> BaseException:
 def process_group(device: torch.device) -> Iterator[Distributed]:
     """One process group for several collective steps (a command that computes two image sets).
 
-    Under torchrun with no group yet, one is created here and destroyed at the end; the steps' own
-    ``Distributed.from_environment`` then join it instead of each creating and destroying one (a second
-    group created right after the first can meet the first's stale addresses in torchrun's store).
+    Under torchrun with no group yet, one is created here (and kept for the process, as every group
+    ``Distributed.from_environment`` creates); the steps' own ``Distributed.from_environment`` join it.
     """
     ranks = Distributed.from_environment(device)
     try:
