@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 import torch
@@ -154,11 +154,12 @@ class _Member:
     def read(self, row: int) -> Tensor:
         if self._map is not None:
             return self.images.pixels(self._map[row])
-        if self._stream is None:
-            self._stream = self._archive.open(self._info)  # type: ignore[assignment]
-        assert self._stream is not None
-        self._stream.seek(self._offset + row * self._row_bytes)  # forward: inflates on; backward: starts over
-        data = self._stream.read(self._row_bytes)
+        stream = self._stream
+        if stream is None:
+            stream = cast(BinaryIO, self._archive.open(self._info))
+            self._stream = stream
+        stream.seek(self._offset + row * self._row_bytes)  # forward: inflates on; backward: starts over
+        data = stream.read(self._row_bytes)
         if len(data) != self._row_bytes:
             raise InvalidValueError(f"{self.images.where} is cut short at row {row}")
         return self.images.pixels(np.frombuffer(data, np.uint8).reshape(self.images.shape[1:]))

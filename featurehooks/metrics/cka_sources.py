@@ -28,16 +28,15 @@ from .._stream import (
     resolve_inputs,
     worker_deaths,
 )
-from ..dump import DumpResult, read_manifest
+from ..dump import DumpResult
 from ..errors import (
     CorruptDumpError,
-    InputNotFoundError,
     InvalidValueError,
     LayerNotFoundError,
     did_you_mean,
 )
 from ..images import from_input_range, to_input_range
-from .collect import _output_names
+from .collect import _output_names, finished_dump
 
 if TYPE_CHECKING:
     from ..extractor import FeatureExtractor
@@ -179,23 +178,6 @@ def cka_matrix(
 
 
 # -- two dumps --------------------------------------------------------------------------------------------------
-def _finished(dump: str | os.PathLike[str] | DumpResult, side: str) -> DumpResult:
-    """The finished dump ``dump`` (a folder or a ``DumpResult``)."""
-    if isinstance(dump, DumpResult):
-        result = dump
-    else:
-        manifest = read_manifest(dump)
-        if manifest is None:
-            raise InputNotFoundError(f"dump {side}: no featurehooks dump (manifest.json) in {os.fspath(dump)}")
-        result = DumpResult(Path(dump), manifest)
-    if result.manifest.status != "complete":
-        raise InvalidValueError(
-            f"dump {side} in {result.out_dir} is unfinished (status {result.manifest.status!r}); finish it with "
-            "dump_features(..., resume=True) first"
-        )
-    return result
-
-
 def _index(result: DumpResult) -> tuple[list[str], set[int]]:
     """The ids of a dump's rows (``index.csv``'s paths, in row order) and its rows that could not be read."""
     path = result.out_dir / "index.csv"
@@ -291,7 +273,7 @@ def cka_matrix_from_dumps(
         ((2, 2), 8)
     """
     _check_minibatch_size(minibatch_size)
-    a, b = _finished(dump_a, "A"), _finished(dump_b, "B")
+    a, b = finished_dump(dump_a, "dump A"), finished_dump(dump_b, "dump B")
     chosen_a, chosen_b = _dump_layers(a, layers_a, "A"), _dump_layers(b, layers_b, "B")
     (names_a, invalid_a), (names_b, invalid_b) = _index(a), _index(b)
     rows_of_b = _rows_of_b(names_a, names_b, (a.out_dir, b.out_dir))

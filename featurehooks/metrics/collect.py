@@ -311,6 +311,24 @@ def feature_statistics(
 
 
 # -- from a dump ---------------------------------------------------------------------------------------
+def finished_dump(dump: str | os.PathLike[str] | DumpResult, name: str = "the dump") -> DumpResult:
+    """The finished dump ``dump`` (a folder or a ``DumpResult``), refused when there is none or it is unfinished;
+    messages call it ``name``."""
+    if isinstance(dump, DumpResult):
+        result = dump
+    else:
+        manifest = read_manifest(dump)
+        if manifest is None:
+            raise InputNotFoundError(f"{name}: no featurehooks dump (manifest.json) in {os.fspath(dump)}")
+        result = DumpResult(Path(dump), manifest)
+    if result.manifest.status != "complete":
+        raise InvalidValueError(
+            f"{name} in {result.out_dir} is unfinished (status {result.manifest.status!r}); finish it with "
+            "dump_features(..., resume=True) first"
+        )
+    return result
+
+
 def statistics_from_dump(
     dump: str | os.PathLike[str] | DumpResult,
     layer: str,
@@ -352,19 +370,8 @@ def statistics_from_dump(
         (8, 512)
     """
     check_count(chunk_rows, "chunk_rows", least=1)
-    if isinstance(dump, DumpResult):
-        result = dump
-    else:
-        manifest = read_manifest(dump)
-        if manifest is None:
-            raise InputNotFoundError(f"no featurehooks dump (manifest.json) in {os.fspath(dump)}")
-        result = DumpResult(Path(dump), manifest)
+    result = finished_dump(dump)
     manifest = result.manifest
-    if manifest.status != "complete":
-        raise InvalidValueError(
-            f"the dump in {result.out_dir} is unfinished (status {manifest.status!r}); finish it with "
-            "dump_features(..., resume=True) first"
-        )
     files = manifest.files
     if layer not in files:
         raise LayerNotFoundError(f"the dump in {result.out_dir} has no layer {layer!r}; {did_you_mean(layer, files)}")
