@@ -5,8 +5,10 @@ from . import _openmp  # noqa: F401  # first: sets the commands' OpenMP waits be
 # isort: split
 from . import functional, losses, metrics, probes
 from ._capture import CapturedFeatures, capture
+from ._intermediates import intermediates
 from ._stream import StreamOptions
 from ._version import __version__ as __version__
+from .attention import AttentionMaps, attention_rollout, capture_attention
 from .backbones import Preprocessing, available_backbones, load_backbone
 from .dump import DumpResult, Manifest, dump_features, read_manifest
 from .errors import (
@@ -36,6 +38,7 @@ from .probes import clip_grad, detect_nonfinite, reverse_grad, scale_grad, watch
 from .viz import feature_grid, save_feature_grid
 
 __all__ = [
+    "AttentionMaps",
     "BackboneNotFoundError",
     "CapturedFeatures",
     "CorruptDumpError",
@@ -67,8 +70,10 @@ __all__ = [
     "TotalVariationLoss",
     "TraceError",
     "WeightsUnavailableError",
+    "attention_rollout",
     "available_backbones",
     "capture",
+    "capture_attention",
     "clip_grad",
     "detect_nonfinite",
     "dump_features",
@@ -76,6 +81,7 @@ __all__ = [
     "feature_statistics",
     "frechet_distance",
     "functional",
+    "intermediates",
     "kernel_inception_distance",
     "list_layers",
     "load_backbone",

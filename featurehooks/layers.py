@@ -11,6 +11,7 @@ from typing import Union
 from torch import nn
 from torchvision.models import VGG, AlexNet, SqueezeNet
 
+from ._attention_kinds import attention_kind
 from ._layout import classify, patch_size_of, prefix_tokens_of
 from ._taps import Selection, Site, Tap, Taps, call_name
 from ._trace import Trace, fixed_input_size, trace_images
@@ -49,7 +50,8 @@ class FeatureInfo:
     how the output is laid out: ``"NCHW"``, ``"NHWC"`` (Swin), ``"NLC"`` (tokens), ``"NC"``, ``"other"``
     (containers, other ranks), or ``None`` for a module that never runs. ``channels`` and ``stride``
     are read from the axes of that layout (``None`` where there are none); ``prefix_tokens`` counts
-    the class/register/distillation tokens that lead an ``NLC`` output, when the model says.
+    the class/register/distillation tokens that lead an ``NLC`` output, when the model says. ``attention`` marks
+    the attention modules whose maps ``capture_attention`` records.
     All of it comes from a shape-only forward on the meta device: no compute, no download.
 
     Examples:
@@ -69,6 +71,7 @@ class FeatureInfo:
     call: int = 0
     layout: str | None = None
     prefix_tokens: int | None = None
+    attention: bool = False
 
 
 def vgg_aliases(model: nn.Module) -> dict[str, str]:
@@ -326,8 +329,9 @@ def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
             alias = index.alias_of.get(path) if call == 0 else None
             name = alias or call_name(path, call)
             kind = type(module).__name__
+            attention = attention_kind(module) is not None
             if layout is None:
-                rows.append(FeatureInfo(name, alias, path, kind, None, None, calls, call))
+                rows.append(FeatureInfo(name, alias, path, kind, None, None, calls, call, attention=attention))
                 continue
             rows.append(
                 FeatureInfo(
@@ -341,6 +345,7 @@ def describe(model: nn.Module, found: Trace, label: str) -> list[FeatureInfo]:
                     call,
                     layout.kind,
                     layout.prefix_tokens,
+                    attention,
                 )
             )
     return rows

@@ -230,6 +230,22 @@ def test_hook_overhead_quick(tmp_path: Path, torch_home: Path) -> None:
     assert claims == {f"{overhead.ALL}: µs per tap", f"{overhead.CAPTURE}: µs per tap"}
 
 
+def test_attention_quick(tmp_path: Path, torch_home: Path) -> None:
+    attention, payload = _run_quick("attention", tmp_path, torch_home)
+    assert [g["case"] for g in payload["groups"]] == list(attention.CASES)
+    for group in payload["groups"]:
+        rows = {row["name"]: row for row in group["rows"]}
+        assert list(rows) == [attention.FLOOR, attention.CAPTURED] and rows[attention.CAPTURED]["maps"] >= 2
+
+
+def test_live_exit_quick(tmp_path: Path, torch_home: Path) -> None:
+    live, payload = _run_quick("live_exit", tmp_path, torch_home)
+    rows = _single_group_rows(payload)
+    assert list(rows) == [live.CUT, live.OURS, live.CAPTURE]
+    assert all(row["max_abs_diff"] == 0.0 for row in rows.values())  # CUT's features, bitwise
+    assert [t["claim"] for t in payload["targets"]] == [f"{live.CUT} / {live.OURS} (speed)"]
+
+
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     probes, payload = _run_quick("probes", tmp_path, torch_home)
     rows = _single_group_rows(payload)
