@@ -27,6 +27,7 @@ from ._capture import refuse_torchscript
 from ._hooks import InertInCopies, Observer, ObserverSession
 from ._taps import call_name
 from .errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, LayerNotRunError, did_you_mean
+from .extractor import FeatureExtractor
 from .layers import select_modules
 
 __all__ = ["AttentionMaps", "attention_rollout", "capture_attention"]
@@ -155,7 +156,9 @@ class _Capture(Observer[_Forward]):
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         self.pop()  # a forward a KeyboardInterrupt stopped inside an attention module (its hooks never ran)
-        return _Forward()
+        forward = _Forward()
+        self.maps._publish(forward.maps)  # filled call by call: an early exit (an extractor's) keeps what ran
+        return forward
 
     def before(
         self, state: _Forward, path: str, call: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -175,9 +178,6 @@ class _Capture(Observer[_Forward]):
         if recorder is not None:
             self.pop(recorder)
             state.maps[call_name(path, call)] = recorder.weights(path, module)
-
-    def end(self, state: _Forward, output: Any) -> None:
-        self.maps._publish(state.maps)
 
 
 class _PopOnExit(InertInCopies):
@@ -225,8 +225,10 @@ def capture_attention(model: nn.Module, layers: str | Sequence[str] | None = Non
     removed when the block ends, also on error.
 
     Args:
-        model: the model to read (timm ViT, DeiT, DINOv2, EVA, BEiT, CaiT, PiT, Twins, PVT v2, Swin v1/v2, XCiT's class
-            attention...; torchvision's VisionTransformer and Swin; any ``nn.MultiheadAttention``).
+        model: the model to read (timm ViT, DeiT, DINOv2, EVA, BEiT, CaiT, PiT, Twins, PVT v2, Swin v1/v2, XCiT's
+            class attention...; torchvision's VisionTransformer and Swin; any ``nn.MultiheadAttention``), or a
+            ``FeatureExtractor``: its backbone, under the backbone's module paths (the extractor's early exit
+            leaves the blocks after its deepest layer without maps).
         layers: module paths, aliases or glob patterns of attention modules (``path_k``: call k only); ``None``
             takes every attention module, and fails if one of them is of a kind featurehooks cannot read.
 
@@ -253,6 +255,8 @@ def capture_attention(model: nn.Module, layers: str | Sequence[str] | None = Non
         >>> list(maps)[0]
         'encoder.layers.encoder_layer_0.self_attention'
     """
+    if isinstance(model, FeatureExtractor):
+        model = model.backbone
     refuse_torchscript(model, (), "capture_attention")
     selection = select_modules(model, layers, default=_supported_paths, what="capture attention of")
     for path in selection.paths:

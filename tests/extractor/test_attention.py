@@ -193,6 +193,19 @@ def test_torchvision_vit_matches_need_weights_on_the_fast_path(batch: int) -> No
         assert_close(value, reference[path], atol=1e-6, rtol=0)
 
 
+def test_an_extractor_gives_the_maps_of_its_backbone_up_to_its_early_exit() -> None:
+    vit, x = _vit(), images(2, 32)
+    with torch.no_grad():
+        with capture_attention(vit) as whole:
+            vit(x)
+        extractor = fh.FeatureExtractor(vit, ["encoder.layers.encoder_layer_0"], mode="detach", normalize=False)
+        with capture_attention(extractor) as maps:
+            extractor(x)
+    first = "encoder.layers.encoder_layer_0.self_attention"
+    assert list(maps) == [first]  # the extractor stopped before the second block
+    assert torch.equal(maps[first], whole[first])
+
+
 @pytest.mark.parametrize("arch", ["swin_t", "swin_v2_t"])
 def test_torchvision_swin_matches_its_own_softmax(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(SEED)
