@@ -6,7 +6,7 @@ from . import _openmp  # noqa: F401  # first: sets the commands' OpenMP waits be
 from . import functional, losses, metrics, probes
 from ._capture import CapturedFeatures, capture
 from ._intermediates import intermediates
-from ._stream import StreamOptions
+from ._stream import GeneratedImages, StreamOptions
 from ._version import __version__ as __version__
 from .attention import AttentionMaps, attention_rollout, capture_attention
 from .backbones import Preprocessing, available_backbones, load_backbone
@@ -53,6 +53,7 @@ __all__ = [
     "InvalidValueError",
     "FeatureMatchingLoss",
     "FeatureStatistics",
+    "GeneratedImages",
     "LPIPS",
     "LayerNotFoundError",
     "LayerNotRunError",

@@ -2,8 +2,10 @@
 
 Modules, in the order data flows through them:
 
-- ``sources``: a folder, glob, brace pattern, file list, container file, dataset or tensor resolved to ``Inputs``
-  (the rows, the image shape every row gets, the transform), and one row decoded into a ``Sample``;
+- ``sources``: a folder, glob, brace pattern, file list, container file, dataset, tensor or generator resolved to
+  ``Inputs`` (the rows, the image shape every row gets, the transform), and one row decoded into a ``Sample``;
+- ``generated``: a generator's batches as a source (``GeneratedImages``, public as ``featurehooks.GeneratedImages``):
+  rows drawn in order in this process, a pass opened where its rows start, its first batch what a resume checks;
 - ``members``: rows inside container files, named ``<container>/<inner>``: finding a name's container, reading a
   row from its name alone, the containers each process holds open; ``archives`` (ZIP archives, WebDataset tar
   shards: members read in place, decoded as files are) and ``arrays`` (``.npy``/``.npz`` of ``uint8`` images);
@@ -25,6 +27,7 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 """
 
 from .forward import placement, row_shapes
+from .generated import GeneratedImages
 from .loader import Batch, loader_workers, pixel_pieces, row_loader, worker_deaths
 from .options import Streaming, StreamOptions
 from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
@@ -45,6 +48,7 @@ __all__ = [
     "Batch",
     "FeatureBatch",
     "Forward",
+    "GeneratedImages",
     "Inputs",
     "Progress",
     "Sample",

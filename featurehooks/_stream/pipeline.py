@@ -124,7 +124,8 @@ def extract_batches(
 ) -> Generator[FeatureBatch, None, None]:
     """``feature_batches`` of ``extractor`` over ``batches`` (lists of rows) of ``inputs``, each cut to
     ``streaming.batch_pixels`` (so a batch may come back in several pieces, in row order), decoded by up to
-    ``streaming.num_workers`` processes; features pooled with ``pool`` and cast to ``dtype``.
+    ``streaming.num_workers`` processes (none for generated images, drawn in this process); features pooled with
+    ``pool`` and cast to ``dtype``.
 
     CPU forwards run in micro-batches (see ``tiling``) where the rows are provably independent of their batch
     (see ``independence``; else one forward a batch): cache-sized without decoding workers, else bounded to
@@ -132,7 +133,8 @@ def extract_batches(
     decoding worker chosen by default (see ``cpus``).
     """
     on_cpu = extractor.device.type == "cpu"
-    workers = loader_workers(streaming.num_workers, len(batches), cpu_forward=on_cpu)
+    # a generator's rows are drawn here, in order: a worker would hold a copy of it
+    workers = 0 if inputs.generated else loader_workers(streaming.num_workers, len(batches), cpu_forward=on_cpu)
     pieces = cut_to_pixels(batches, inputs.pixels, streaming.batch_pixels)
     loader = row_loader(inputs.rows(extractor.input_range), pieces, workers, pin=extractor.device.type == "cuda")
     budget = None

@@ -1,6 +1,6 @@
-"""Sources of the input pipeline: what the rows of a source are (listed image files, rows of container files, or
-the items of a dataset or tensor) and how one row is decoded (reading files lives in ``featurehooks.images``, rows
-of ZIP archives, tar shards and arrays in ``members``).
+"""Sources of the input pipeline: what the rows of a source are (listed image files, rows of container files, the
+items of a dataset or tensor, or a generator's images) and how one row is decoded (reading files lives in
+``featurehooks.images``, rows of ZIP archives, tar shards and arrays in ``members``, a generator's in ``generated``).
 
 Every input becomes one row. A file that cannot be decoded still owns its row (zero-filled and
 marked invalid), so row numbers depend only on the sorted input list, never on which files failed.
@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
 from ..images import ImageTransform, to_input_range, transform_for
 from .archives import IMAGE_SUFFIXES, TarShard
+from .generated import GeneratedImages, GeneratedRows, fingerprint, row_names
 from .members import container_of, identity_path, opened, read_row, row_size
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ __all__ = [
     "dataset_layout",
     "file_identity",
     "first_tensor",
+    "generated_inputs",
     "inputs_digest",
     "item_label",
     "list_images",
@@ -52,7 +54,7 @@ __all__ = [
     "resolve_inputs",
 ]
 
-SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor]
+SourceSpec = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Dataset, Tensor, GeneratedImages]
 _GLOB_CHARS = set("*?[")
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)")
@@ -255,13 +257,15 @@ class TensorRows(Dataset):
 
     Float tensors are taken as they are (already in ``input_range``); ``uint8`` tensors hold 0..255
     pixels, as ``torchvision.io.decode_image`` returns them, and are scaled to ``input_range`` like image files.
-    With ``labelled``, every row carries its item's integer label (a row without one is invalid).
+    With ``labelled``, every row carries its item's integer label (a row without one is invalid). An item that
+    raises is an invalid row, unless ``strict``: a generator's error stops the run (its stream cannot go on).
     """
 
     dataset: Dataset
     shape: tuple[int, ...]
     input_range: tuple[float, float] = (0.0, 1.0)
     labelled: bool = False
+    strict: bool = False
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -273,6 +277,8 @@ class TensorRows(Dataset):
             _check_pixel_dtype(image)
             label = item_label(item) if self.labelled else None
         except Exception as exc:  # a user's dataset may raise anything for a bad item
+            if self.strict:
+                raise
             return Sample(index, torch.zeros(self.shape), _describe(exc))
         if tuple(image.shape) != self.shape:
             return Sample(index, torch.zeros(self.shape), f"shape {tuple(image.shape)} differs from {self.shape}")
@@ -354,10 +360,12 @@ def _has_label(item: Any) -> bool:
 
 @dataclass(frozen=True)
 class Inputs:
-    """The rows of a source: their names, the dataset (for tensor sources), the prepared image shape, for
-    files their identity (size and mtime, to notice files replaced before a resume), and whether the
-    dataset's items carry integer labels, and whether images may differ in size (pooled, uncropped files:
-    ``image_shape`` is then the first readable image's, which gives the features' shapes)."""
+    """The rows of a source: their names, the dataset (for tensor sources and generators), the prepared image
+    shape, their identity (for files size and mtime, to notice files replaced before a resume; for a generator its
+    first batch's ``fingerprint`` in every row, to notice other images), whether the dataset's items carry integer
+    labels, whether images may differ in size (pooled, uncropped files: ``image_shape`` is then the first readable
+    image's, which gives the features' shapes), and whether a generator makes them (``generated``: read in this
+    process, in order, an error stopping the run)."""
 
     names: list[str]
     dataset: Dataset | None
@@ -366,11 +374,14 @@ class Inputs:
     identity: np.ndarray | None = None
     labelled: bool = False
     sizes_vary: bool = False
+    generated: bool = False
 
     def rows(self, input_range: tuple[float, float]) -> ImageFiles | TensorRows:
         """The dataset that decodes row ``i`` into a ``Sample`` (``uint8`` tensors scaled to ``input_range``)."""
         if self.dataset is not None:
-            return TensorRows(self.dataset, self.image_shape, input_range, labelled=self.labelled)
+            return TensorRows(
+                self.dataset, self.image_shape, input_range, labelled=self.labelled, strict=self.generated
+            )
         return ImageFiles(self.names, self.transform, self.image_shape, any_size=self.sizes_vary)  # type: ignore[arg-type]
 
     def pixels(self, row: int) -> int:
@@ -395,16 +406,21 @@ T = TypeVar("T")  # what rank 0 plans beside the inputs (a dump's plan)
 
 @dataclass(frozen=True)
 class _SharedInputs:
-    """What rank 0 sends the other ranks of ``Inputs``: the file names it listed (``None`` for a dataset,
-    which every rank holds itself), the image shape and transform."""
+    """What rank 0 sends the other ranks of ``Inputs``: the file names it listed (``None`` for a dataset or a
+    generator, which every rank holds itself), the image shape and transform; for a generator, the range its
+    floats are checked against."""
 
     names: list[str] | None
     image_shape: tuple[int, ...]
     transform: ImageTransform | None
     labelled: bool
     sizes_vary: bool
+    generated_range: tuple[float, float] | None = None
 
     def inputs(self, source: SourceSpec) -> Inputs:
+        if isinstance(source, GeneratedImages) and self.generated_range is not None:
+            rows = GeneratedRows(source, self.generated_range, self.image_shape)  # each rank draws its own rows
+            return Inputs(row_names(len(source)), rows, self.image_shape, None, generated=True)
         if self.names is not None:
             return Inputs(self.names, None, self.image_shape, self.transform, sizes_vary=self.sizes_vary)
         dataset = TensorDataset(source) if isinstance(source, Tensor) else source
@@ -418,7 +434,10 @@ def planned_on_main(ranks: Distributed, source: SourceSpec, plan: Callable[[], t
     def on_main() -> tuple[T, _SharedInputs]:
         value, inputs = plan()
         names = inputs.names if inputs.dataset is None else None
-        shared = _SharedInputs(names, inputs.image_shape, inputs.transform, inputs.labelled, inputs.sizes_vary)
+        generated_range = inputs.dataset.input_range if isinstance(inputs.dataset, GeneratedRows) else None
+        shared = _SharedInputs(
+            names, inputs.image_shape, inputs.transform, inputs.labelled, inputs.sizes_vary, generated_range
+        )
         return value, shared
 
     if ranks.world_size == 1:
@@ -454,7 +473,10 @@ def resolve_inputs(
     crop_size: int | str | None,
     pool: str | None,
 ) -> Inputs:
-    """List the rows of ``source`` (sorted files, or a dataset/tensor) and the image shape every row gets."""
+    """List the rows of ``source`` (sorted files, a dataset/tensor, or generated images) and the image shape every
+    row gets."""
+    if isinstance(source, GeneratedImages):
+        return generated_inputs(source, extractor.input_range)
     if isinstance(source, Tensor):
         if source.dim() != 4:
             raise InvalidValueError(f"a tensor source must be a batch (N, C, H, W), got shape {tuple(source.shape)}")
@@ -464,7 +486,7 @@ def resolve_inputs(
         return Inputs(_dataset_names(source), source, layout.shape, None, labelled=layout.labelled)
     if not isinstance(source, (str, os.PathLike, list, tuple)):
         raise InvalidTypeError(
-            "source must be a folder, glob, path, list of paths, Dataset or (N, C, H, W) tensor, "
+            "source must be a folder, glob, path, list of paths, Dataset, (N, C, H, W) tensor or GeneratedImages, "
             f"not {type(source).__name__}"
         )
     names = list_images(source)
@@ -482,6 +504,17 @@ def resolve_inputs(
         else:
             raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
     return Inputs(names, None, shape, transform, file_identity(names), sizes_vary=pool is not None)
+
+
+def generated_inputs(source: GeneratedImages, input_range: tuple[float, float]) -> Inputs:
+    """The rows of a generator: its first batch (drawn once, kept for the rows) gives the image shape, and its
+    ``fingerprint`` (two int64 in every row of ``identity``) what a resume checks."""
+    first = source.first_batch()
+    stamp = np.frombuffer(bytes.fromhex(fingerprint(first))[:16], dtype="<i8")
+    identity = np.tile(stamp.astype(np.int64), (len(source), 1))
+    shape = tuple(first.shape[1:])
+    rows = GeneratedRows(source, input_range, shape)
+    return Inputs(row_names(len(source)), rows, shape, None, identity, generated=True)
 
 
 def _check_one_size(names: list[str], transform: ImageTransform) -> None:

@@ -55,7 +55,7 @@ INDEX = "index.csv"
 LABELS = "labels.npy"  # (N,) int64 labels of an (image, label) dataset; -1 for a row without one
 DTYPES = ("float16", "float32")
 START_OVER = "pass overwrite=True (--overwrite) to start over"
-_KINDS = ("files", "dataset")
+_KINDS = ("files", "dataset", "generated")
 _STATUSES = ("running", "complete")
 _MAX_BYTES = 1 << 28  # 256 MiB: a manifest is settings plus one short entry per skipped row
 _MAX_DEPTH = 16  # nesting of its lists and objects (what dumps write is 4 deep)
@@ -137,9 +137,10 @@ def is_count(value: Any, least: int = 0) -> TypeGuard[int]:
 
 @dataclass(frozen=True)
 class InputsRecord:
-    """What a dump's rows are: ``"files"`` or a ``"dataset"``, how many, and the SHA-256 of their names; whether
-    the items carried labels; for files, the SHA-256 of ``inputs.npy`` (their sizes and modification times), which
-    is ``None`` for a dataset and in dumps begun before it was recorded.
+    """What a dump's rows are: ``"files"``, a ``"dataset"`` (or tensor) or ``"generated"`` (``GeneratedImages``), how
+    many, and the SHA-256 of their names; whether the items carried labels; the SHA-256 of ``inputs.npy``: for files
+    their sizes and modification times, for a generator its first batch's fingerprint; ``None`` for a dataset and
+    in dumps begun before it was recorded.
 
     Examples:
         >>> import tempfile, torch
@@ -151,7 +152,7 @@ class InputsRecord:
         ('dataset', 3, False)
     """
 
-    kind: Literal["files", "dataset"]
+    kind: Literal["files", "dataset", "generated"]
     count: int
     sha256: str
     labelled: bool = False

@@ -106,6 +106,8 @@ def merge_dumps(
         )
     identities = [part.identity for part in ordered if part.identity is not None]
     identity = np.concatenate(identities) if len(identities) == len(ordered) else None  # none for a dataset
+    if first.manifest.settings.inputs.kind == "generated" and identity is not None:
+        _check_one_generator(ordered)
     settings = _whole(first.manifest.settings, first.shard, len(names), identity)
     store = DumpStore(out_dir)
     _check_out(store, settings, overwrite)
@@ -282,3 +284,19 @@ def _blocks(chunks: Sequence[int], most: int) -> Iterator[list[int]]:
         block.append(chunk)
     if block:
         yield block
+
+
+def _check_one_generator(ordered: list[_Part]) -> None:
+    """Refuse parts of a generated set whose generators made other images (their first batches' fingerprints,
+    recorded in every row, differ)."""
+    first = ordered[0]
+    for part in ordered[1:]:
+        if (
+            part.identity is not None
+            and first.identity is not None
+            and not np.array_equal(part.identity[:1], first.identity[:1])
+        ):
+            raise InvalidValueError(
+                f"{part.root} and {first.root} come from generators that made other images (their first batches "
+                "differ): the parts of one merge draw from one seeded generator"
+            )

@@ -2,7 +2,8 @@
 
 Rank 0 runs these; the ``Plan`` it returns is what every rank follows. ``finish_dump`` writes the index
 and the atomic ``"complete"`` manifest once every chunk is committed. For image files, the size and
-modification time of every input are kept in ``inputs.npy``, so a resume refuses inputs changed since.
+modification time of every input are kept in ``inputs.npy``, so a resume refuses inputs changed since; for
+generated images, the fingerprint of the generator's first batch, so a resume refuses other images.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "describe_settings", "finish_dump", "plan_dump"]
 
-IDENTITY = "inputs.npy"  # (N, 2) int64: size in bytes and modification time in ns of every input file
+IDENTITY = "inputs.npy"  # (N, 2) int64: size and modification time (ns) of every file; a generator's fingerprint
 _NAMED = 5  # changed inputs named in an error; the rest are counted
 
 
@@ -90,7 +91,7 @@ def describe_settings(
         pool=pool,
         preprocessing=json.loads(json.dumps(preprocessing)),  # tuples -> lists, as they come back from disk
         inputs=InputsRecord(
-            kind="dataset" if inputs.dataset is not None else "files",
+            kind="generated" if inputs.generated else "dataset" if inputs.dataset is not None else "files",
             count=len(inputs.names),
             sha256=inputs_digest(inputs.names),
             labelled=inputs.labelled,
@@ -102,10 +103,17 @@ def describe_settings(
 
 
 def _check_identity(store: DumpStore, earlier: InputsRecord, now: InputsRecord, inputs: Inputs) -> None:
-    """Refuse a resume whose input files changed (size or mtime) since the dump began, naming them."""
+    """Refuse a resume whose input files changed (size or mtime) since the dump began, naming them; or whose
+    generator's first batch differs from the earlier run's."""
     identity = inputs.identity
     if identity is None or earlier.identity_sha256 is None or earlier.identity_sha256 == now.identity_sha256:
         return
+    if inputs.generated:
+        raise InvalidValueError(
+            f"cannot resume the dump in {store.root}: the generator's first batch differs from the earlier run's "
+            "(SHA-256 of its pixels), so its images are not the same; seed it to make the same images on every "
+            "pass, or overwrite=True to start over"
+        )
     try:
         earlier_identity = np.load(store.root / IDENTITY)
     except (OSError, ValueError) as exc:

@@ -120,9 +120,11 @@ def dump_features(
     Args:
         extractor: a ``FeatureExtractor`` (its ``preprocessing``, ``input_range``, device and ``precision`` are
             used: ``precision="bf16"`` computes in bfloat16, the arrays are stored in ``dtype`` all the same).
-        source: a folder (searched recursively), a glob, an image path, a list of these, or a
+        source: a folder (searched recursively), a glob, an image path, a list of these, a
             ``torch.utils.data.Dataset`` of image tensors ``(C, H, W)`` (or tuples starting with one)
-            already prepared: floats in the extractor's ``input_range``, or ``uint8`` 0..255 pixels.
+            already prepared: floats in the extractor's ``input_range``, or ``uint8`` 0..255 pixels; or a
+            ``GeneratedImages``: a generator's batches, drawn as they are dumped (one that raises leaves the batches
+            before committed; ``resume=True`` with a seeded generator finishes the dump as one run writes it).
         out_dir: output folder (created if needed).
         pool: ``"avg"`` or ``"max"`` over each layer's positions (spatial axes, or patch tokens: never
             class/register tokens), ``"cls"`` for the class token of token layers, or ``None`` to keep maps.

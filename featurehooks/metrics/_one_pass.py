@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .._layout import as_pool
-from .._stream import SourceSpec, Streaming, StreamOptions
+from .._stream import GeneratedImages, SourceSpec, Streaming, StreamOptions
 from .._stream.forward import pool_features
 from .._stream.sources import first_tensor
 from ..images import ImageTransform, transform_for
@@ -81,6 +81,8 @@ def _pixels_are_uint8(source: SourceSpec) -> bool:
     """Whether the pipeline makes ``source``'s images from ``uint8`` pixels (files, ``uint8`` tensors and datasets)."""
     if isinstance(source, Tensor):
         return source.dtype == torch.uint8
+    if isinstance(source, GeneratedImages):
+        return source.first_batch().dtype == torch.uint8
     if isinstance(source, torch.utils.data.Dataset):
         try:
             return first_tensor(source[0]).dtype == torch.uint8

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from featurehooks import GeneratedImages
 from featurehooks.errors import InvalidValueError
 from featurehooks.metrics import (
     Evaluation,
@@ -111,6 +112,19 @@ def test_a_uint8_tensor_is_prepared_as_files_of_its_pixels_are(sets: tuple[Path,
         found = evaluate(*tensors, ["fd_dinov2"], dinov2_model="vits14", device="cpu", **OPTIONS)
     expected = fd_dinov2(*folders, model="vits14", device="cpu", **OPTIONS)
     assert found.numbers["fd_dinov2"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_generated_float_images_evaluate_as_the_tensor_of_their_batches() -> None:
+    """A generator's float images reach each backbone as floats (not rounded to pixels), as the same tensor's."""
+    generator = torch.Generator().manual_seed(0)
+    real, fake = (torch.rand(6, 3, 40, 44, generator=generator) for _ in range(2))
+    options = {"weights": {"inception": None}, "device": "cpu", "batch_size": 4, "num_workers": 0}
+    torch.manual_seed(0)
+    expected = evaluate(real, fake, ["fid"], **options)
+    torch.manual_seed(0)
+    found = evaluate(real, GeneratedImages(lambda: fake.split(4), 6), ["fid"], **options)
+    assert found.numbers["fid"] == expected.numbers["fid"]
 
 
 @pytest.mark.parametrize(
