@@ -1,16 +1,22 @@
-"""What the per-pair metric commands (``lpips``, ``dists``) share: their options, the pairing of two folders, the
-scoring loop and the report."""
+"""What the per-pair metric commands (``lpips``, ``dists``) share: their options, the pairing of two folders (or of
+one folder's images with each other), the scoring loop and the report, streamed: rows are written as the scores
+come and the summary is a running one, so every pair of thousands of images runs in bounded memory."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import io
+import itertools
+import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..metrics.pairs import BATCH_PIXELS
+from ..metrics.pair_scores import BATCH_PIXELS
 from ._common import (
     UserError,
     add_device_option,
@@ -25,7 +31,10 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from ..metrics.pairs import ImagePair, PairMetric
+    import numpy as np
+
+    from ..metrics.pair_scores import PairMetric
+    from ..metrics.pairs import ImagePair
 
 __all__ = ["add_pair_options", "folder_pairs", "report_scores", "score_folder_pairs"]
 
@@ -97,32 +106,72 @@ def folder_pairs(args: argparse.Namespace) -> Sequence[ImagePair]:
     return pairs
 
 
-def score_folder_pairs(args: argparse.Namespace, metric: PairMetric, pairs: Sequence[ImagePair]) -> list[float]:
-    """``score_pairs`` with the command's options."""
-    from ..metrics import score_pairs
+def score_folder_pairs(
+    args: argparse.Namespace, metric: PairMetric, pairs: Sequence[ImagePair]
+) -> Iterator[np.ndarray]:
+    """``iter_pair_scores`` with the command's options: the scores in order, computed as ``report_scores`` reads
+    them (options are checked now)."""
+    from ..metrics.pair_scores import iter_pair_scores
 
-    return score_pairs(metric, pairs, **stream_options(args))
-
-
-def report_scores(args: argparse.Namespace, label: str, pairs: Sequence[ImagePair], scores: list[float]) -> None:
-    """Write ``--out`` (``name,score``) and print ``<label>: mean ± std over N pairs``."""
-    import statistics
-
-    if args.out is not None:
-        write_scores(args.out, [pair.name for pair in pairs], scores)
-    spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
-    print(f"{label}: {statistics.fmean(scores):.6g} ± {spread:.3g} over {len(scores)} pairs")
+    return iter_pair_scores(metric, pairs, **stream_options(args))
 
 
-def write_scores(path: str, names: list[str], scores: list[float]) -> None:
-    """``name,score`` rows, written atomically (a failed run leaves no half-written file)."""
-    import csv
-    import io
+def report_scores(
+    args: argparse.Namespace, label: str, pairs: Sequence[ImagePair], scores: Iterable[np.ndarray]
+) -> None:
+    """Write ``--out`` (``name,score``) as the scores come and print ``<label>: mean ± std over N pairs``.
 
-    from .._atomic import write_atomic
+    Neither the rows nor the scores are held: each chunk of scores is written, then counted into an exact
+    running summary (equal to ``statistics.fmean`` and ``statistics.stdev`` of them all).
+    """
+    from ..metrics.pair_scores import RunningSummary
 
+    running = RunningSummary()
+    with contextlib.ExitStack() as stack:
+        write = stack.enter_context(_score_file(Path(args.out))) if args.out is not None else None
+        names = (pair.name for pair in pairs)
+        for chunk in scores:
+            if write is not None:
+                write(_rows(itertools.islice(names, len(chunk)), chunk.tolist()))
+            running.add(chunk)
+    summary = running.summary()
+    print(f"{label}: {summary.mean:.6g} ± {summary.std:.3g} over {summary.count} pairs")
+
+
+def _rows(names: Iterable[str], scores: list[float]) -> str:
+    """``name,score`` CSV rows (``repr`` of each score: it reads back as the same float)."""
     text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["name", "score"])
-    writer.writerows([name, repr(score)] for name, score in zip(names, scores))
-    write_atomic(Path(path), text.getvalue())
+    csv.writer(text, lineterminator="\n").writerows([name, repr(score)] for name, score in zip(names, scores))
+    return text.getvalue()
+
+
+@contextlib.contextmanager
+def _score_file(path: Path) -> Iterator[Callable[[str], None]]:
+    """A ``write(text)`` that appends to a new file renamed onto ``path`` once the block ends without error: a
+    failed run leaves no half-written file (``_atomic.write_atomic``'s rules, for a file written as it grows).
+    The header row is written first."""
+    from .._atomic import fsync_dir, set_mode, space_for, temporary, write_all
+
+    fd, tmp = temporary(path)
+    written = 0
+
+    def write(text: str) -> None:
+        nonlocal written
+        data = text.encode("utf-8", "surrogateescape")
+        with space_for(path.parent, f"write {path.name}", written + len(data)):
+            write_all(fd, data)
+        written += len(data)
+
+    try:
+        try:
+            write("name,score\n")
+            yield write
+            set_mode(fd)
+            with space_for(path.parent, f"write {path.name}", written):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)

@@ -25,7 +25,8 @@ from .interop import PooledFeatures
 from .isc import inception_score, inception_score_of_features, inception_score_of_logits
 from .lpips import LPIPS, find_heads, load_heads
 from .merge import merge_statistics
-from .pairs import BATCH_PIXELS, ImagePair, PairsWithin, pair_files, pairs_within, score_pairs
+from .pair_scores import BATCH_PIXELS, RunningSummary, ScoreSummary, iter_pair_scores, score_pairs
+from .pairs import ImagePair, PairsWithin, pair_files, pairs_within
 from .prdc import PRDC, Manifold, precision_recall
 from .sample_size import FDInfinity, fd_bootstrap, fd_infinity
 from .sfid import SFID_CHANNELS, SFID_LAYER, sfid, sfid_extractor, sfid_statistics, sfid_vectors
@@ -52,6 +53,8 @@ __all__ = [
     "ImagePair",
     "MinibatchCKA",
     "PairsWithin",
+    "RunningSummary",
+    "ScoreSummary",
     "Manifold",
     "PooledFeatures",
     "cka",
@@ -78,6 +81,7 @@ __all__ = [
     "inception_score",
     "inception_score_of_features",
     "inception_score_of_logits",
+    "iter_pair_scores",
     "kernel_inception_distance",
     "load_heads",
     "load_mu_sigma",

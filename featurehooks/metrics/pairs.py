@@ -1,61 +1,25 @@
-"""Scoring pairs of images from two folders with a pairwise metric such as LPIPS or DISTS.
+"""Pairs of images to score with a pairwise metric such as LPIPS or DISTS.
 
-``pair_files`` matches the images of two folders by their path relative to each folder;
-``score_pairs`` streams the pairs through the input pipeline dumps use (``featurehooks._stream``:
-decoding in worker processes while the metric runs) and returns one score per pair, in order. Images
-are read and prepared by ``featurehooks.images``, as dumps read them.
-
-A batch is bounded by pixels as well as by pairs: a forward's memory grows with the pixels it
-holds (LPIPS on VGG keeps activations of about 1.7 GB per megapixel pair), so large images get
-smaller batches, down to one pair. Where batches end depends only on the images' sizes and the two
-bounds, never on the number of workers or on timing.
+``pair_files`` matches the images of two folders by their path relative to each folder, ``pairs_within`` lists
+every pair of one folder (or each image with the next); both are read as dumps read a folder
+(``featurehooks._stream.list_images``). Scoring them is ``pair_scores``' job.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, overload
 
-import numpy as np
-import torch
-from torch import Tensor
-from torch.utils.data import IterableDataset, get_worker_info
-from torchvision.transforms import InterpolationMode
-from typing_extensions import Unpack
+from .._stream import list_images
+from ..errors import InputNotFoundError, InvalidValueError, first_line
+from ..images import read_image
 
-from .._stream import (
-    Progress,
-    Sample,
-    Streaming,
-    StreamOptions,
-    feature_batches,
-    list_images,
-    loader_workers,
-    pixel_pieces,
-    placement,
-    row_loader,
-)
-from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError, first_line
-from ..images import ImageTransform, read_image
-
-__all__ = ["BATCH_PIXELS", "ImagePair", "PairsWithin", "pair_files", "pairs_within", "score_pairs"]
-
-PairMetric = Callable[[Tensor, Tensor], Tensor]
-
-BATCH_PIXELS = 2**20
-"""Default pixel budget of a batch of pairs: the sum of height × width (of one image of each pair, after
-resize and crop). 16 pairs of 256 × 256, 4 of 512 × 512, one of 1024 × 1024; a larger pair is scored alone.
-
-Examples:
-    >>> from featurehooks.metrics import BATCH_PIXELS
-    >>> BATCH_PIXELS // (256 * 256), BATCH_PIXELS // (1024 * 1024)
-    (16, 1)
-"""
+__all__ = ["ImagePair", "PairsWithin", "pair_files", "pairs_within"]
 
 _NAMED_SKIPS = 3  # inputs named in the warning about unreadable entries; the rest are counted
 
@@ -184,7 +148,7 @@ class PairsWithin(Sequence[ImagePair]):
     asked for, so ``N (N - 1) / 2`` of them cost no memory; each is named ``(a,b)`` as the script prints it.
 
     Examples:
-        >>> from featurehooks.metrics.pairs import PairsWithin
+        >>> from featurehooks.metrics import PairsWithin
         >>> pairs = PairsWithin(["/x/a.png", "/x/b.png", "/x/c.png"], ["a.png", "b.png", "c.png"])
         >>> len(pairs), [pair.name for pair in pairs]
         (3, ['(a.png,b.png)', '(a.png,c.png)', '(b.png,c.png)'])
@@ -211,9 +175,16 @@ class PairsWithin(Sequence[ImagePair]):
             index += self._length
         if not 0 <= index < self._length:
             raise IndexError(f"pair {index} of {self._length}")
-        first, second = (index, index + 1) if self.consecutive else self._row_and_column(index)
-        name = f"({self.names[first]},{self.names[second]})"
-        return ImagePair(name, self.paths[first], self.paths[second])
+        return self._pair(*((index, index + 1) if self.consecutive else self._row_and_column(index)))
+
+    def __iter__(self) -> Iterator[ImagePair]:
+        """The pairs in order, one at a time (without the square root that finds a pair by its index)."""
+        count = len(self.paths)
+        steps = zip(range(count - 1), range(1, count)) if self.consecutive else itertools.combinations(range(count), 2)
+        return itertools.starmap(self._pair, steps)
+
+    def _pair(self, first: int, second: int) -> ImagePair:
+        return ImagePair(f"({self.names[first]},{self.names[second]})", self.paths[first], self.paths[second])
 
     def _row_and_column(self, index: int) -> tuple[int, int]:
         """``(i, j)`` of pair ``index`` in the rows of the upper triangle: row ``i`` holds ``N - 1 - i`` pairs."""
@@ -253,177 +224,3 @@ def pairs_within(folder: str | os.PathLike[str], *, consecutive: bool = False) -
     if len(readable) < 2:
         raise InvalidValueError(f"{os.fspath(folder)} holds {len(readable)} readable image(s); pairs need 2 or more")
     return PairsWithin([entry.path for entry in readable], [entry.name for entry in readable], consecutive=consecutive)
-
-
-class _PairBatches(IterableDataset):
-    """Batches of prepared pairs, cut where they are decoded: in a DataLoader worker, or in this process.
-
-    A pair is a ``Sample`` whose row is its position in ``pairs`` and whose image is both images stacked,
-    ``(2, C, H, W)``; ``None``, with the reason, when it cannot be scored.
-
-    The pairs go in blocks of ``batch_size`` consecutive ones, block ``k`` to worker ``k % workers``, and a
-    block is cut again wherever the next pair would take a batch over ``batch_pixels`` (height × width of
-    one image per pair). A batch thus stays within both bounds (a pair larger than the budget goes alone),
-    decoded images in flight are bounded by pixels too, and where batches end depends on the images' sizes
-    only, never on the workers. Every pair carries its position, so its score lands in its place.
-    A failure to read is returned as a reason, raised by the main process.
-    """
-
-    def __init__(
-        self,
-        pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
-        transform: ImageTransform,
-        batch_size: int,
-        batch_pixels: int | None,
-    ) -> None:
-        self.pairs = [_paths(item) for item in pairs]
-        self.transform = transform
-        self.batch_size = batch_size
-        self.batch_pixels = batch_pixels
-
-    def __iter__(self) -> Iterator[list[Sample]]:
-        info = get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        size = self.batch_size
-        for start in range(worker * size, len(self.pairs), workers * size):
-            yield from self._cut(range(start, min(start + size, len(self.pairs))))
-
-    def _cut(self, indices: range) -> Iterator[list[Sample]]:
-        """The pairs at ``indices``, prepared, in batches of at most ``batch_pixels`` (one pair at least)."""
-        yield from pixel_pieces(map(self._prepare, indices), _pixels, self.batch_pixels)
-
-    def _prepare(self, index: int) -> Sample:
-        images = []
-        for path in self.pairs[index]:
-            try:
-                images.append(self.transform(read_image(path)))
-            except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
-                return Sample(index, None, f"cannot read image {path}: {first_line(exc)}")
-        a, b = images
-        if a.shape != b.shape:
-            a_path, b_path = self.pairs[index]
-            return Sample(
-                index,
-                None,
-                f"images of a pair differ in size after preparation: {a_path} is {tuple(a.shape[1:])}, "
-                f"{b_path} is {tuple(b.shape[1:])}; pass a crop_size (or resize both to one size)",
-            )
-        return Sample(index, torch.stack([a, b]), "")
-
-
-def _pixels(item: Sample) -> int:
-    return item.image.shape[-2] * item.image.shape[-1] if item.image is not None else 0
-
-
-def _paths(item: tuple[str, str] | ImagePair) -> tuple[str, str]:
-    """``(path_a, path_b)`` of an ``ImagePair`` or of a pair of paths."""
-    if isinstance(item, ImagePair):
-        return item.a, item.b
-    try:
-        a, b = item
-        return os.fspath(a), os.fspath(b)
-    except (TypeError, ValueError):
-        raise InvalidValueError(f"pairs holds {item!r}; give ImagePair items or (path_a, path_b) pairs") from None
-
-
-def score_pairs(
-    metric: PairMetric,
-    pairs: Sequence[ImagePair] | Sequence[tuple[str, str]],
-    *,
-    interpolation: str = "bilinear",
-    **options: Unpack[StreamOptions],
-) -> list[float]:
-    """One score per pair of image files: ``metric(a, b)`` for each pair, in the order of ``pairs``.
-
-    Images are decoded in DataLoader workers (``featurehooks.images.read_image``), optionally resized
-    (shorter side) and center-cropped, scaled to the metric's ``input_range`` (``(0, 1)`` for a
-    callable without one) and moved to its device. Both images of a pair must have the same size
-    after that; pairs of different sizes are scored in separate forwards.
-
-    A batch holds at most ``batch_size`` pairs and at most ``batch_pixels`` pixels, so the memory of a
-    forward is bounded whatever the image size: 1024 × 1024 pairs are scored one at a time, 256 × 256 pairs
-    16 at a time with the defaults. Batches end where the sizes of the images and the two bounds say, not where a worker
-    does; a pair's score does not depend on the other pairs of its batch (other batch sizes change it
-    by float rounding only, as a batched convolution does).
-
-    Args:
-        metric: a module or function ``(a, b) -> (B,)`` distances, e.g. ``LPIPS(reduction="none")`` or
-            ``DISTS(reduction="none")``.
-        pairs: the ``ImagePair`` items of ``pair_files``, or ``(path_a, path_b)`` items.
-        interpolation: ``"bilinear"`` or ``"bicubic"`` for the resize.
-        **options: the ``StreamOptions``: ``batch_size`` (pairs per forward, at most), ``batch_pixels`` (pixels
-            per forward, at most: the sum over its pairs of height × width of one image, after resize and crop; a
-            pair larger than this is scored alone; ``BATCH_PIXELS`` by default here), ``num_workers``,
-            ``resize_size`` (the shorter side of both images), ``crop_size`` (a center square, after the
-            resize), ``progress``. A pair metric has no preprocessing of its own: ``"weights"`` (the default)
-            keeps the images' size.
-
-    Returns:
-        The scores as floats, aligned with ``pairs``.
-
-    Raises:
-        InvalidValueError: an image cannot be read (the error names the file), the images of a pair
-            differ in size, or the metric does not return one value per pair (for ``LPIPS`` and
-            ``DISTS`` pass ``reduction="none"``).
-
-    Examples:
-        >>> import pathlib, tempfile, torch
-        >>> from torchvision.utils import save_image
-        >>> from featurehooks.metrics import LPIPS, pair_files, score_pairs
-        >>> root = pathlib.Path(tempfile.mkdtemp())
-        >>> for name in ("outputs/0001.png", "outputs/0002.png", "references/0001.png", "references/0002.png"):
-        ...     (root / name).parent.mkdir(exist_ok=True)
-        ...     save_image(torch.rand(3, 32, 32), root / name)
-        >>> pairs, _, _ = pair_files(root / "outputs", root / "references")
-        >>> metric = LPIPS("alex", weights=None, reduction="none")  # random weights here: use the default
-        >>> scores = score_pairs(metric, pairs, num_workers=0)
-        >>> len(scores), all(score >= 0 for score in scores)
-        (2, True)
-    """
-    streaming = Streaming.of({"batch_pixels": BATCH_PIXELS, **options})  # a pair's budget: two images each
-    if streaming.shard is not None:
-        raise InvalidValueError("score_pairs scores every pair it is given: pass each job its pairs, not shard=")
-    if not callable(metric):
-        raise InvalidTypeError(f"metric must be callable as metric(a, b), got {type(metric).__name__}")
-    try:
-        InterpolationMode(interpolation)
-    except ValueError:
-        modes = [mode.value for mode in InterpolationMode]
-        raise InvalidValueError(f"interpolation must be one of {modes}, not {interpolation!r}") from None
-    if not pairs:
-        return []
-    input_range = tuple(float(v) for v in getattr(metric, "input_range", (0.0, 1.0)))
-    resize, crop = streaming.resize_size, streaming.crop_size  # a str is "weights": a pair metric has none
-    transform = ImageTransform(
-        None if isinstance(resize, str) else resize,
-        None if isinstance(crop, str) else crop,
-        interpolation,
-        (input_range[0], input_range[1]),
-    )
-    device = placement(metric)[0]
-    workers = loader_workers(
-        streaming.num_workers, -(-len(pairs) // streaming.batch_size), cpu_forward=device.type == "cpu"
-    )
-    rows = _PairBatches(pairs, transform, streaming.batch_size, streaming.batch_pixels)
-    loader = row_loader(rows, None, workers, pin=device.type == "cuda")
-    scores = [0.0] * len(pairs)
-    with Progress(len(pairs), streaming.progress, label="score", unit="pair") as bar:
-        for batch in feature_batches(partial(_pair_scores, metric), loader, model=metric, progress=bar):
-            reason = next((reason for reason in batch.reasons if reason), None)
-            if reason is not None:
-                raise InvalidValueError(reason)
-            for row, score in zip(batch.rows, batch.arrays["score"].tolist()):
-                scores[row] = score
-    return scores
-
-
-def _pair_scores(metric: PairMetric, pairs: Tensor) -> dict[str, np.ndarray]:
-    """``{"score": (B,)}`` of one batch of pairs of one size, ``(B, 2, C, H, W)``: one ``metric`` call."""
-    values = metric(pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
-    if not isinstance(values, Tensor) or tuple(values.shape) != (len(pairs),):
-        shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
-        raise InvalidValueError(
-            f"the metric returned {shape} for {len(pairs)} pairs; it must return one value per pair "
-            "(for LPIPS and DISTS pass reduction='none', and spatial=False to LPIPS)"
-        )
-    return {"score": values.detach().float().cpu().numpy()}

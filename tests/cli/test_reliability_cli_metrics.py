@@ -17,7 +17,7 @@ from PIL import Image
 import featurehooks as fh
 import featurehooks.metrics as metrics
 from featurehooks.cli import main
-from featurehooks.metrics.pairs import pair_files, score_pairs
+from featurehooks.metrics import pair_files, score_pairs
 
 import helpers
 

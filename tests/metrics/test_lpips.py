@@ -18,9 +18,9 @@ from PIL import Image
 from torch import nn
 
 from featurehooks.errors import InputNotFoundError, InvalidTypeError, InvalidValueError, WeightsUnavailableError
+from featurehooks.metrics import ImagePair, pair_files, score_pairs
 from featurehooks.metrics import lpips as fh_lpips
 from featurehooks.metrics.lpips import LPIPS, find_heads, load_heads
-from featurehooks.metrics.pairs import ImagePair, pair_files, score_pairs
 
 from helpers import bf16_value_and_grad
 

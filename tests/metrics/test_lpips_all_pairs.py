@@ -14,8 +14,7 @@ from PIL import Image
 
 from featurehooks.cli import main
 from featurehooks.errors import InvalidValueError
-from featurehooks.metrics import LPIPS, score_pairs
-from featurehooks.metrics.pairs import pairs_within
+from featurehooks.metrics import LPIPS, pairs_within, score_pairs
 
 from helpers import SEED
 
