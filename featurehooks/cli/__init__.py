@@ -1,4 +1,5 @@
-"""The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid),
+"""The ``featurehooks`` command: ``extract`` (dump features), ``layers`` (list taps), ``show`` (feature-map grid, or
+attention maps and their rollout with ``--attention``),
 the metrics ``lpips``, ``fd`` and ``stats`` (see ``cli._metrics``), ``dists``, ``fid``, ``eval``, and ``merge`` (the
 parts of sharded dumps and statistics, ``cli._merge``).
 
@@ -36,6 +37,7 @@ from ._common import (
     positive,
     sizes,
     stream_options,
+    weights_arg,
     weights_from,
 )
 from ._dists import add_dists_command
@@ -45,6 +47,8 @@ from ._merge import add_merge_command
 from ._metrics import add_metric_commands
 
 if TYPE_CHECKING:
+    from torch import Tensor, nn
+
     from ..dump import DumpResult
     from ..extractor import FeatureExtractor
 
@@ -62,7 +66,7 @@ def _layers(args: argparse.Namespace) -> int:
             r.name,
             r.alias or "-",
             r.path,
-            r.type,
+            r.type + (" [attention]" if r.attention else ""),
             (r.layout or "-") + (f"+{r.prefix_tokens}" if r.prefix_tokens else ""),
             str(r.channels or "-"),
             str(r.stride or "-"),
@@ -173,22 +177,18 @@ def _first_line(exc: BaseException) -> str:
 def _show(args: argparse.Namespace) -> int:
     import torch
 
-    from ..images import prepare_image, read_image
+    from ..images import prepare_image
     from ..viz import save_feature_grid
 
-    try:  # before the model is built, like extract
-        picture = read_image(args.image)
-    except FileNotFoundError:
-        raise UserError(f"no such image: {args.image}") from None
-    except Exception as exc:  # Pillow's errors for unreadable files vary
-        raise UserError(f"cannot read image {args.image}: {exc}") from None
+    _check_show_flags(args)
+    picture = _read_picture(args.image)  # before the model is built, like extract
+    if args.attention:
+        return _show_attention(args, picture)
     extractor = build_extractor(args, "nchw")  # token and channels-last layers drawn as maps
     image = prepare_image(picture, extractor, **sizes(args))
     with torch.no_grad():
         features = extractor(image)
     _check_drawable(features, extractor.output_layouts, args.backbone)
-    # a picture drawn with random weights says so in itself, wherever it ends up
-    random = f"RANDOM weights (seed {args.seed}): shows the mechanics, not what trained weights see"
     path = save_feature_grid(
         args.out,
         features,
@@ -196,10 +196,105 @@ def _show(args: argparse.Namespace) -> int:
         channels=args.channels,
         tile_size=args.tile_size,
         input_range=extractor.input_range,
-        caption=random if extractor.weights is None else None,
+        caption=_random_caption(args, extractor),
     )
     print(f"wrote {path} ({', '.join(features)}; {args.channels} most active channels each)")
     return 0
+
+
+def _check_show_flags(args: argparse.Namespace) -> None:
+    """``--layers`` is required for feature maps, optional with ``--attention``; ``--heads``/``--rollout`` need it."""
+    if not args.attention:
+        if args.rollout or args.heads is not None:
+            raise UserError(f"{'--rollout' if args.rollout else '--heads'} draws attention: add --attention")
+        if not args.layers:
+            raise UserError("--layers is required (or --attention, which draws the last attention module's maps)")
+
+
+def _read_picture(path: str) -> Tensor:
+    """The image file ``show`` draws, as ``read_image`` gives it; a missing or unreadable file is a UserError."""
+    from ..images import read_image
+
+    try:
+        return read_image(path)
+    except FileNotFoundError:
+        raise UserError(f"no such image: {path}") from None
+    except Exception as exc:  # Pillow's errors for unreadable files vary
+        raise UserError(f"cannot read image {path}: {exc}") from None
+
+
+def _random_caption(args: argparse.Namespace, extractor: FeatureExtractor) -> str | None:
+    """A picture drawn with random weights says so in itself, wherever it ends up; trained weights draw no band."""
+    if extractor.weights is not None:
+        return None
+    return f"RANDOM weights (seed {args.seed}): shows the mechanics, not what trained weights see"
+
+
+def _show_attention(args: argparse.Namespace, picture: Tensor) -> int:
+    """``show --attention``: per-head maps of the chosen attention modules over the image, and with ``--rollout``
+    the rollout of every attention module, all from one forward."""
+    import torch
+
+    from .._layout import prefix_tokens_of
+    from .._taps import call_name
+    from ..attention import capture_attention
+    from ..images import prepare_image
+    from ..layers import select_modules
+    from ..viz import attention_saliency, rollout_saliency, save_attention_grid
+
+    listed = list_layers(args.backbone, weights=weights_from(weights_arg(args)))
+    every = [row.name for row in listed if row.attention]
+    if not every:
+        raise UserError(
+            f"--attention: {args.backbone} has no attention module whose maps featurehooks reads (ViT, DeiT, DINO, "
+            f"Swin, nn.MultiheadAttention...; `featurehooks layers {args.backbone}` marks them [attention])"
+        )
+    chosen = args.layers or every[-1:]
+    # the extractor prepares the image and holds the model; the model runs on its own, inside the capture
+    extractor = build_extractor(argparse.Namespace(**{**vars(args), "layers": every[-1:]}))
+    image = prepare_image(picture, extractor, **sizes(args))
+    model = extractor.backbone
+    prefix = prefix_tokens_of(model)
+    if prefix is None:
+        raise UserError(f"--attention: {args.backbone} does not say how many class or register tokens it has")
+    with torch.no_grad(), capture_attention(model, [*chosen, *every] if args.rollout else chosen) as captured:
+        model(extractor.normalize(image).to(extractor.compute_dtype))
+    maps = dict(captured)
+    grid = _patch_grid(maps, image, prefix, model)
+    selection = select_modules(model, chosen, default=lambda _: every, what="draw the attention of")
+    wanted = {call_name(path, k) for path in selection.paths for k in range(len(maps)) if selection.wants(path, k)}
+    drawn = [name for name in maps if name in wanted]
+    panels = {name: attention_saliency(maps[name], grid, prefix)[0, : args.heads] for name in drawn}
+    if args.rollout:
+        panels["rollout"] = rollout_saliency(maps, grid, prefix)[:1]  # the one image's, as one map
+    path = save_attention_grid(
+        args.out,
+        panels,
+        image,
+        tile_size=args.tile_size,
+        input_range=extractor.input_range,
+        caption=_random_caption(args, extractor),
+    )
+    rollout = f"; the rollout of {len(maps)} attention modules" if args.rollout else ""
+    print(f"wrote {path} (attention per head of {', '.join(drawn)}{rollout})")
+    return 0
+
+
+def _patch_grid(maps: dict[str, Tensor], image: Tensor, prefix: int, model: nn.Module) -> tuple[int, int]:
+    """The ``(rows, columns)`` grid of the patch tokens the first map attends to. Maps of windows (Swin) are refused:
+    they have no class token and no token that attends to the whole image, so no one map of the image."""
+    from .._layout import patch_size_of, token_grid
+
+    name, value = next(iter(maps.items()))
+    height, width = image.shape[-2:]
+    try:
+        return token_grid(value.shape[-1] - prefix, (height, width), patch_size_of(model), name)
+    except InvalidValueError:
+        raise UserError(
+            f"--attention: {name} attends to {value.shape[-1]} keys, not {prefix} prefix token(s) and the patches of "
+            f"the {height}x{width} image: window attention (Swin) and spatial reduction (PVT, Twins) have no map of "
+            "the whole image to draw; --attention draws ViT-like models (ViT, DeiT, DINO, EVA, BEiT)"
+        ) from None
 
 
 def _check_drawable(features: dict[str, Any], layouts: dict[str, Any], backbone: str) -> None:
@@ -224,6 +319,16 @@ examples:
 writes <layer>.npy (rows x feature shape), index.csv (row,valid,path) and manifest.json to --out.
 Unreadable images keep their row, zero-filled, with valid=0 and a reason in manifest.json.
 An interrupted run is finished with --resume; a complete output is replaced only with --overwrite.
+"""
+
+
+_SHOW_EPILOG = """\
+examples:
+  featurehooks show cat.jpg --backbone vgg16 --layers relu2_2 relu3_3 relu4_3 --out grid.png
+  featurehooks show cat.jpg --backbone timm/vit_small_patch16_224.dino --attention --rollout --out attention.png
+
+--attention draws ViT-like models (a class token, or global attention over the patches); window attention (Swin)
+is refused: it has no class token and no token that attends to the whole image.
 """
 
 
@@ -269,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     extract.set_defaults(run=_extract)
 
     layers = commands.add_parser(
-        "layers", help="list a backbone's layer calls: name, alias, path, type, layout, channels, stride, calls"
+        "layers",
+        help="list a backbone's layer calls: name, alias, path, type ([attention]: its maps can be drawn), layout, "
+        "channels, stride, calls",
     )
     layers.add_argument("backbone", help="torchvision model name (vgg16, resnet50, ...) or timm/<name>")
     add_weights_option(layers, "weights whose architecture to list (SWAG ViTs differ)", type=weights_from)
@@ -281,16 +388,29 @@ def build_parser() -> argparse.ArgumentParser:
     show = add_command(
         commands,
         "show",
-        help="save a PNG grid of each layer's most active feature maps for one image",
-        description="Draw, for each layer, the input image and its most active channels (viridis, min-max scaled).",
-        epilog="example:\n  featurehooks show cat.jpg --backbone vgg16 --layers relu2_2 relu3_3 relu4_3 --out grid.png",
+        help="save a PNG grid of each layer's most active feature maps, or its attention maps, for one image",
+        description="Draw, for each layer, the input image and its most active channels (viridis, min-max scaled); "
+        "with --attention, the class token's attention of each head over the image, and the attention rollout.",
+        epilog=_SHOW_EPILOG,
     )
     show.add_argument("image", metavar="IMAGE", help="an image file")
     show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")
-    add_model_options(show)
+    add_model_options(show, "with --attention, attention modules (default: the last one)")  # _check_show_flags
     show.add_argument("--channels", type=positive, default=8, metavar="K", help="maps per layer (default: 8)")
     show.add_argument(
         "--tile-size", type=at_least(8), default=96, metavar="PX", help="tile side in pixels (default: 96)"
+    )
+    show.add_argument(
+        "--attention",
+        action="store_true",
+        help="draw attention maps instead: per head, the class token's attention over the patches (the mean each "
+        "patch receives without a class token), of the --layers attention modules (default: the last one)",
+    )
+    show.add_argument(
+        "--heads", type=positive, default=None, metavar="K", help="with --attention, the first K heads (default: all)"
+    )
+    show.add_argument(
+        "--rollout", action="store_true", help="with --attention, also the rollout of every attention module"
     )
     show.set_defaults(run=_show)
     add_metric_commands(commands)

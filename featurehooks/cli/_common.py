@@ -63,6 +63,10 @@ _PHRASES = (
     ("(pool='avg', 'max' or 'cls')", "(--pool avg, max or cls)"),
     ("compute them with keep=N", "compute them with `featurehooks stats --keep N`"),
     ("(use a smaller k,", "(use a smaller --prdc-k,"),
+    (
+        "pass layers= naming the attention modules to capture (list_layers marks them)",
+        "name attention modules in --layers (`featurehooks layers` marks them [attention])",
+    ),
 )
 _FORMS = (
     (re.compile(r"\bweights=None\b"), "--weights none"),
@@ -366,17 +370,19 @@ def stream_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """--backbone, --layers, --weights, --seed, --resize, --crop, --device, --memory-format and --precision."""
+def add_model_options(parser: argparse.ArgumentParser, layers_optional: str | None = None) -> None:
+    """--backbone, --layers, --weights, --seed, --resize, --crop, --device, --memory-format and --precision;
+    ``layers_optional``: when --layers may be left out, what it then means (the command checks the rest)."""
     parser.add_argument(
         "--backbone", required=True, help="torchvision model name (vgg16, resnet50, ...) or timm/<name>"
     )
     parser.add_argument(
         "--layers",
-        required=True,
+        required=layers_optional is None,
         nargs="+",
         metavar="LAYER",
-        help="layer names or module paths (see `featurehooks layers`)",
+        help="layer names or module paths (see `featurehooks layers`)"
+        + (f"; {layers_optional}" if layers_optional else ""),
     )
     add_weights_option(
         parser,
