@@ -29,6 +29,7 @@ nothing from ``dump``, ``metrics`` or ``cli``, which all import it.
 from .forward import placement, row_shapes
 from .generated import GeneratedImages
 from .loader import Batch, loader_workers, pixel_pieces, row_loader, worker_deaths
+from .members import container_of, read_row
 from .options import Streaming, StreamOptions
 from .pipeline import FeatureBatch, Forward, dtype_name, extract_batches, feature_batches
 from .progress import Progress
@@ -55,6 +56,7 @@ __all__ = [
     "StreamOptions",
     "Streaming",
     "SourceSpec",
+    "container_of",
     "dtype_name",
     "extract_batches",
     "feature_batches",
@@ -64,6 +66,7 @@ __all__ = [
     "pixel_pieces",
     "placement",
     "planned_on_main",
+    "read_row",
     "resolve_inputs",
     "row_loader",
     "row_shapes",

@@ -42,12 +42,14 @@ __all__ = ["add_pair_options", "folder_pairs", "report_scores", "score_folder_pa
 def add_pair_options(parser: argparse.ArgumentParser) -> None:
     """``DIR_A DIR_B`` and the options of every per-pair metric command: --weights, --seed, --out,
     --ignore-suffix, --resize, --crop, --batch-size, --batch-pixels, --workers, --device, --precision, -q."""
-    parser.add_argument("dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs)")
+    parser.add_argument(
+        "dir_a", metavar="DIR_A", help="a folder of images (e.g. outputs), or a ZIP, tar shard, .npy or .npz of them"
+    )
     parser.add_argument(
         "dir_b",
         metavar="DIR_B",
         nargs="?",
-        help="a folder of images with the same relative paths (none with --all-pairs)",
+        help="a folder (or archive) of images with the same relative paths (none with --all-pairs)",
     )
     within = parser.add_mutually_exclusive_group()
     within.add_argument(

@@ -44,10 +44,11 @@ from .._stream import (
     loader_workers,
     pixel_pieces,
     placement,
+    read_row,
     row_loader,
 )
 from ..errors import InvalidTypeError, InvalidValueError, first_line
-from ..images import ImageTransform, read_image
+from ..images import ImageTransform
 from .pairs import ImagePair, PairsWithin
 
 __all__ = ["BATCH_PIXELS", "RunningSummary", "ScoreSummary", "iter_pair_scores", "score_pairs"]
@@ -161,9 +162,10 @@ class _TiledPairs(IterableDataset):
 
 
 def _prepared(transform: ImageTransform, path: str) -> Tensor | str:
-    """The image at ``path``, read and prepared, or why it cannot be."""
+    """The image at ``path`` (a file, or a row of a ZIP, tar shard or array), read and prepared, or why it cannot
+    be."""
     try:
-        return transform(read_image(path))
+        return transform(read_row(path))
     except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, DecompressionBombError...
         return f"cannot read image {path}: {first_line(exc)}"
 
@@ -313,7 +315,7 @@ def score_pairs(
 ) -> list[float]:
     """One score per pair of image files: ``metric(a, b)`` for each pair, in the order of ``pairs``.
 
-    Images are decoded in DataLoader workers (``featurehooks.images.read_image``), optionally resized
+    Images (files, or rows of a ZIP, tar shard or array) are decoded in DataLoader workers, optionally resized
     (shorter side) and center-cropped, scaled to the metric's ``input_range`` (``(0, 1)`` for a
     callable without one) and moved to its device. Both images of a pair must have the same size
     after that; pairs of different sizes are scored in separate forwards.

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, overload
 
-from .._stream import list_images
+from .._stream import container_of, list_images
 from ..errors import InputNotFoundError, InvalidValueError, first_line
 from ..images import read_image
 
@@ -55,13 +55,14 @@ def _images_by_name(folder: str | os.PathLike[str], ignore_suffix: bool) -> dict
     reported, not lost; only their ``stat`` is read.
     """
     root = Path(folder)
-    if not root.is_dir():
-        kind = "is not a folder" if root.exists() else "does not exist"
+    archive = container_of(os.fspath(root)) is not None  # a ZIP, tar shard or array: its rows, by inner name
+    if not root.is_dir() and not archive:
+        kind = "is not a folder or an archive" if root.exists() else "does not exist"
         raise InputNotFoundError(f"{os.fspath(folder)} {kind}; pass two folders of images")
     base = os.path.abspath(root)
     found: dict[str, _Listed] = {}
-    for path in list_images(root):
-        reason = "" if os.path.isfile(path) else _refusal(path)
+    for path in list_images(os.fspath(root)):
+        reason = "" if archive or os.path.isfile(path) else _refusal(path)  # a row unreadable: named when scored
         name = Path(os.path.relpath(path, base)).as_posix()
         key = name.rsplit(".", 1)[0] if ignore_suffix and "." in Path(name).name else name
         if key in found:
@@ -105,8 +106,9 @@ def pair_files(
     file: fifo``), as a dump reports its unreadable inputs, and so is the pair it would belong to.
 
     Args:
-        dir_a: the first folder (e.g. generated images).
-        dir_b: the second folder (e.g. references).
+        dir_a: the first folder (e.g. generated images), or a ZIP archive, WebDataset tar shard, ``.npy`` or
+            ``.npz`` of images, whose rows pair by their inner names (member paths, sample keys, indices).
+        dir_b: the second folder (e.g. references), or such a file.
         ignore_suffix: match ``x/0001.png`` with ``x/0001.jpg`` (the name without its suffix);
             two images of one folder with the same name then are an error.
 

@@ -70,7 +70,7 @@ def test_scores_stream_in_order_and_each_image_is_decoded_about_n_over_side_time
     pairs = pairs_within(folder)
     expected = by_hand(pairs)
     decoded: list[str] = []
-    monkeypatch.setattr(pairs_module, "read_image", lambda path: decoded.append(path) or read_image(path))
+    monkeypatch.setattr(pairs_module, "read_row", lambda path: decoded.append(path) or read_image(path))
     chunks = list(iter_pair_scores(distance, pairs, **{"num_workers": 0, **options}))
     assert all(chunk.dtype == np.float64 for chunk in chunks) and len(chunks) > 1  # yielded as they come
     np.testing.assert_allclose(np.concatenate(chunks), expected, rtol=1e-6)
