@@ -212,11 +212,12 @@ def _check_show_flags(args: argparse.Namespace) -> None:
 
 
 def _read_picture(path: str) -> Tensor:
-    """The image file ``show`` draws, as ``read_image`` gives it; a missing or unreadable file is a UserError."""
-    from ..images import read_image
+    """The image ``show`` draws, as ``read_image`` gives it: a file, or a row of an archive (``samples.zip/0.png``,
+    ``samples.npz/arr_0/3``); a missing or unreadable one is a UserError."""
+    from .._stream import read_row
 
     try:
-        return read_image(path)
+        return read_row(path)
     except FileNotFoundError:
         raise UserError(f"no such image: {path}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary
@@ -393,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
         "with --attention, the class token's attention of each head over the image, and the attention rollout.",
         epilog=_SHOW_EPILOG,
     )
-    show.add_argument("image", metavar="IMAGE", help="an image file")
+    show.add_argument(
+        "image", metavar="IMAGE", help="an image file, or a row of an archive (samples.zip/0.png, samples.npz/arr_0/3)"
+    )
     show.add_argument("--out", required=True, metavar="PNG", help="where to write the picture")
     add_model_options(show, "with --attention, attention modules (default: the last one)")  # _check_show_flags
     show.add_argument("--channels", type=positive, default=8, metavar="K", help="maps per layer (default: 8)")

@@ -229,6 +229,21 @@ def test_show_writes_a_png_grid(images: Path, tmp_path: Path, capsys: pytest.Cap
     np.testing.assert_array_equal(picture[: len(band)], band)  # random weights: the picture says so on top
 
 
+def test_show_draws_a_row_of_an_archive_as_the_same_image_file(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Image.open(images / "0.png") as png:
+        np.savez(tmp_path / "samples.npz", arr_0=np.asarray(png.convert("RGB"))[None])
+    pictures = []
+    for image in (images / "0.png", f"{tmp_path / 'samples.npz'}/arr_0/0"):
+        out = tmp_path / "grid.png"
+        code = main(["show", str(image), "--backbone", "resnet18", "--weights", "none", "--layers", "conv1",
+                     "--out", str(out), "--channels", "2", "--tile-size", "16"])  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+        pictures.append(out.read_bytes())
+    assert pictures[0] == pictures[1]
+
+
 def test_show_with_pretrained_weights_draws_no_caption(
     images: Path, tmp_path: Path, resnet18_cached: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
