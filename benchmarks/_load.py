@@ -26,6 +26,7 @@ LOADS = ("none", "torch", "python")
 PROCESSES = 2  # background processes per load
 READY_S = 300.0  # the longest a load process may take to start computing (torch's import on a busy machine)
 STOP_S = 10.0  # the longest a load process may take to exit on SIGTERM before it is killed
+QUICK_NICENESS = 19  # the load of a quick run: the lowest priority
 
 # Each program takes the pid of the process that started it and stops once that process is gone (its parent
 # changes), so a parent killed without cleanup leaves nothing running. "ready" says the work has begun.
@@ -120,10 +121,11 @@ def _threads() -> int:
     return os.cpu_count() or 1
 
 
-def _start(kind: str, log: IO[str]) -> subprocess.Popen[str]:
-    """One load process in a session of its own (Ctrl-C at the terminal reaches only the benchmark, which stops it)."""
+def _start(kind: str, log: IO[str], niceness: int) -> subprocess.Popen[str]:
+    """One load process in a session of its own (Ctrl-C at the terminal reaches only the benchmark, which stops it),
+    at ``niceness`` (0: as the benchmark's own)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(_threads()), "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-c", PROGRAMS[kind], str(os.getpid()), str(_threads())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -132,6 +134,9 @@ def _start(kind: str, log: IO[str]) -> subprocess.Popen[str]:
         env=env,
         start_new_session=True,
     )
+    if niceness:
+        os.setpriority(os.PRIO_PROCESS, process.pid, niceness)
+    return process
 
 
 def _wait_ready(processes: list[subprocess.Popen[str]], log: IO[str], timeout: float) -> None:
@@ -171,10 +176,12 @@ def _stop(processes: list[subprocess.Popen[str]]) -> None:
 
 
 @contextlib.contextmanager
-def background(kind: str) -> Iterator[Load]:
+def background(kind: str, *, quick: bool = False) -> Iterator[Load]:
     """Run ``PROCESSES`` load processes of ``kind`` (one of ``LOADS``) for the duration of the block.
 
-    They are computing when the block starts and stopped (and reaped) when it ends, however it ends.
+    They are computing when the block starts and stopped (and reaped) when it ends, however it ends. ``quick``
+    (a benchmark's ``--quick``: the script checked, not its speed) runs them at the lowest priority, so that they
+    take no CPU from anything else running, such as the other tests of a suite.
     """
     if kind not in LOADS:
         raise SystemExit(f"unknown load {kind!r}: one of {', '.join(LOADS)}")
@@ -185,7 +192,7 @@ def background(kind: str) -> Iterator[Load]:
     with tempfile.TemporaryFile("w+") as log:
         try:
             for _ in range(PROCESSES):
-                started.append(_start(kind, log))
+                started.append(_start(kind, log, QUICK_NICENESS if quick else 0))
             _wait_ready(started, log, READY_S)
             load = Load(kind, started)
             load.cpu_at_start = load.cpu_seconds()

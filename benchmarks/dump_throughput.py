@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             contenders[name] = lambda folder, ext=ext, out=outs[name]: dump(ext, folder, out, batch, workers)
         measured = {}
         for load in args.load:
-            with L.background(load) as running:
+            with L.background(load, quick=args.quick) as running:
                 H.log(
                     f"timing under load {load!r}: up to {args.rounds} interleaved round(s) of {args.images} "
                     f"images, {args.budget:g} s at most"

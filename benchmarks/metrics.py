@@ -322,7 +322,7 @@ def run_fid(folders: tuple[Path, Path], cfg: H.Settings, load: str, own_defaults
     """Both commands on ``folders``, timed under the background ``load`` (``_load.LOADS``): one group."""
     count, side, dims, batch = fid_set(cfg)
     processes = fid_commands(*folders, dims, batch, cfg, own_defaults)
-    with L.background(load) as running:
+    with L.background(load, quick=cfg.quick) as running:
         if cfg.quick:  # checks the script and that both print one FID: each command once
             timing = H.Timing({name: [H.timed(process)] for name, process in processes.items()}, 1, 1)
         else:
