@@ -11,12 +11,12 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import NoSpaceError
 
-__all__ = ["fsync_dir", "set_mode", "space_for", "temporary", "write_all", "write_atomic"]
+__all__ = ["fsync_dir", "growing_atomic", "set_mode", "space_for", "temporary", "write_all", "write_atomic"]
 
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
@@ -91,16 +91,36 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     holds as lone surrogates) is written as its own bytes and reads back unchanged with the same handler.
     """
     data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
-    with space_for(path.parent, f"write {path.name}", len(data)):
+    with growing_atomic(path, len(data)) as write:
+        write(data)
+
+
+@contextlib.contextmanager
+def growing_atomic(path: Path, expected: int = 0) -> Iterator[Callable[[str | bytes], None]]:
+    """A ``write(text)`` that appends to a new file renamed onto ``path`` once the block ends without error: a file
+    written as it grows (a score per pair) that readers see whole or not at all, and a failed run leaves nothing.
+    Text is encoded as ``write_atomic`` encodes it; a full disk is a ``NoSpaceError`` naming the bytes at stake
+    (``expected``, where the size is known before the file is made)."""
+    with space_for(path.parent, f"write {path.name}", expected):
         fd, tmp = temporary(path)
+    written = 0
+
+    def write(text: str | bytes) -> None:
+        nonlocal written
+        data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
+        with space_for(path.parent, f"write {path.name}", written + len(data)):
+            write_all(fd, data)
+        written += len(data)
+
+    try:
         try:
-            try:
-                write_all(fd, data)
-                set_mode(fd)
+            yield write
+            set_mode(fd)
+            with space_for(path.parent, f"write {path.name}", max(written, expected)):
                 os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

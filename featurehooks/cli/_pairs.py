@@ -9,7 +9,6 @@ import contextlib
 import csv
 import io
 import itertools
-import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -149,31 +148,9 @@ def _rows(names: Iterable[str], scores: list[float]) -> str:
 
 @contextlib.contextmanager
 def _score_file(path: Path) -> Iterator[Callable[[str], None]]:
-    """A ``write(text)`` that appends to a new file renamed onto ``path`` once the block ends without error: a
-    failed run leaves no half-written file (``_atomic.write_atomic``'s rules, for a file written as it grows).
-    The header row is written first."""
-    from .._atomic import fsync_dir, set_mode, space_for, temporary, write_all
+    """A ``write(text)`` of rows to ``path``, whole or not at all (``_atomic.growing_atomic``); the header first."""
+    from .._atomic import growing_atomic
 
-    fd, tmp = temporary(path)
-    written = 0
-
-    def write(text: str) -> None:
-        nonlocal written
-        data = text.encode("utf-8", "surrogateescape")
-        with space_for(path.parent, f"write {path.name}", written + len(data)):
-            write_all(fd, data)
-        written += len(data)
-
-    try:
-        try:
-            write("name,score\n")
-            yield write
-            set_mode(fd)
-            with space_for(path.parent, f"write {path.name}", written):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    with growing_atomic(path) as write:
+        write("name,score\n")
+        yield write
