@@ -18,6 +18,7 @@ from ._common import (
     add_command,
     add_device_option,
     add_seed_option,
+    add_shard_option,
     add_stream_options,
     at_least,
     check_output_file,
@@ -54,6 +55,8 @@ examples:
   torchrun --nproc-per-node 4 -m featurehooks eval real/ fake/ --metrics fd_dinov2,cmmd
   featurehooks eval --save-stats real/ real.npz --metrics fid,fd_dinov2   # a reference set, computed once
   featurehooks eval real.npz fake/ --metrics fid,fd_dinov2
+  featurehooks eval --save-stats real/ real-$SLURM_ARRAY_TASK_ID.npz --metrics fid,fd_dinov2 --shard slurm  # a part
+  featurehooks merge real.npz real-0.npz real-1.npz real-2.npz               # the parts joined: the set of one run
 
 Each image is read once; every backbone the metrics need prepares it as that metric's own function does,
 and each number equals that function's (featurehooks.metrics.evaluate). fid, kid, prdc and is use the FID
@@ -67,7 +70,9 @@ the Inception). --json prints one object: floats, {"mean", "std"} for is and kid
 "images": the count of each set. --bootstrap and --infinity add to each Fréchet distance (fid, fd_dinov2,
 sfid) its 95% interval over resamples of FAKE and FD∞ (JSON: "fid_bootstrap": [low, high], "fid_infinity"),
 keeping every vector of both sets. A statistics file of --save-stats holds what its --metrics needed (every
-vector, where they needed them); it must come from the same weights, --fid-mode and --dinov2-model.
+vector, where they needed them); it must come from the same weights, --fid-mode and --dinov2-model. With
+--shard I/N it holds shard I of N of REAL only (one job of a job array); `featurehooks merge` joins the parts
+into the file one run writes (every vector kept, in row order).
 """
 
 
@@ -141,6 +146,7 @@ def add_eval_command(commands: Any) -> None:
     add_sample_size_options(parser, "FAKE")
     add_seed_option(parser)
     add_stream_options(parser)
+    add_shard_option(parser, "statistics file (with --save-stats)")
     add_device_option(parser)
     parser.set_defaults(run=_eval)
 
@@ -158,6 +164,11 @@ def _eval(args: argparse.Namespace) -> int:
     device = device_from(args.device)  # a bad --device fails before anything is read
     if args.save_stats:
         check_output_file(args.fake)
+    elif args.shard is not None:
+        raise UserError(
+            "--shard computes a part of REAL's statistics: pass it with --save-stats, then merge the parts with "
+            "`featurehooks merge` (the metrics compare two whole sets)"
+        )
     sides = [_read_side(source) if is_statistics_file(source) else list_images([source]) for source in _sets(args)]
     _check_sizes(args, metrics, *(_count(side) for side in sides))
     weights = {backbone: getattr(args, f"{backbone}_weights") for backbone in _BACKBONES}
@@ -195,7 +206,9 @@ def _eval(args: argparse.Namespace) -> int:
     if args.save_stats:
         path = save_statistics(args.fake, found.real)
         counts = ", ".join(f"{kind} {stats.count} images x {stats.dim}" for kind, stats in found.real.items())
-        print(f"wrote {path}: the statistics of REAL for {', '.join(metrics)} ({counts})")
+        shard = next(iter(found.real.values())).shard
+        part = f" of {shard}" if shard else ""
+        print(f"wrote {path}: the statistics of REAL{part} for {', '.join(metrics)} ({counts})")
         return 0
     sizes = {
         name: sample_size(args, *found.statistics_of(name), "FAKE")

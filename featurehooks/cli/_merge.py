@@ -1,5 +1,6 @@
 """``featurehooks merge OUT PARTS...``: the parts that jobs of ``--shard I/N`` wrote, joined into what one run over the
-whole set writes: dump folders into one dump (``merge_dumps``), statistics files into one (``merge_statistics``)."""
+whole set writes: dump folders into one dump (``merge_dumps``), statistics files into one (``merge_statistics``),
+statistics sets of ``eval --save-stats`` into one set (``merge_statistics_sets``)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ examples:
   featurehooks merge feats/ part0/ part1/ part2/
   featurehooks stats real/ --backbone inception_v3 --layers avgpool --shard slurm --out real-$SLURM_ARRAY_TASK_ID.npz
   featurehooks merge real.npz real-0.npz real-1.npz real-2.npz
+  featurehooks eval --save-stats real/ ref-$SLURM_ARRAY_TASK_ID.npz --metrics fid,fd_dinov2 --shard slurm
+  featurehooks merge ref.npz ref-0.npz ref-1.npz ref-2.npz       # every backbone's statistics, for eval ref.npz FAKE
 
-PARTS are every shard's dump folder (extract --shard) or every shard's statistics file (stats --shard, or
-feature_statistics(..., shard=(i, n)).save), in any order. The merged dump is the one a single run writes, byte for byte
-(arrays, index.csv, manifest.json); merged statistics equal one run's to float64 rounding (the vectors kept for
-KID are a uniform sample of the set). Parts of another input set, computed with other settings or weights,
-overlapping, missing or unfinished are refused, naming them, before anything is written; an interrupted merge
-of dumps is finished by running it again.
+PARTS are every shard's dump folder (extract --shard) or every shard's statistics file (stats --shard, fid
+--save-stats --shard, or feature_statistics(..., shard=(i, n)).save), or every shard's statistics set (eval
+--save-stats --shard, or save_statistics of evaluate(real, None, shard=(i, n)).real), in any order. The merged
+dump is the one a single run writes, byte for byte (arrays, index.csv, manifest.json); merged statistics equal
+one run's to float64 rounding (the vectors kept for KID are a uniform sample of the set; those eval keeps, every
+vector in row order), each statistics of a set merged alike. Parts of another input set, computed with other
+settings or weights, overlapping, missing or unfinished are refused, naming them, before anything is written;
+an interrupted merge of dumps is finished by running it again.
 """
 
 
@@ -34,8 +39,9 @@ def add_merge_command(commands: Any) -> None:
         commands,
         "merge",
         help="join the parts of --shard jobs: dump folders into one dump, statistics files into one file",
-        description="Join the parts that jobs of `extract --shard I/N` (dump folders) or `stats --shard I/N` "
-        "(statistics files) wrote, one per shard, into what one run over the whole set writes.",
+        description="Join the parts that jobs of `extract --shard I/N` (dump folders), `stats --shard I/N` "
+        "(statistics files) or `eval --save-stats --shard I/N` (statistics sets) wrote, one per shard, into what "
+        "one run over the whole set writes.",
         epilog=_EPILOG,
     )
     merge.add_argument("out", metavar="OUT", help="the merged dump's folder, or the merged statistics .npz")
@@ -75,11 +81,25 @@ def _dumps(args: argparse.Namespace) -> str:
 
 
 def _statistics(args: argparse.Namespace) -> str:
-    """Merge statistics files; what the command prints."""
+    """Merge statistics files (each of one statistics, or each a set); what the command prints."""
     from ..metrics import merge_statistics
+    from ..metrics.merge import holds_statistics_set
 
     check_output_file(args.out)
+    if holds_statistics_set(args.parts[0]):
+        return _statistics_sets(args)
     stats = merge_statistics(args.parts)
     path = stats.save(args.out)
     layer = f"{stats.origin.layer}, " if stats.origin is not None else ""
     return f"wrote {path}: {layer}{stats.count} images from {len(args.parts)} parts, {stats.dim} features"
+
+
+def _statistics_sets(args: argparse.Namespace) -> str:
+    """Merge the statistics sets of ``eval --save-stats --shard``; what the command prints."""
+    from ..metrics import save_statistics
+    from ..metrics.merge import merge_statistics_sets
+
+    merged = merge_statistics_sets(args.parts)
+    path = save_statistics(args.out, merged)
+    counts = ", ".join(f"{name} {stats.count} images x {stats.dim}" for name, stats in merged.items())
+    return f"wrote {path}: the statistics set of {len(args.parts)} parts ({counts})"

@@ -24,7 +24,7 @@ from .frechet import frechet_distance, kernel_inception_distance
 from .interop import PooledFeatures
 from .isc import inception_score, inception_score_of_features, inception_score_of_logits
 from .lpips import LPIPS, find_heads, load_heads
-from .merge import merge_statistics
+from .merge import merge_statistics, merge_statistics_sets
 from .pair_scores import BATCH_PIXELS, RunningSummary, ScoreSummary, iter_pair_scores, score_pairs
 from .pairs import ImagePair, PairsWithin, pair_files, pairs_within
 from .prdc import PRDC, Manifold, precision_recall
@@ -87,6 +87,7 @@ __all__ = [
     "load_mu_sigma",
     "load_statistics",
     "merge_statistics",
+    "merge_statistics_sets",
     "pair_files",
     "pairs_within",
     "precision_recall",

@@ -76,7 +76,7 @@ def read_npz(
     what: str,
     arrays: Sequence[str],
     *,
-    meta_format: str | None = None,
+    meta_format: str | tuple[str, ...] | None = None,
     exact: bool = False,
     check: Check | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
@@ -86,7 +86,7 @@ def read_npz(
         path: the file.
         what: what it should be, for messages (``"featurehooks statistics file"``).
         arrays: the array members to read (``"mu"`` for ``mu.npy``); each must hold real numbers.
-        meta_format: the ``format`` a ``meta`` member must name; ``None``: no meta is read.
+        meta_format: the ``format`` a ``meta`` member must name (or one of them, a tuple); ``None``: no meta is read.
         exact: refuse members other than ``arrays`` and ``meta``.
         check: called with every read member's ``(shape, dtype)`` and the meta before any data is read: raises
             ``InvalidValueError`` for a file that is no ``what``, ``Mismatch`` for one the caller did not expect.
@@ -109,7 +109,7 @@ def read_npz(
 
 
 def _read(
-    where: str, arrays: Sequence[str], meta_format: str | None, exact: bool, check: Check | None
+    where: str, arrays: Sequence[str], meta_format: str | tuple[str, ...] | None, exact: bool, check: Check | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     names = [*arrays, "meta"] if meta_format is not None else list(arrays)
     with open_npz(where) as archive:
@@ -192,8 +192,11 @@ def check_real(name: str, dtype: np.dtype) -> None:
         raise InvalidValueError(f"its {name} holds {dtype}, not real numbers")
 
 
-def read_meta(archive: zipfile.ZipFile, info: zipfile.ZipInfo, header: Header, expected: str) -> dict[str, Any]:
-    """``meta`` parsed, its size and nesting bounded before parsing, its ``format`` checked to be ``expected``."""
+def read_meta(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, header: Header, expected: str | tuple[str, ...]
+) -> dict[str, Any]:
+    """``meta`` parsed, its size and nesting bounded before parsing, its ``format`` checked to be ``expected`` (or
+    one of them)."""
     shape, dtype = header
     if shape != () or dtype.kind != "U":
         raise InvalidValueError("its meta is not a JSON string")
@@ -207,9 +210,10 @@ def read_meta(archive: zipfile.ZipFile, info: zipfile.ZipInfo, header: Header, e
         meta = json.loads(text)
     except ValueError as exc:
         raise InvalidValueError(f"its meta is not JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != expected:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise InvalidValueError(f"format {found!r}, expected {expected!r}")
+    formats = (expected,) if isinstance(expected, str) else expected
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or found not in formats:
+        raise InvalidValueError(f"format {found!r}, expected {' or '.join(map(repr, formats))}")
     return meta
 
 

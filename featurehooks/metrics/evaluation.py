@@ -6,7 +6,8 @@ ViT-L/14's class token, CMMD CLIP ViT-L/14@336's image embedding. Every image is
 input pipeline's workers, at its own size; each backbone then prepares it as its single-metric function would
 (``_one_pass``) and embeds it. One pass per set gives a ``FeatureStatistics`` of each kind of vector, with every
 vector kept where a metric needs vectors, and the numbers come from those; the statistics of a set serve as its
-reference in later calls.
+reference in later calls. A reference set too large for one job is computed in parts (``shard=(i, n)``, one job
+each) that ``merge_statistics_sets`` joins into the statistics one process computes.
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ def evaluate(
         real: the reference images (a folder, glob, file list, dataset or tensor, as ``dump_features`` takes), or
             the ``real`` statistics of an earlier ``Evaluation``.
         fake: the generated images, or statistics as for ``real``; ``None`` computes the statistics of ``real`` only
-            (no numbers): a reference set to save (``save_statistics(path, found.real)``) and load later.
+            (no numbers): a reference set to save (``save_statistics(path, found.real)``) and load later; with
+            ``shard=(i, n)``, of shard ``i`` of ``n`` of its images only, each statistics recording its shard: a part
+            that ``merge_statistics_sets`` joins with the others into the set's (every vector kept, in row order).
         metrics: names from ``METRICS``.
         fid_mode: the FID lineage of the Inception's features (``FID_MODES``).
         dinov2_model: the DINOv2 of ``"fd_dinov2"`` (``FD_DINOV2_MODELS``; ViT-L/14 is the reference's).
@@ -181,11 +184,13 @@ def evaluate(
         is_splits: the splits of the Inception Score.
         keep_vectors: keep every vector of every kind, not only those the metrics need (for ``fd_bootstrap`` and
             ``fd_infinity`` of the Fréchet distances: ``statistics_of``).
-        **options: the ``StreamOptions`` but ``resize_size`` and ``crop_size`` (each backbone prepares its images).
+        **options: the ``StreamOptions`` but ``resize_size`` and ``crop_size`` (each backbone prepares its images);
+            ``shard`` only where ``fake`` is ``None`` and ``real`` images (numbers compare two whole sets).
 
     Raises:
-        InvalidValueError: an unknown metric, statistics that lack a backbone or come from other features, a set
-            too small for KID's subsets, or bad options.
+        InvalidValueError: an unknown metric, statistics that lack a backbone or come from other features (or hold a
+            shard), a set too small for KID's subsets, ``shard`` with ``fake`` or with statistics as ``real``, or bad
+            options.
 
     Examples:
         >>> import torch
@@ -200,7 +205,11 @@ def evaluate(
     if options.get("shard") is not None and fake is not None:
         raise InvalidValueError(
             "metrics compare two whole sets: shard= is for evaluate(real, None) (a part of a "
-            "reference set, merged with merge_statistics)"
+            "reference set, merged with merge_statistics_sets)"
+        )
+    if options.get("shard") is not None and isinstance(real, Mapping):
+        raise InvalidValueError(
+            "shard= computes a part of the statistics of real's images, and real is statistics already: pass the images"
         )
     if not isinstance(keep_vectors, bool):
         raise InvalidTypeError(f"keep_vectors must be True or False, got {keep_vectors!r}")

@@ -4,22 +4,28 @@ statistics of the whole set.
 ``merge_statistics`` checks the parts (each a shard of one set, computed alike, together covering the set once)
 and merges them in row order with Chan et al.'s pairwise update, as torchrun's ranks are merged: count exact, mean
 and covariance equal to one process's to float64 rounding. The vectors kept for KID become a uniform sample of the
-whole set (``FeatureStatistics.merge``), not the rows one process keeps.
+whole set (``FeatureStatistics.merge``), not the rows one process keeps; parts that kept every vector (``evaluate``'s,
+for CMMD, IS, KID and PRDC) give every vector of the set, in row order, as one process keeps them.
+``merge_statistics_sets`` does the same for each named statistics of the parts of a set (``evaluate(real, None,
+shard=(i, n))``, ``featurehooks eval --save-stats --shard I/N``).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Union
 
 from .._stream.sharding import check_cover
 from ..errors import InvalidTypeError, InvalidValueError
-from .statistics import FeatureStatistics
+from ._npz import read_npz
+from .statistics import FORMAT, SET_FORMAT, FeatureStatistics, load_statistics
 
-__all__ = ["merge_statistics"]
+__all__ = ["holds_statistics_set", "merge_statistics", "merge_statistics_sets"]
+
+StatisticsFile = Union[str, "os.PathLike[str]"]
 
 _AGREE = "the parts of one merge come from one command with one --shard i/N each"
 
@@ -36,7 +42,8 @@ def merge_statistics(parts: Sequence[str | os.PathLike[str] | FeatureStatistics]
         InvalidValueError: naming the parts, one that is not a shard, parts of another input set, parts computed
             otherwise (backbone, layer, pool, weights and their hash, preprocessing, precision, lineage, dimension,
             vectors kept), two parts of one shard, parts whose rows overlap, or rows no part holds (the shards
-            missing: a job killed or still running writes no file).
+            missing: a job killed or still running writes no file), or a file of a statistics set (which
+            ``merge_statistics_sets`` merges).
         InputNotFoundError: a file does not exist.
 
     Examples:
@@ -59,6 +66,62 @@ def merge_statistics(parts: Sequence[str | os.PathLike[str] | FeatureStatistics]
     named = dict(_read(part, number) for number, part in enumerate(parts))
     if len(named) < len(parts):
         raise InvalidValueError("a statistics file is given twice: pass each shard once")
+    return _merged(named)
+
+
+def merge_statistics_sets(
+    parts: Sequence[StatisticsFile | Mapping[str, FeatureStatistics]],
+) -> dict[str, FeatureStatistics]:
+    """The statistics set of a whole image set from those of its shards (``evaluate(real, None, shard=(i, n)).real``,
+    ``featurehooks eval --save-stats REAL PART.npz --shard I/N``), given as files or mappings in any order (never
+    changed): each named statistics merged as ``merge_statistics`` merges single ones.
+
+    Returns:
+        ``{name: FeatureStatistics}`` of every row of the set, with no shard, in the first part's order: what one run
+        computes (the vectors kept for CMMD, IS, KID and PRDC every vector, in row order); ``save_statistics`` writes
+        it, and ``evaluate`` takes it as ``real``.
+
+    Raises:
+        InvalidValueError: as ``merge_statistics``, each part named with its member (``real-1.npz['dinov2']``), and
+            parts that hold other names (computed for other metrics).
+        InputNotFoundError: a file does not exist.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks import FeatureExtractor
+        >>> from featurehooks.metrics import feature_statistics_by_layer, merge_statistics_sets
+        >>> ext = FeatureExtractor(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4)), ["0", "1"])
+        >>> images = torch.rand(5, 3, 8, 8)
+        >>> parts = [feature_statistics_by_layer(ext, images, pool=None, batch_size=2, shard=(i, 2)) for i in range(2)]
+        >>> [(name, stats.count, stats.shard) for name, stats in merge_statistics_sets(parts).items()]
+        [('0', 5, None), ('1', 5, None)]
+    """
+    if isinstance(parts, (str, os.PathLike, Mapping)):
+        raise InvalidTypeError("parts must be a list of statistics-set files or mappings, not one of them")
+    if not parts:
+        raise InvalidValueError("no parts given: pass the statistics set of every shard")
+    sets = dict(_read_set(part, number) for number, part in enumerate(parts))
+    if len(sets) < len(parts):
+        raise InvalidValueError("a statistics file is given twice: pass each shard once")
+    (first_name, first), *_ = sets.items()
+    for name, members in sets.items():
+        if set(members) != set(first):
+            raise InvalidValueError(
+                f"{name} holds the statistics of {', '.join(members)}, {first_name} of {', '.join(first)}; "
+                f"{_AGREE} (and one --metrics)"
+            )
+    return {member: _merged({f"{name}[{member!r}]": held[member] for name, held in sets.items()}) for member in first}
+
+
+def holds_statistics_set(path: StatisticsFile) -> bool:
+    """Whether the featurehooks statistics file ``path`` holds a set of named statistics (``save_statistics``,
+    ``eval --save-stats``) rather than one (``FeatureStatistics.save``); ``InvalidValueError`` for any other file."""
+    _, meta = read_npz(path, "featurehooks statistics file", [], meta_format=(FORMAT, SET_FORMAT))
+    return (meta or {}).get("format") == SET_FORMAT
+
+
+def _merged(named: Mapping[str, FeatureStatistics]) -> FeatureStatistics:
+    """The parts ``named`` (by what errors call them) checked and merged in row order."""
     first_name, first = next(iter(named.items()))
     for name, stats in named.items():
         _check_alike(first_name, first, name, stats)
@@ -72,7 +135,7 @@ def merge_statistics(parts: Sequence[str | os.PathLike[str] | FeatureStatistics]
     return merged
 
 
-def _read(part: str | os.PathLike[str] | FeatureStatistics, number: int) -> tuple[str, FeatureStatistics]:
+def _read(part: StatisticsFile | FeatureStatistics, number: int) -> tuple[str, FeatureStatistics]:
     """A part and the name errors call it by: its path, or ``parts[<number>]``."""
     if isinstance(part, FeatureStatistics):
         return f"parts[{number}]", part
@@ -80,7 +143,37 @@ def _read(part: str | os.PathLike[str] | FeatureStatistics, number: int) -> tupl
         raise InvalidTypeError(
             f"parts[{number}] is a {type(part).__name__}, not a statistics file or FeatureStatistics"
         )
+    if holds_statistics_set(part):
+        raise InvalidValueError(
+            f"{os.fspath(part)} holds a set of named statistics (eval --save-stats, save_statistics), not one: "
+            "merge_statistics_sets joins the parts of a set"
+        )
     return os.fspath(part), FeatureStatistics.load(part)
+
+
+def _read_set(
+    part: StatisticsFile | Mapping[str, FeatureStatistics], number: int
+) -> tuple[str, dict[str, FeatureStatistics]]:
+    """A part of a statistics set and the name errors call it by: its path, or ``parts[<number>]``."""
+    if isinstance(part, Mapping):
+        for member, stats in part.items():
+            if not isinstance(stats, FeatureStatistics):
+                raise InvalidTypeError(
+                    f"parts[{number}][{member!r}] is a {type(stats).__name__}, not FeatureStatistics"
+                )
+        if not part:
+            raise InvalidValueError(f"parts[{number}] holds no statistics")
+        return f"parts[{number}]", dict(part)
+    if not isinstance(part, (str, os.PathLike)):
+        raise InvalidTypeError(
+            f"parts[{number}] is a {type(part).__name__}, not a statistics-set file or a mapping of FeatureStatistics"
+        )
+    if not holds_statistics_set(part):
+        raise InvalidValueError(
+            f"{os.fspath(part)} holds one statistics (stats, fid --save-stats, FeatureStatistics.save), not a set of "
+            "named statistics: merge_statistics joins the parts of one"
+        )
+    return os.fspath(part), load_statistics(part)
 
 
 def _check_alike(first_name: str, first: FeatureStatistics, name: str, stats: FeatureStatistics) -> None:

@@ -349,7 +349,8 @@ class FeatureStatistics:
 
         The kept sample becomes a uniform sample of the union (a hypergeometric share from each side,
         drawn with this object's generator) of at most ``min(self.keep, other.keep)`` vectors: merging
-        with statistics that kept none keeps none.
+        with statistics that kept none keeps none, and where that many keep every vector of both (``KEEP_ALL``),
+        they are this side's then ``other``'s, in order, as one pass over both keeps them.
 
         Returns:
             ``self``, for chaining.
@@ -376,6 +377,10 @@ class FeatureStatistics:
             self._combine(count, other._mean.clone(), other._scatter.clone())
         self._keep = min(self._keep, other._keep)
         size = min(self._keep, self._count)
+        if size == before + count:  # every vector of both kept: no sample to draw, the input order stays
+            self._kept = np.concatenate([mine, theirs])
+            self._filled = size
+            return self
         from_mine = int(self._rng.hypergeometric(before, count, size)) if size else 0
         chosen = [
             part[self._rng.choice(len(part), taken, replace=False)]

@@ -4,14 +4,16 @@ merged on the command line give what one run gives; a merge that cannot is one e
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from featurehooks.cli import main
 from featurehooks.cli._common import shard_from
 from featurehooks.dump import read_manifest
-from featurehooks.metrics import FeatureStatistics
+from featurehooks.metrics import FeatureStatistics, load_statistics, save_statistics
 
 from helpers import two_ranks
 
@@ -105,3 +107,50 @@ def test_torchrun_ranks_split_a_shard_into_the_part_one_process_writes(
     assert main([*shard, "--out", str(tmp_path / "one")]) == 0
     for name in ("layer1.npy", "index.csv", "inputs.npy", "manifest.json"):
         assert (tmp_path / "ranks" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+EVAL = ["--metrics", "cmmd", "--workers", "0", "--batch-size", "2", "--device", "cpu", "-q"]
+
+
+def test_eval_parts_of_a_reference_set_merge_into_the_set_one_run_writes(
+    images: Path, png_folder: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from clip_reference import cached_clip
+
+    with cached_clip(tmp_path / "hub"):  # a tiny seeded CLIP tower where CLIP ViT-L/14@336's weights are cached
+        assert main(["eval", "--save-stats", str(images), str(tmp_path / "whole.npz"), *EVAL]) == 0
+        for index in range(3):
+            out = str(tmp_path / f"part{index}.npz")
+            assert main(["eval", "--save-stats", str(images), out, "--shard", f"{index}/3", *EVAL]) == 0
+        printed = capsys.readouterr().out.splitlines()[-1]
+        assert printed.endswith(": the statistics of REAL of shard 2/3 (rows 4:5 of 5) for cmmd (clip 1 images x 16)")
+        parts = [str(tmp_path / f"part{index}.npz") for index in (1, 2, 0)]
+        assert main(["merge", str(tmp_path / "merged.npz"), *parts]) == 0
+        wrote = f"wrote {tmp_path / 'merged.npz'}: the statistics set of 3 parts (clip 5 images x 16)\n"
+        assert capsys.readouterr().out == wrote
+        merged, whole = (load_statistics(tmp_path / name)["clip"] for name in ("merged.npz", "whole.npz"))
+        assert merged.count == whole.count == 5 and merged.shard is None and merged.origin == whole.origin
+        assert float((merged.covariance - whole.covariance).abs().max() / whole.covariance.abs().max()) < 1e-12
+        assert torch.equal(merged.features, whole.features)  # every embedding, in row order
+        fake = str(png_folder(4, (40, 44), seed=2))
+        for reference in ("merged.npz", "whole.npz"):  # the merged file serves as the reference set
+            assert main(["eval", str(tmp_path / reference), fake, *EVAL]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == lines[1] and lines[0].startswith("cmmd: ")
+
+
+def test_eval_shards_only_a_reference_set_and_merge_names_parts_of_another_kind(
+    images: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", str(images), str(images), "--shard", "0/2", *EVAL]) == 2
+    assert "--shard computes a part of REAL's statistics: pass it with --save-stats" in one_error_line(
+        capsys.readouterr().err
+    )
+    parts = [str(tmp_path / f"part{index}.npz") for index in range(2)]
+    assert main(["stats", str(images), "--out", parts[0], "--shard", "0/2", *MODEL, *SIZES]) == 0
+    save_statistics(parts[1], {"inception": FeatureStatistics.load(parts[0])})
+    assert main(["merge", str(tmp_path / "merged.npz"), parts[1], parts[0]]) == 2
+    error = one_error_line(capsys.readouterr().err)
+    assert f"{parts[0]} holds one statistics" in error and "not a set of named statistics" in error
+    assert not (tmp_path / "merged.npz").exists()
