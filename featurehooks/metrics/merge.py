@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from .._stream.sharding import check_cover
 from ..errors import InvalidTypeError, InvalidValueError
@@ -26,6 +26,8 @@ from .statistics import FORMAT, SET_FORMAT, FeatureStatistics, load_statistics
 __all__ = ["holds_statistics_set", "merge_statistics", "merge_statistics_sets"]
 
 StatisticsFile = Union[str, "os.PathLike[str]"]
+P = TypeVar("P")  # a part as given
+T = TypeVar("T")  # a part as read
 
 _AGREE = "the parts of one merge come from one command with one --shard i/N each"
 
@@ -59,14 +61,8 @@ def merge_statistics(parts: Sequence[str | os.PathLike[str] | FeatureStatistics]
         >>> merged.count, merged.shard, torch.allclose(merged.covariance, whole.covariance, rtol=1e-12, atol=0)
         (10, None, True)
     """
-    if isinstance(parts, (str, os.PathLike, FeatureStatistics)):
-        raise InvalidTypeError("parts must be a list of statistics files or FeatureStatistics, not one of them")
-    if not parts:
-        raise InvalidValueError("no parts given: pass the statistics of every shard")
-    named = dict(_read(part, number) for number, part in enumerate(parts))
-    if len(named) < len(parts):
-        raise InvalidValueError("a statistics file is given twice: pass each shard once")
-    return _merged(named)
+    one = (str, os.PathLike, FeatureStatistics)
+    return _merged(_named_parts(parts, one, _read, "statistics files or FeatureStatistics", "statistics"))
 
 
 def merge_statistics_sets(
@@ -96,13 +92,9 @@ def merge_statistics_sets(
         >>> [(name, stats.count, stats.shard) for name, stats in merge_statistics_sets(parts).items()]
         [('0', 5, None), ('1', 5, None)]
     """
-    if isinstance(parts, (str, os.PathLike, Mapping)):
-        raise InvalidTypeError("parts must be a list of statistics-set files or mappings, not one of them")
-    if not parts:
-        raise InvalidValueError("no parts given: pass the statistics set of every shard")
-    sets = dict(_read_set(part, number) for number, part in enumerate(parts))
-    if len(sets) < len(parts):
-        raise InvalidValueError("a statistics file is given twice: pass each shard once")
+    sets = _named_parts(
+        parts, (str, os.PathLike, Mapping), _read_set, "statistics-set files or mappings", "statistics set"
+    )
     (first_name, first), *_ = sets.items()
     for name, members in sets.items():
         if set(members) != set(first):
@@ -118,6 +110,21 @@ def holds_statistics_set(path: StatisticsFile) -> bool:
     ``eval --save-stats``) rather than one (``FeatureStatistics.save``); ``InvalidValueError`` for any other file."""
     _, meta = read_npz(path, "featurehooks statistics file", [], meta_format=(FORMAT, SET_FORMAT))
     return (meta or {}).get("format") == SET_FORMAT
+
+
+def _named_parts(
+    parts: Sequence[P], one: tuple[type, ...], read: Callable[[P, int], tuple[str, T]], kinds: str, what: str
+) -> dict[str, T]:
+    """The parts read (``read``) by the name errors call them, refusing a single part (an instance of ``one``), none,
+    or one given twice; ``kinds`` and ``what`` name them in the errors."""
+    if isinstance(parts, one):
+        raise InvalidTypeError(f"parts must be a list of {kinds}, not one of them")
+    if not parts:
+        raise InvalidValueError(f"no parts given: pass the {what} of every shard")
+    named = dict(read(part, number) for number, part in enumerate(parts))
+    if len(named) < len(parts):
+        raise InvalidValueError("a statistics file is given twice: pass each shard once")
+    return named
 
 
 def _merged(named: Mapping[str, FeatureStatistics]) -> FeatureStatistics:
