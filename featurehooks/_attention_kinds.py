@@ -31,7 +31,8 @@ __all__ = [
 FUNCTIONAL = "functional"
 MHA = "mha"
 
-# Each class was checked against its source (timm 1.0.31, torchvision 0.29) and is tested against its unfused path.
+# Each class was checked against its source (timm 1.0.31, torchvision 0.29, transformers 5.25) and is tested against
+# its unfused path (tests/extractor/test_attention.py, test_attention_hf.py, test_attention_sweep.py).
 _FUNCTIONAL = frozenset(
     {
         "timm.layers.attention.Attention",  # ViT, DeiT, DeiT III, FlexiViT, DINOv2 (+registers), PiT, qk_norm
@@ -49,6 +50,28 @@ _FUNCTIONAL = frozenset(
         "timm.models.vision_transformer_sam.Attention",
         "torchvision.models.swin_transformer.ShiftedWindowAttention",
         "torchvision.models.swin_transformer.ShiftedWindowAttentionV2",
+        "torchvision.models.maxvit.RelativePositionalMultiHeadAttention",  # its softmax; windows and grids in batch
+        # Hugging Face transformers 5.25, equal to output_attentions=True under "eager"; under "sdpa" too
+        "transformers.models.vit.modeling_vit.ViTAttention",
+        "transformers.models.deit.modeling_deit.DeiTAttention",
+        "transformers.models.dinov2.modeling_dinov2.Dinov2Attention",
+        "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers.Dinov2WithRegistersAttention",
+        "transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTAttention",  # rope
+        "transformers.models.clip.modeling_clip.CLIPAttention",
+        "transformers.models.siglip.modeling_siglip.SiglipAttention",
+        "transformers.models.vit_mae.modeling_vit_mae.ViTMAEAttention",
+        "transformers.models.vit_msn.modeling_vit_msn.ViTMSNAttention",
+        "transformers.models.ijepa.modeling_ijepa.IJepaAttention",
+        "transformers.models.beit.modeling_beit.BeitAttention",  # relative position bias
+        "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionSelfAttention",  # inside ...Attention
+        "transformers.models.data2vec.modeling_data2vec_vision.Data2VecVisionSdpaSelfAttention",
+        "transformers.models.yolos.modeling_yolos.YolosSelfAttention",  # detection tokens
+        "transformers.models.segformer.modeling_segformer.SegformerAttention",  # spatial reduction
+        "transformers.models.swin.modeling_swin.SwinAttention",  # windows
+        "transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention",  # eager only: cosine attention
+        "transformers.models.donut.modeling_donut_swin.DonutSwinSelfAttention",  # eager only
+        "transformers.models.pvt.modeling_pvt.PvtEfficientSelfAttention",  # eager only: spatial reduction
+        "transformers.models.pvt_v2.modeling_pvt_v2.PvtV2SelfAttention",  # eager only
     }
 )
 
@@ -57,6 +80,9 @@ _REFUSED = {
     "timm.models.davit.ChannelAttention": "it attends across channels, not across tokens",
     "timm.models.davit.ChannelAttentionV2": "it attends across channels, not across tokens",
     "timm.models.convit.GPSA": "its weights mix two softmaxes through a learned gate",
+    "transformers.models.vitdet.modeling_vitdet.VitDetAttention": (
+        "its softmax folds the heads into the batch axis, so its map has no heads axis to give"
+    ),
 }
 
 # Class names that say "attention": a module so named is an attention module, read or refused, never skipped.
@@ -134,7 +160,7 @@ def sdpa_weights(
     """
     del value, dropout_p  # the weights are taken before dropout, and the values do not change them
     dtype = torch.promote_types(query.dtype, torch.float32)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(query.device.type, enabled=False):  # float32 under a caller's autocast too
         q, k = query.detach().to(dtype), key.detach().to(dtype)
         if enable_gqa:
             k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
@@ -176,7 +202,7 @@ def mha_weights(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: di
     given = dict(zip(_MHA_ARGS, args)) | kwargs
     query, key = given["query"], given["key"]
     dtype = torch.promote_types(query.dtype, torch.float32)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(query.device.type, enabled=False):  # float32 under a caller's autocast too
         if query.dim() == 2:  # unbatched: (tokens, channels)
             query, key = query.unsqueeze(1), key.unsqueeze(1)
         elif module.batch_first:
