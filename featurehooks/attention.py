@@ -152,7 +152,7 @@ class _Capture(Observer[_Forward]):
         """Take ``recorder`` and those pushed after it (None: all of this thread's) off torch's mode stack."""
         stack = self.pushed()
         while stack and (recorder is None or recorder in stack):
-            stack.pop().__exit__(None, None, None)
+            _remove_mode(stack.pop())
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward:
         self.pop()  # a forward a KeyboardInterrupt stopped inside an attention module (its hooks never ran)
@@ -180,6 +180,23 @@ class _Capture(Observer[_Forward]):
             state.maps[call_name(path, call)] = recorder.weights(path, module)
 
 
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack, leaving the modes entered after it in place.
+
+    ``TorchFunctionMode.__exit__`` pops whatever mode is on top: after a KeyboardInterrupt inside an attention module
+    (whose always-called hooks run for an ``Exception`` only) the user may have entered a mode of their own above the
+    recorder, which that would remove instead. Torch has no public call for this; its mode-stack functions are used.
+    """
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 class _PopOnExit(InertInCopies):
     """Forward hook that also runs after an exception: takes the recorder of a call that raised off the mode stack
     (a call that returned was taken off by ``_Capture.after`` already)."""
@@ -199,7 +216,8 @@ def _supported_paths(model: nn.Module) -> list[str]:
     if not paths:
         raise InvalidValueError(
             f"capture_attention: {type(model).__name__} has no attention module that featurehooks knows "
-            "(timm ViT-style and Swin-style attention, torchvision's ViT and Swin, nn.MultiheadAttention)"
+            "(timm ViT-style and Swin-style attention, torchvision's ViT, Swin and MaxViT, Hugging Face vision "
+            "transformers, nn.MultiheadAttention)"
         )
     for path in paths:
         _check_kind(model, path)
@@ -226,7 +244,8 @@ def capture_attention(model: nn.Module, layers: str | Sequence[str] | None = Non
 
     Args:
         model: the model to read (timm ViT, DeiT, DINOv2, EVA, BEiT, CaiT, PiT, Twins, PVT v2, Swin v1/v2, XCiT's
-            class attention...; torchvision's VisionTransformer and Swin; any ``nn.MultiheadAttention``), or a
+            class attention...; torchvision's VisionTransformer, Swin and MaxViT; Hugging Face ViT, DINOv2, CLIP,
+            SigLIP, BEiT, Swin...; any ``nn.MultiheadAttention``), or a
             ``FeatureExtractor``: its backbone, under the backbone's module paths (the extractor's early exit
             leaves the blocks after its deepest layer without maps).
         layers: module paths, aliases or glob patterns of attention modules (``path_k``: call k only); ``None``

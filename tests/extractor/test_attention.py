@@ -16,7 +16,7 @@ import pytest
 import torch
 import torchvision
 from torch import Tensor, nn
-from torch.overrides import _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.testing import assert_close
 
 import featurehooks as fh
@@ -354,6 +354,52 @@ def test_maps_refill_each_forward_name_repeated_calls_and_hooks_go_away() -> Non
         twice(torch.rand(2, 5, 32, generator=torch.Generator())),
         twice(torch.rand(2, 5, 32, generator=torch.Generator())),
     ) and first.shape == (2, 5, 32)
+
+
+@pytest.mark.parametrize("family", ["vit", "torchvision-vit"])
+def test_maps_under_autocast_are_float32_softmax_of_the_modules_inputs(family: str) -> None:
+    model, x = (_vit(), images(2, 32)) if family == "torchvision-vit" else (build("vit"), images(2, 32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture_attention(model) as maps:
+        model(x)
+    for value in maps.values():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value.sum(-1), torch.ones(value.shape[:-1]), atol=1e-6, rtol=0)
+
+
+class Counting(TorchFunctionMode):
+    """A user's mode: counts the torch calls it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stop", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_stopped_inside_attention_leaves_no_mode_and_the_users_own(stop: type[BaseException]) -> None:
+    model, x = build("vit"), images(1, 32)
+    attn = model.blocks[0].attn
+
+    def stopped(*_: object) -> None:
+        raise stop
+
+    with torch.no_grad(), capture_attention(model) as maps:
+        handle = attn.proj.register_forward_pre_hook(stopped)
+        with pytest.raises(stop):
+            model(x)
+        handle.remove()
+        user = Counting()
+        with user:  # entered above a recorder a KeyboardInterrupt left behind
+            model(x)
+            assert _get_current_function_mode_stack() == [user]
+            calls = user.calls
+            torch.ones(1).add(1)
+            assert user.calls == calls + 2  # still the user's: torch.ones and Tensor.add
+        assert list(maps) == [f"blocks.{k}.attn" for k in range(len(model.blocks))]
+    assert _get_current_function_mode_stack() == []
 
 
 class Branchy(nn.Module):
