@@ -146,8 +146,10 @@ def _make_plan(model: nn.Module, layers: LayerSpec, args: tuple[Any, ...], kwarg
 
 
 def _key(model: nn.Module, layers: LayerSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
-    """What a plan depends on: the request, the module's train/eval mode and the inputs' structure, shapes, dtypes
-    and plain values; None where an input is neither a tensor nor a plain value (a plan is then made each call)."""
+    """What a plan depends on: the request; the module's tree (each submodule by identity, with its train/eval mode
+    and in-place flag, so that a submodule replaced or switched to an in-place activation is traced again); the
+    inputs' structure, shapes, dtypes and plain values. None where an input is neither a tensor nor a plain value
+    (a plan is then made each call)."""
     if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # the usual call, without flattening
         inputs: Hashable = (args[0].shape, args[0].dtype)
     else:
@@ -162,7 +164,8 @@ def _key(model: nn.Module, layers: LayerSpec, args: tuple[Any, ...], kwargs: dic
             request = ("renamed", tuple(layers.items()))
         else:
             request = ("names", *layers)
-        key = (request, model.training, inputs)
+        tree = tuple((id(module), module.training, getattr(module, "inplace", None)) for module in model.modules())
+        key = (request, tree, inputs)
         hash(key)
     except TypeError:  # a request that is no sequence of names: LayerIndex says what is wrong with it
         return None

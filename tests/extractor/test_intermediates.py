@@ -113,6 +113,21 @@ def test_one_plan_per_module_request_mode_and_input_shape(monkeypatch: pytest.Mo
     assert traces == [(1, 3, 12, 12), (2, 3, 12, 12), (1, 3, 12, 12), (1, 3, 12, 12), (1, 3, 12, 12)]
 
 
+def test_a_submodule_replaced_or_made_in_place_is_planned_again() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    x = torch.randn(1, 3, 8, 8)
+    expected = net[0](x)
+    assert (expected < 0).any()
+    intermediates(net, x, ["0", "1"])  # planned: the ReLU leaves the convolution's output alone
+    net[1].inplace = True  # now it overwrites it: the output must be copied before
+    assert torch.equal(intermediates(net, x, ["0", "1"])["0"], expected)
+    net[1] = nn.ReLU()
+    intermediates(net, x, ["0", "1"])
+    net[1] = nn.ReLU(inplace=True)  # another module
+    assert torch.equal(intermediates(net, x, ["0", "1"])["0"], expected)
+
+
 def test_a_remembered_plan_never_keeps_its_module_alive() -> None:
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     intermediates(net, torch.rand(1, 3, 8, 8), ["1"])
