@@ -4,7 +4,7 @@ in this process, never written to files (a PNG round trip changes FID; clean-fid
 ``GeneratedImages`` is the public source; ``GeneratedRows`` reads its rows in order for one call (rows named
 ``generated/<row>``), opening a pass of the generator where its rows start: at that row for a ``seekable`` callable,
 else at row 0, the rows before made again and discarded. ``fingerprint`` names a generator's images by its first
-batch, which a dump records and a resume compares.
+image, which a dump records and a resume compares.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def row_names(count: int) -> list[str]:
 
 
 def fingerprint(batch: Tensor) -> str:
-    """SHA-256 of a batch's dtype, shape and bytes: what names a generator's images (its first batch)."""
+    """SHA-256 of a batch's dtype, shape and bytes: what names a generator's images (a batch of its first image)."""
     digest = hashlib.sha256(f"{batch.dtype} {tuple(batch.shape)}\n".encode())
     flat = batch.contiguous().reshape(-1)
     digest.update(flat.view(torch.uint8).numpy().tobytes())

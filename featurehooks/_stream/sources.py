@@ -362,7 +362,7 @@ def _has_label(item: Any) -> bool:
 class Inputs:
     """The rows of a source: their names, the dataset (for tensor sources and generators), the prepared image
     shape, their identity (for files size and mtime, to notice files replaced before a resume; for a generator its
-    first batch's ``fingerprint`` in every row, to notice other images), whether the dataset's items carry integer
+    first image's ``fingerprint`` in every row, to notice other images), whether the dataset's items carry integer
     labels, whether images may differ in size (pooled, uncropped files: ``image_shape`` is then the first readable
     image's, which gives the features' shapes), and whether a generator makes them (``generated``: read in this
     process, in order, an error stopping the run)."""
@@ -507,10 +507,11 @@ def resolve_inputs(
 
 
 def generated_inputs(source: GeneratedImages, input_range: tuple[float, float]) -> Inputs:
-    """The rows of a generator: its first batch (drawn once, kept for the rows) gives the image shape, and its
-    ``fingerprint`` (two int64 in every row of ``identity``) what a resume checks."""
+    """The rows of a generator: its first batch (drawn once, kept for the rows) gives the image shape, and the
+    ``fingerprint`` of its first image (two int64 in every row of ``identity``; the image, not the batch, so that
+    a generator drawing batches of another size names the same images) what a resume checks."""
     first = source.first_batch()
-    stamp = np.frombuffer(bytes.fromhex(fingerprint(first))[:16], dtype="<i8")
+    stamp = np.frombuffer(bytes.fromhex(fingerprint(first[:1]))[:16], dtype="<i8")
     identity = np.tile(stamp.astype(np.int64), (len(source), 1))
     shape = tuple(first.shape[1:])
     rows = GeneratedRows(source, input_range, shape)

@@ -139,7 +139,7 @@ def is_count(value: Any, least: int = 0) -> TypeGuard[int]:
 class InputsRecord:
     """What a dump's rows are: ``"files"``, a ``"dataset"`` (or tensor) or ``"generated"`` (``GeneratedImages``), how
     many, and the SHA-256 of their names; whether the items carried labels; the SHA-256 of ``inputs.npy``: for files
-    their sizes and modification times, for a generator its first batch's fingerprint; ``None`` for a dataset and
+    their sizes and modification times, for a generator its first image's fingerprint; ``None`` for a dataset and
     in dumps begun before it was recorded.
 
     Examples:

@@ -287,7 +287,7 @@ def _blocks(chunks: Sequence[int], most: int) -> Iterator[list[int]]:
 
 
 def _check_one_generator(ordered: list[_Part]) -> None:
-    """Refuse parts of a generated set whose generators made other images (their first batches' fingerprints,
+    """Refuse parts of a generated set whose generators made other images (their first images' fingerprints,
     recorded in every row, differ)."""
     first = ordered[0]
     for part in ordered[1:]:
@@ -297,6 +297,6 @@ def _check_one_generator(ordered: list[_Part]) -> None:
             and not np.array_equal(part.identity[:1], first.identity[:1])
         ):
             raise InvalidValueError(
-                f"{part.root} and {first.root} come from generators that made other images (their first batches "
+                f"{part.root} and {first.root} come from generators that made other images (their first images "
                 "differ): the parts of one merge draw from one seeded generator"
             )

@@ -104,13 +104,13 @@ def describe_settings(
 
 def _check_identity(store: DumpStore, earlier: InputsRecord, now: InputsRecord, inputs: Inputs) -> None:
     """Refuse a resume whose input files changed (size or mtime) since the dump began, naming them; or whose
-    generator's first batch differs from the earlier run's."""
+    generator's first image differs from the earlier run's."""
     identity = inputs.identity
     if identity is None or earlier.identity_sha256 is None or earlier.identity_sha256 == now.identity_sha256:
         return
     if inputs.generated:
         raise InvalidValueError(
-            f"cannot resume the dump in {store.root}: the generator's first batch differs from the earlier run's "
+            f"cannot resume the dump in {store.root}: the generator's first image differs from the earlier run's "
             "(SHA-256 of its pixels), so its images are not the same; seed it to make the same images on every "
             "pass, or overwrite=True to start over"
         )

@@ -122,12 +122,22 @@ def test_a_generator_that_raises_leaves_a_dump_that_resume_finishes_bitwise(tmp_
     assert dump_files(out) == dump_files(whole.out_dir)
 
 
+def test_a_resume_takes_the_same_images_in_batches_of_another_size(tmp_path: Path) -> None:
+    whole = dump_features(tiny_extractor(), GeneratedImages(sample, COUNT), tmp_path / "whole", **OPTIONS)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        dump_features(tiny_extractor(), GeneratedImages(partial(sample, fail_at=2), COUNT), out, **OPTIONS)
+    bigger = GeneratedImages(partial(sample, size=5), COUNT)  # another GPU, another batch size: the same images
+    dump_features(tiny_extractor(), bigger, out, resume=True, **OPTIONS)  # row 4 lies in its first batch
+    assert dump_files(out) == dump_files(whole.out_dir)
+
+
 def test_a_resume_refuses_a_generator_that_makes_other_images(tmp_path: Path) -> None:
     failing = GeneratedImages(partial(sample, fail_at=2), COUNT)
     with pytest.raises(RuntimeError):
         dump_features(tiny_extractor(), failing, tmp_path, **OPTIONS)
     other = GeneratedImages(lambda: (batch.flip(-1) for batch in sample()), COUNT)  # an unseeded sampler's next pass
-    with pytest.raises(InvalidValueError, match="the generator's first batch differs from the earlier run's"):
+    with pytest.raises(InvalidValueError, match="the generator's first image differs from the earlier run's"):
         dump_features(tiny_extractor(), other, tmp_path, resume=True, **OPTIONS)
 
 
