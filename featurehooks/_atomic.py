@@ -103,10 +103,12 @@ def growing_atomic(path: Path, expected: int = 0) -> Iterator[Callable[[str | by
     (``expected``, where the size is known before the file is made)."""
     with space_for(path.parent, f"write {path.name}", expected):
         fd, tmp = temporary(path)
-    written = 0
+    written, closed = 0, False
 
     def write(text: str | bytes) -> None:
         nonlocal written
+        if closed:  # its descriptor may be another file's by now
+            raise ValueError(f"{path.name}: write after its block ended")
         data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
         with space_for(path.parent, f"write {path.name}", written + len(data)):
             write_all(fd, data)
@@ -119,6 +121,7 @@ def growing_atomic(path: Path, expected: int = 0) -> Iterator[Callable[[str | by
             with space_for(path.parent, f"write {path.name}", max(written, expected)):
                 os.fsync(fd)
         finally:
+            closed = True
             os.close(fd)
         os.replace(tmp, path)
     finally:

@@ -79,6 +79,19 @@ def test_temporary_names_are_unpredictable_and_files_keep_the_usual_mode(tmp_pat
     assert stat.S_IMODE((tmp_path / "index.csv").stat().st_mode) == 0o666 & ~umask
 
 
+def test_a_growing_file_is_whole_or_absent_and_refuses_late_writes(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), _atomic.growing_atomic(tmp_path / "scores.csv") as write:
+        write("a,1\n")
+        raise RuntimeError("the run failed")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written, no temporary left
+    with _atomic.growing_atomic(tmp_path / "scores.csv") as write:
+        write("a,1\n")
+        write(b"b,2\n")
+    assert (tmp_path / "scores.csv").read_text() == "a,1\nb,2\n"
+    with pytest.raises(ValueError, match="write after its block ended"):
+        write("c,3\n")  # its descriptor may belong to another file by now
+
+
 @needs_links
 def test_a_symlink_planted_at_a_journal_is_not_followed(tmp_path: Path, victim: Path) -> None:
     out = tmp_path / "out"
