@@ -48,6 +48,20 @@ _FUNCTIONAL = frozenset(
         "timm.models.swin_transformer_v2.WindowAttention",  # cosine attention
         "timm.models.vision_transformer_relpos.RelPosAttention",
         "timm.models.vision_transformer_sam.Attention",
+        "timm.models.levit.Attention",  # attention biases; tokens or (conv mode) feature maps
+        "timm.models.levit.AttentionDownsample",  # subsampled queries: fewer queries than keys
+        "timm.models.tnt.Attention",  # inner (pixel) and outer (patch) attention alike
+        "timm.models.tiny_vit.Attention",  # windows, attention biases
+        "timm.models.gcvit.WindowAttentionGlobal",  # windows; global queries in its global blocks
+        "timm.models.davit.WindowAttention",  # windows (its channel attention is refused)
+        "timm.models.crossvit.CrossAttention",  # one query: the class token of one branch over the other's tokens
+        "timm.models.efficientformer.Attention",  # attention biases
+        "timm.models.efficientformer_v2.Attention2d",  # the softmax, before talking_head2 mixes the heads again
+        "timm.models.efficientformer_v2.Attention2dDownsample",  # fewer queries than keys
+        "timm.models.maxxvit.AttentionCl",  # MaxViT, CoAtNet: windows and grids in batch, relative bias
+        "timm.models.maxxvit.Attention2d",  # CoAtNet: channels-first, relative bias
+        "timm.models.swin_transformer_v2_cr.WindowMultiHeadAttention",  # cosine attention, windows, shift masks
+        "timm.models.mvitv2.MultiScaleAttention",  # pooled queries and keys, relative position
         "torchvision.models.swin_transformer.ShiftedWindowAttention",
         "torchvision.models.swin_transformer.ShiftedWindowAttentionV2",
         "torchvision.models.maxvit.RelativePositionalMultiHeadAttention",  # its softmax; windows and grids in batch
@@ -80,6 +94,24 @@ _REFUSED = {
     "timm.models.davit.ChannelAttention": "it attends across channels, not across tokens",
     "timm.models.davit.ChannelAttentionV2": "it attends across channels, not across tokens",
     "timm.models.convit.GPSA": "its weights mix two softmaxes through a learned gate",
+    "timm.models.edgenext.CrossCovarianceAttn": "it attends across channels (cross-covariance attention), not tokens",
+    "timm.models.coat.FactorAttnConvRelPosEnc": (
+        "its factorized attention takes a softmax of the keys over tokens, never a queries-by-keys map"
+    ),
+    "timm.models.volo.OutlookAttention": (
+        "its outlook attention predicts each token's weights over its k x k neighbourhood, not queries against keys"
+    ),
+    "timm.models.nextvit.ConvAttention": "it is a grouped convolution: there are no attention weights",
+    "timm.models.efficientvit_msra.CascadedGroupAttention": (
+        "it takes one softmax per head in a cascade (each head fed by the previous head's output), not one map"
+    ),
+    "timm.models.nest.Attention": (
+        "its map is (batch, heads, blocks, tokens, tokens), heads before blocks, which do not fold into the batch axis"
+    ),
+    "timm.models.hiera.MaskUnitAttention": (
+        "its mask-unit map is (batch, heads, windows, tokens, tokens), heads before windows, which do not fold into "
+        "the batch axis"
+    ),
     "transformers.models.vitdet.modeling_vitdet.VitDetAttention": (
         "its softmax folds the heads into the batch axis, so its map has no heads axis to give"
     ),

@@ -243,9 +243,10 @@ def capture_attention(model: nn.Module, layers: str | Sequence[str] | None = Non
     removed when the block ends, also on error.
 
     Args:
-        model: the model to read (timm ViT, DeiT, DINOv2, EVA, BEiT, CaiT, PiT, Twins, PVT v2, Swin v1/v2, XCiT's
-            class attention...; torchvision's VisionTransformer, Swin and MaxViT; Hugging Face ViT, DINOv2, CLIP,
-            SigLIP, BEiT, Swin...; any ``nn.MultiheadAttention``), or a
+        model: the model to read (timm ViT, DeiT, DINOv2, EVA, BEiT, CaiT, PiT, Twins, PVT v2, Swin v1/v2,
+            LeViT, TNT, TinyViT, GCViT, CrossViT, EfficientFormer, MaxViT/CoAtNet, MViT v2, XCiT's class
+            attention...; torchvision's VisionTransformer, Swin and MaxViT; Hugging Face ViT, DINOv2, CLIP, SigLIP,
+            BEiT, Swin...; any ``nn.MultiheadAttention``; ``docs/analysis.md`` lists them), or a
             ``FeatureExtractor``: its backbone, under the backbone's module paths (the extractor's early exit
             leaves the blocks after its deepest layer without maps).
         layers: module paths, aliases or glob patterns of attention modules (``path_k``: call k only); ``None``
