@@ -23,6 +23,7 @@ __all__ = [
     "attention_kind",
     "attention_modules",
     "class_name",
+    "folded",
     "mha_weights",
     "refusal",
     "sdpa_weights",
@@ -35,6 +36,8 @@ MHA = "mha"
 # its unfused path (tests/extractor/test_attention.py, test_attention_hf.py, test_attention_sweep.py).
 _FUNCTIONAL = frozenset(
     {
+        "timm.models.nest.Attention",  # blocks: (batch, heads, blocks, ...), heads before blocks
+        "timm.models.hiera.MaskUnitAttention",  # mask units: (batch, heads, windows, ...), heads before windows
         "timm.layers.attention.Attention",  # ViT, DeiT, DeiT III, FlexiViT, DINOv2 (+registers), PiT, qk_norm
         "timm.layers.attention.AttentionRope",
         "timm.models.eva.EvaAttention",  # EVA-02, rope
@@ -104,13 +107,6 @@ _REFUSED = {
     "timm.models.nextvit.ConvAttention": "it is a grouped convolution: there are no attention weights",
     "timm.models.efficientvit_msra.CascadedGroupAttention": (
         "it takes one softmax per head in a cascade (each head fed by the previous head's output), not one map"
-    ),
-    "timm.models.nest.Attention": (
-        "its map is (batch, heads, blocks, tokens, tokens), heads before blocks, which do not fold into the batch axis"
-    ),
-    "timm.models.hiera.MaskUnitAttention": (
-        "its mask-unit map is (batch, heads, windows, tokens, tokens), heads before windows, which do not fold into "
-        "the batch axis"
     ),
     "transformers.models.vitdet.modeling_vitdet.VitDetAttention": (
         "its softmax folds the heads into the batch axis, so its map has no heads axis to give"
@@ -269,3 +265,24 @@ def mha_weights(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: di
 def _inverted(mask: Tensor, original: Tensor) -> Tensor:
     """nn.MultiheadAttention's boolean masks say True where SDPA's say False: flip them, keep additive ones."""
     return ~mask if original.dtype == torch.bool else mask
+
+
+# Classes whose windows come after the heads axis: (batch, heads, windows, queries, keys).
+_HEADS_BEFORE_WINDOWS = frozenset({"timm.models.nest.Attention", "timm.models.hiera.MaskUnitAttention"})
+
+
+def folded(module: nn.Module, weights: Tensor) -> Tensor:
+    """A module's map as ``(batch, heads, queries, keys)``: windows, blocks or groups folded into the batch axis
+    (batch-major, as the module's input lies), a map without a heads axis given one.
+
+    Examples:
+        >>> import torch
+        >>> from featurehooks._attention_kinds import folded
+        >>> tuple(folded(torch.nn.Identity(), torch.rand(2, 3, 4, 5, 5)).shape)  # (batch, windows, heads, q, k)
+        (6, 4, 5, 5)
+    """
+    if weights.dim() == 3:
+        return weights.unsqueeze(1)
+    if weights.dim() == 5 and class_name(module) in _HEADS_BEFORE_WINDOWS:
+        return weights.transpose(1, 2).flatten(0, 1)
+    return weights.reshape(-1, *weights.shape[-3:])

@@ -22,7 +22,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ._attention_kinds import MHA, attention_kind, attention_modules, class_name, mha_weights, refusal, sdpa_weights
+from ._attention_kinds import (
+    MHA,
+    attention_kind,
+    attention_modules,
+    class_name,
+    folded,
+    mha_weights,
+    refusal,
+    sdpa_weights,
+)
 from ._capture import refuse_torchscript
 from ._hooks import InertInCopies, Observer, ObserverSession
 from ._taps import call_name
@@ -76,7 +85,7 @@ class _Recorder(TorchFunctionMode):
             )
         if found.dim() < 3:
             raise InvalidTypeError(f"capture_attention: {path!r} ({class_name(module)}) attends without a token axis")
-        return found.unsqueeze(1) if found.dim() == 3 else found.reshape(-1, *found.shape[-3:])
+        return folded(module, found)
 
 
 def _over_last_axis(out: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

@@ -1,5 +1,6 @@
 """capture_attention on timm's hierarchical and hybrid families (LeViT, TNT, TinyViT, GCViT, DaViT, CrossViT,
-EfficientFormer v1/v2, MaxViT, CoAtNet, Swin V2-CR, MViT v2), and the refusals of the kinds it cannot read.
+EfficientFormer v1/v2, MaxViT, CoAtNet, Swin V2-CR, MViT v2, NesT, Hiera), and the refusals of the kinds it cannot
+read.
 
 Oracle: each class's own softmax on its unfused path (``fused_attn = False``), taken where the weights enter
 ``attn_drop`` (or EfficientFormer v2's ``talking_head2``, DaViT's ``nn.Softmax``), or, where the class applies them
@@ -17,6 +18,7 @@ from unittest import mock
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 from featurehooks.attention import capture_attention
@@ -30,9 +32,11 @@ from timm.models import (  # noqa: E402
     efficientformer,
     efficientformer_v2,
     gcvit,
+    hiera,
     levit,
     maxxvit,
     mvitv2,
+    nest,
     swin_transformer_v2_cr,
     tiny_vit,
     tnt,
@@ -127,7 +131,36 @@ TAPS: dict[type, Callable[[nn.Module, Keep], None]] = {
     maxxvit.Attention2d: entering("attn_drop"),
     swin_transformer_v2_cr.WindowMultiHeadAttention: entering("attn_drop"),
     mvitv2.MultiScaleAttention: after_relative_position,
+    nest.Attention: entering("attn_drop"),
+    hiera.MaskUnitAttention: lambda module, keep: softmax_inside(module, keep),
 }
+HEADS_BEFORE_WINDOWS = (nest.Attention, hiera.MaskUnitAttention)  # (batch, heads, windows, q, k)
+
+
+class _Softmaxes(TorchFunctionMode):
+    def __init__(self, keep: Keep) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is Tensor.softmax:
+            self.keep(out)
+        return out
+
+
+def softmax_inside(module: nn.Module, keep: Keep) -> None:
+    """The softmax the module takes itself (Hiera applies it to the values with no module in between)."""
+    mode = _Softmaxes(keep)
+
+    def enter(*_: object) -> None:
+        mode.__enter__()
+
+    def leave(*_: object) -> None:
+        mode.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
 
 
 def create(name: str, **kwargs: Any) -> nn.Module:
@@ -237,6 +270,20 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, str | None, tuple[str, t
         None,
         ("stages.0.blocks.1.attn", (2 * 16, 1, 16, 16)),  # shifted windows
     ),
+    "nest-blocks": (
+        lambda: seeded(
+            nest.Nest, img_size=32, patch_size=4, embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1)
+        ),
+        32,
+        None,
+        ("levels.0.transformer_encoder.0.attn", (2 * 16, 1, 4, 4)),  # 8x8 tokens in 16 blocks of 2x2
+    ),
+    "hiera-mask-units": (
+        lambda: create("hiera_tiny_224", img_size=(64, 64), embed_dim=16, num_heads=1, stages=(1, 1, 1, 1)),
+        64,
+        None,
+        ("blocks.0.attn", (2 * 4, 1, 64, 64)),  # 16x16 tokens in 4 mask units
+    ),
     "mvitv2-pooled": (
         lambda: seeded(mvitv2.MultiScaleVit, cfg=mvitv2.MultiScaleVitCfg(depths=(1, 2), embed_dim=16), img_size=32),
         32,
@@ -257,7 +304,13 @@ def own_softmax(model: nn.Module, x: Tensor, paths: list[str]) -> dict[str, Tens
         TAPS[type(module)](module, lambda weights, path=path: found.__setitem__(path, weights))
     with torch.no_grad():
         reference(x)
-    return {path: value.reshape(-1, *value.shape[-3:]) for path, value in found.items()}
+    heads_first = {path for path in found if isinstance(reference.get_submodule(path), HEADS_BEFORE_WINDOWS)}
+    return {
+        path: value.transpose(1, 2).flatten(0, 1)
+        if path in heads_first and value.dim() == 5
+        else value.reshape(-1, *value.shape[-3:])
+        for path, value in found.items()
+    }
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -285,8 +338,6 @@ REFUSED = [
     ("volo_d1_224", "volo.OutlookAttention", "outlook attention"),
     ("nextvit_small", "nextvit.ConvAttention", "grouped convolution"),
     ("efficientvit_m0", "efficientvit_msra.CascadedGroupAttention", "one softmax per head in a cascade"),
-    ("nest_tiny", "nest.Attention", "heads before blocks"),
-    ("hiera_tiny_224", "hiera.MaskUnitAttention", "heads before windows"),
 ]
 
 
