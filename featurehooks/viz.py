@@ -309,10 +309,14 @@ def save_feature_grid(
         >>> save_feature_grid(folder / "maps.png", {"a": torch.rand(1, 4, 8, 8)}, caption="random features").name
         'maps.png'
     """
+    return _save_picture(path, feature_grid(features, image, **kwargs))  # type: ignore[arg-type]
+
+
+def _save_picture(path: str | os.PathLike[str], picture: np.ndarray) -> Path:
+    """Write an RGB picture to ``path`` (PNG unless the suffix says otherwise), its folder created."""
     path = Path(path)
-    grid = feature_grid(features, image, **kwargs)  # type: ignore[arg-type]
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid).save(path, format=None if path.suffix else "PNG")
+    Image.fromarray(picture).save(path, format=None if path.suffix else "PNG")
     return path
 
 
@@ -476,8 +480,4 @@ def save_attention_grid(
         >>> save_attention_grid(Path(tempfile.mkdtemp()) / "attention.png", panels, torch.rand(3, 48, 48)).name
         'attention.png'
     """
-    path = Path(path)
-    grid = attention_grid(panels, image, **kwargs)  # type: ignore[arg-type]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid).save(path, format=None if path.suffix else "PNG")
-    return path
+    return _save_picture(path, attention_grid(panels, image, **kwargs))  # type: ignore[arg-type]

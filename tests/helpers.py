@@ -138,6 +138,31 @@ def value_and_grad(
     return value, grad
 
 
+def maps_and_own_softmaxes(
+    model: nn.Module, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """``capture_attention``'s maps of one forward (the outputs checked bitwise those without it), and every
+    ``F.softmax`` result of a second forward, in call order: the maps of models that take their own softmax."""
+    from featurehooks.attention import capture_attention
+
+    with torch.no_grad():
+        expected = model(x)
+        with capture_attention(model) as maps:
+            out = model(x)
+    assert torch.equal(out, expected)
+    softmaxes: list[torch.Tensor] = []
+    original = torch.nn.functional.softmax
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        softmaxes.append(original(*args, **kwargs))
+        return softmaxes[-1]
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", recording)
+    with torch.no_grad():
+        model(x)
+    return dict(maps), softmaxes
+
+
 def write_pngs(folder: Path, count: int = 5, size: tuple[int, int] = (40, 44), seed: int = SEED) -> Path:
     """``count`` random RGB PNGs ``0.png``, ``1.png``, ... of ``size`` (height, width) from one seeded generator."""
     folder.mkdir(parents=True, exist_ok=True)

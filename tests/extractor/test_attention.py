@@ -23,6 +23,8 @@ import featurehooks as fh
 from featurehooks.attention import attention_rollout, capture_attention
 from featurehooks.errors import InvalidTypeError, InvalidValueError, LayerNotFoundError, LayerNotRunError
 
+from helpers import maps_and_own_softmaxes
+
 timm = pytest.importorskip("timm")
 from timm.models.cait import TalkingHeadAttn  # noqa: E402
 
@@ -222,21 +224,7 @@ def test_torchvision_swin_matches_its_own_softmax(arch: str, monkeypatch: pytest
         ),
     ).eval()
     x = images(2, 24)  # 6x6 patches: padded to 8x8 windows of 4x4, shifted by 2
-    with torch.no_grad():
-        expected = swin(x)
-        with capture_attention(swin) as maps:
-            out = swin(x)
-    assert torch.equal(out, expected)
-    softmaxes: list[Tensor] = []
-    original = torch.nn.functional.softmax
-
-    def recording(*args: Any, **kwargs: Any) -> Tensor:
-        softmaxes.append(original(*args, **kwargs))
-        return softmaxes[-1]
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", recording)
-    with torch.no_grad():
-        swin(x)
+    maps, softmaxes = maps_and_own_softmaxes(swin, x, monkeypatch)
     assert len(maps) == len(softmaxes) == 4
     assert tuple(maps["features.1.0.attn"].shape) == (2 * 4, 1, 16, 16)
     for value, softmax in zip(maps.values(), softmaxes):

@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_leaves
 from featurehooks.attention import capture_attention
 from featurehooks.errors import InvalidTypeError, InvalidValueError
 
+from helpers import maps_and_own_softmaxes
+
 timm = pytest.importorskip("timm")
 
 SEED = 0
@@ -142,21 +144,7 @@ def test_torchvision_maxvit_matches_its_own_softmax(monkeypatch: pytest.MonkeyPa
     }
     maxvit = torchvision.models.MaxVit(input_size=(32, 32), partition_size=4, **kwargs).eval()
     x = image(32).expand(2, -1, -1, -1)
-    with torch.no_grad():
-        expected = maxvit(x)
-        with capture_attention(maxvit) as maps:
-            out = maxvit(x)
-    assert torch.equal(out, expected)
-    softmaxes: list[Tensor] = []
-    original = torch.nn.functional.softmax
-
-    def recording(*args: Any, **kw: Any) -> Tensor:
-        softmaxes.append(original(*args, **kw))
-        return softmaxes[-1]
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", recording)
-    with torch.no_grad():
-        maxvit(x)
+    maps, softmaxes = maps_and_own_softmaxes(maxvit, x, monkeypatch)
     assert list(maps) == [f"blocks.0.layers.0.layers.{kind}_attention.attn_layer.1" for kind in ("window", "grid")]
     assert len(softmaxes) == 2  # (batch, windows or grids, heads, tokens, tokens)
     for value, softmax in zip(maps.values(), softmaxes):
