@@ -459,16 +459,9 @@ def attention_grid(
 def save_attention_grid(
     path: str | os.PathLike[str], panels: Mapping[str, Tensor], image: Tensor, **kwargs: object
 ) -> Path:
-    """Write ``attention_grid(panels, image, **kwargs)`` to ``path`` (PNG unless the suffix says otherwise).
-
-    Args:
-        path: the file to write; its folder is created.
-        panels: ``{label: maps}``, as for ``attention_grid``.
-        image: the input, as for ``attention_grid``.
-        **kwargs: ``attention_grid``'s keyword arguments (``tile_size``, ``input_range``, ``alpha``, ``caption``).
-
-    Returns:
-        ``path``, as a ``Path``.
+    """Write ``attention_grid(panels, image, **kwargs)`` to ``path`` as ``save_feature_grid`` writes its grid (PNG
+    unless the suffix says otherwise, the folder created) and return ``path`` as a ``Path``; ``kwargs`` are
+    ``attention_grid``'s (``tile_size``, ``input_range``, ``alpha``, ``caption``).
 
     Examples:
         >>> import tempfile

@@ -31,6 +31,8 @@ from featurehooks import FeatureExtractor, _precision
 
 SEED = 0
 REPO = Path(__file__).resolve().parents[1]
+# the command line's smallest real model: ResNet-18 at random init, layer1 of 36 px images cropped to 32
+TINY_CLI_MODEL = ["--backbone", "resnet18", "--layers", "layer1", "--weights", "none", "--resize", "36", "--crop", "32"]
 
 
 def load_script(relative: str) -> ModuleType:

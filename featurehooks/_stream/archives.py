@@ -29,7 +29,7 @@ from .. import images
 from .._decode import decode_pixels, header_size
 from ..errors import InputNotFoundError, InvalidValueError
 
-__all__ = ["IMAGE_SUFFIXES", "TAR_IMAGE_EXTENSIONS", "TarShard", "ZipArchive", "member_byte_limit"]
+__all__ = ["IMAGE_SUFFIXES", "TAR_IMAGE_EXTENSIONS", "TarShard", "ZipArchive", "member_byte_limit", "open_zip"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 """The suffixes (any case) of the files a folder or glob source lists as images (and of a ZIP's members).
@@ -85,6 +85,14 @@ def _inside(names: list[str], inner: str, exact: bool, path: str, what: str) -> 
     return found
 
 
+def open_zip(path: str, kind: str) -> zipfile.ZipFile:
+    """The ZIP file ``path`` (``kind``: what it should be, for the error), or an ``InvalidValueError`` naming it."""
+    try:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise InvalidValueError(f"{path} is not {kind} ({exc})") from None
+
+
 class ZipArchive:
     """The image members of the ZIP archive ``path``, read in place.
 
@@ -94,10 +102,7 @@ class ZipArchive:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            self._zip = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, EOFError, ValueError) as exc:
-            raise InvalidValueError(f"{path} is not a ZIP archive ({exc})") from None
+        self._zip = open_zip(path, "a ZIP archive")
         self._members: dict[str, list[zipfile.ZipInfo]] = {}
         for info in self._zip.infolist():
             if not info.is_dir():

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import images
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
+from .archives import open_zip
 
 __all__ = ["NpyArray", "NpzArrays", "DEFAULT_KEY"]
 
@@ -190,10 +191,7 @@ class NpzArrays:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            self._zip = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, EOFError, ValueError) as exc:
-            raise InvalidValueError(f"{path} is not an .npz file ({exc})") from None
+        self._zip = open_zip(path, "an .npz file")
         arrays = (info for info in self._zip.infolist() if info.filename.endswith(".npy"))
         self._keys = {info.filename[: -len(".npy")]: info for info in arrays}
         self._open: dict[str, _Member] = {}

@@ -26,6 +26,18 @@ def is_state_dict_file(weights: object) -> bool:
     return isinstance(weights, (str, os.PathLike)) and str(weights).endswith(STATE_DICT_SUFFIXES)
 
 
+def weights_source(weights: object, hub: str, unknown: str) -> str | None:
+    """What a backbone records for ``weights``: None, the local file, or ``hub`` for ``"DEFAULT"``; any other value a
+    ``WeightsUnavailableError`` saying ``unknown``."""
+    if weights is None:
+        return None
+    if is_state_dict_file(weights):
+        return str(weights)
+    if weights == "DEFAULT":
+        return hub
+    raise WeightsUnavailableError(unknown)
+
+
 def check_file(path: str | os.PathLike[str]) -> Path:
     """``path`` as a Path if it is an existing file; otherwise a WeightsUnavailableError saying what it is."""
     path = Path(path)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models import WeightsEnum
 
-from ..errors import BackboneNotFoundError, InvalidValueError, WeightsUnavailableError, did_you_mean
-from ._files import hub_checkpoint_path, is_state_dict_file, load_hub_checkpoint, read_state_dict
+from ..errors import BackboneNotFoundError, InvalidValueError, did_you_mean
+from ._files import hub_checkpoint_path, is_state_dict_file, load_hub_checkpoint, read_state_dict, weights_source
 from ._meta import adopt_state, meta_parameters
 from .base import Backbone
 from .timm_models import import_timm, model_facts
@@ -205,15 +205,11 @@ def _backbone(model: nn.Module, name: str, source: str | None) -> Backbone:
 
 def _source(name: str, weights: object) -> str | None:
     """What a Backbone records for ``weights``: None, the local file, or the hub file's stem for "DEFAULT"."""
-    if weights is None:
-        return None
-    if is_state_dict_file(weights):
-        return str(weights)
-    if weights == "DEFAULT":
-        return f"{name}_pretrain"
-    raise WeightsUnavailableError(
+    return weights_source(
+        weights,
+        f"{name}_pretrain",
         f"unknown weights {weights!r} for {name}: it has one set, 'DEFAULT' (the torch hub release, "
-        f"{os.path.basename(weights_url(name))}); or pass a local .pth/.safetensors file, or None for random init"
+        f"{os.path.basename(weights_url(name))}); or pass a local .pth/.safetensors file, or None for random init",
     )
 
 

@@ -36,13 +36,13 @@ from torchvision.models.inception import (
     InceptionE,
 )
 
-from ..errors import WeightsUnavailableError
 from ._fid_resize import DEFAULT_LINEAGE, check_lineage, fid_input
 from ._files import (
     hub_checkpoint_path,
     is_state_dict_file,
     load_hub_checkpoint,
     read_state_dict,
+    weights_source,
 )
 from ._meta import adopt_state, meta_parameters
 from .base import Backbone, Preprocessing
@@ -224,16 +224,12 @@ def fid_weights_path() -> str:
 
 def _source(weights: object) -> str | None:
     """What a Backbone records for ``weights``: None, the local file, or the checkpoint's name for "DEFAULT"."""
-    if weights is None:
-        return None
-    if is_state_dict_file(weights):
-        return str(weights)
-    if weights == "DEFAULT":
-        return _WEIGHTS_NAME
-    raise WeightsUnavailableError(
+    return weights_source(
+        weights,
+        _WEIGHTS_NAME,
         f"unknown weights {weights!r} for {FID_INCEPTION}: it has one set of weights, 'DEFAULT' (pytorch-fid's "
         f"{_WEIGHTS_NAME}.pth from the torch hub cache); or pass a local .pth file, or None for random init "
-        "(not the FID network)"
+        "(not the FID network)",
     )
 
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import BackboneNotFoundError, MissingDependencyError, WeightsUnavailableError, did_you_mean, first_line
-from ._files import check_kinds, is_state_dict_file, read_state_dict
+from ._files import check_kinds, is_state_dict_file, read_state_dict, weights_source
 from ._meta import meta_parameters
 from .base import Backbone, Preprocessing, Size
 
@@ -114,18 +114,15 @@ def _backbone(model: nn.Module, name: str, source: str | None) -> Backbone:
     return Backbone(model, PREFIX + name, source, preprocessing, channels)
 
 
+_UNKNOWN_WEIGHTS = (
+    "timm weights must be 'DEFAULT', a local .pth/.safetensors file or None, not {weights!r}; "
+    "pick a pretrained tag in the name instead (timm/{name}.<tag>)"
+)
+
+
 def _source(name: str, weights: str | os.PathLike[str] | None) -> str | None:
     """Where the weights of ``name`` come from: None, the local file, or ``timm:<name>`` for "DEFAULT"."""
-    if weights is None:
-        return None
-    if is_state_dict_file(weights):
-        return str(weights)
-    if weights == "DEFAULT":
-        return f"timm:{name}"
-    raise WeightsUnavailableError(
-        f"timm weights must be 'DEFAULT', a local .pth/.safetensors file or None, not {weights!r}; "
-        f"pick a pretrained tag in the name instead (timm/{name}.<tag>)"
-    )
+    return weights_source(weights, f"timm:{name}", _UNKNOWN_WEIGHTS.format(weights=weights, name=name))
 
 
 def _meta_model(timm: ModuleType, name: str) -> nn.Module:

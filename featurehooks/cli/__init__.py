@@ -189,15 +189,7 @@ def _show(args: argparse.Namespace) -> int:
     with torch.no_grad():
         features = extractor(image)
     _check_drawable(features, extractor.output_layouts, args.backbone)
-    path = save_feature_grid(
-        args.out,
-        features,
-        image,
-        channels=args.channels,
-        tile_size=args.tile_size,
-        input_range=extractor.input_range,
-        caption=_random_caption(args, extractor),
-    )
+    path = save_feature_grid(args.out, features, image, channels=args.channels, **_drawing(args, extractor))
     print(f"wrote {path} ({', '.join(features)}; {args.channels} most active channels each)")
     return 0
 
@@ -222,6 +214,15 @@ def _read_picture(path: str) -> Tensor:
         raise UserError(f"no such image: {path}") from None
     except Exception as exc:  # Pillow's errors for unreadable files vary
         raise UserError(f"cannot read image {path}: {exc}") from None
+
+
+def _drawing(args: argparse.Namespace, extractor: FeatureExtractor) -> dict[str, Any]:
+    """The keywords both pictures of ``show`` take: tile size, input range and caption."""
+    return {
+        "tile_size": args.tile_size,
+        "input_range": extractor.input_range,
+        "caption": _random_caption(args, extractor),
+    }
 
 
 def _random_caption(args: argparse.Namespace, extractor: FeatureExtractor) -> str | None:
@@ -268,14 +269,7 @@ def _show_attention(args: argparse.Namespace, picture: Tensor) -> int:
     panels = {name: attention_saliency(maps[name], grid, prefix)[0, : args.heads] for name in drawn}
     if args.rollout:
         panels["rollout"] = rollout_saliency(maps, grid, prefix)[:1]  # the one image's, as one map
-    path = save_attention_grid(
-        args.out,
-        panels,
-        image,
-        tile_size=args.tile_size,
-        input_range=extractor.input_range,
-        caption=_random_caption(args, extractor),
-    )
+    path = save_attention_grid(args.out, panels, image, **_drawing(args, extractor))
     rollout = f"; the rollout of {len(maps)} attention modules" if args.rollout else ""
     print(f"wrote {path} (attention per head of {', '.join(drawn)}{rollout})")
     return 0
@@ -333,6 +327,20 @@ is refused: it has no class token and no token that attends to the whole image.
 """
 
 
+_EXTRACT_ABOUT = """\
+dump features of image files to <layer>.npy + manifest.json (resumable, torchrun-aware)
+
+Extract features of every image in SRC and write them to --out, one .npy per layer.
+"""
+
+_SHOW_ABOUT = """\
+save a PNG grid of each layer's most active feature maps, or its attention maps, for one image
+
+Draw, for each layer, the input image and its most active channels (viridis, min-max scaled); with --attention, the
+class token's attention of each head over the image, and the attention rollout.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``featurehooks`` command."""
     parser = argparse.ArgumentParser(
@@ -342,13 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    extract = add_command(
-        commands,
-        "extract",
-        help="dump features of image files to <layer>.npy + manifest.json (resumable, torchrun-aware)",
-        description="Extract features of every image in SRC and write them to --out, one .npy per layer.",
-        epilog=_EXTRACT_EPILOG,
-    )
+    extract = add_command(commands, "extract", _EXTRACT_ABOUT, _EXTRACT_EPILOG)
     extract.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
     extract.add_argument("--out", required=True, metavar="DIR", help="output folder")
     add_model_options(extract)
@@ -386,14 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layers.set_defaults(run=_layers)
 
-    show = add_command(
-        commands,
-        "show",
-        help="save a PNG grid of each layer's most active feature maps, or its attention maps, for one image",
-        description="Draw, for each layer, the input image and its most active channels (viridis, min-max scaled); "
-        "with --attention, the class token's attention of each head over the image, and the attention rollout.",
-        epilog=_SHOW_EPILOG,
-    )
+    show = add_command(commands, "show", _SHOW_ABOUT, _SHOW_EPILOG)
     show.add_argument(
         "image", metavar="IMAGE", help="an image file, or a row of an archive (samples.zip/0.png, samples.npz/arr_0/3)"
     )

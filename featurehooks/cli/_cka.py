@@ -41,16 +41,17 @@ _BAR = 12  # width of the colour bar
 _NAN_GRAY = (128, 128, 128)
 
 
+_CKA_ABOUT = """\
+linear CKA of every layer of one dump with every layer of another, as a table and a heatmap
+
+Layer x layer linear CKA (minibatch, unbiased HSIC) of dump A (rows) and dump B (columns) of the same images, their
+rows matched by id.
+"""
+
+
 def add_cka_command(commands: Any) -> None:
     """Add ``cka`` to the ``featurehooks`` command's subparsers."""
-    parser = add_command(
-        commands,
-        "cka",
-        help="linear CKA of every layer of one dump with every layer of another, as a table and a heatmap",
-        description="Layer x layer linear CKA (minibatch, unbiased HSIC) of dump A (rows) and dump B (columns) "
-        "of the same images, their rows matched by id.",
-        epilog=_EPILOG,
-    )
+    parser = add_command(commands, "cka", _CKA_ABOUT, _EPILOG)
     parser.add_argument("a", metavar="A", help="a dump folder (featurehooks extract): its layers are the rows")
     parser.add_argument("b", metavar="B", help="a dump folder of the same images: its layers are the columns")
     parser.add_argument("--out", metavar="PNG", default=None, help="draw the matrix as a heatmap to this file")

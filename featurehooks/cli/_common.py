@@ -235,10 +235,12 @@ def check_output_file(path: str) -> None:
         raise UserError(f"cannot write {path}: it is not a regular file (a FIFO, socket or device); name a file")
 
 
-def add_command(commands: Any, name: str, *, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
-    """A subcommand whose epilog (examples, notes) keeps its line breaks."""
+def add_command(commands: Any, name: str, about: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand: ``about``'s first paragraph is its one-line help, the second its description; the epilog
+    (examples, notes) keeps its line breaks."""
+    summary, description = (" ".join(paragraph.split("\n")) for paragraph in about.strip().split("\n\n"))
     return commands.add_parser(
-        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+        name, help=summary, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 
@@ -301,6 +303,17 @@ def add_stream_options(parser: argparse.ArgumentParser, unit: str = "images", ba
 
 
 _SLURM = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX")
+
+
+def add_kid_subset_option(parser: argparse.ArgumentParser, unit: str) -> None:
+    """``--kid-subset-size`` (``unit``: what a KID subset draws, images or feature vectors)."""
+    parser.add_argument(
+        "--kid-subset-size",
+        type=at_least(2),
+        default=1000,
+        metavar="N",
+        help=f"{unit} per KID subset; each set needs at least N (default: 1000)",
+    )
 
 
 def add_shard_option(parser: argparse.ArgumentParser, what: str = "dump") -> None:

@@ -44,17 +44,17 @@ _FLAGS = (
 )
 
 
+_DISTS_ABOUT = """\
+DISTS between the images of two folders, paired by relative path
+
+Score every pair of images with the same relative path in two folders with DISTS (deep image structure and texture
+similarity); print the mean ± std and the count, and write the per-pair scores with --out.
+"""
+
+
 def add_dists_command(commands: Any) -> None:
     """Add ``dists`` to the ``featurehooks`` command's subparsers."""
-    dists = add_command(
-        commands,
-        "dists",
-        help="DISTS between the images of two folders, paired by relative path",
-        description="Score every pair of images with the same relative path in two folders with DISTS "
-        "(deep image structure and texture similarity); print the mean ± std and the count, and write the "
-        "per-pair scores with --out.",
-        epilog=_DISTS_EPILOG,
-    )
+    dists = add_command(commands, "dists", _DISTS_ABOUT, _DISTS_EPILOG)
     add_pair_options(dists)
     dists.add_argument("--uncalibrated", action="store_true", help="weigh every channel alike (no learned alpha/beta)")
     dists.add_argument("--alpha-beta", metavar="FILE", default=None, help="a file with the learned alpha and beta")

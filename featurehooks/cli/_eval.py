@@ -17,10 +17,10 @@ from ._common import (
     UserError,
     add_command,
     add_device_option,
+    add_kid_subset_option,
     add_seed_option,
     add_shard_option,
     add_stream_options,
-    at_least,
     check_output_file,
     device_from,
     is_main_rank,
@@ -76,16 +76,17 @@ into the file one run writes (every vector kept, in row order).
 """
 
 
+_EVAL_ABOUT = """\
+FID, FD_DINOv2, CMMD, IS, KID, PRDC and sFID of two image sets, each image decoded once (torchrun-aware)
+
+The generative metrics of FAKE against REAL (image folders, globs or files): every backbone they need from one
+decode of each image, one line per metric in the order asked.
+"""
+
+
 def add_eval_command(commands: Any) -> None:
     """Add ``eval`` to the ``featurehooks`` command's subparsers."""
-    parser = add_command(
-        commands,
-        "eval",
-        help="FID, FD_DINOv2, CMMD, IS, KID, PRDC and sFID of two image sets, each image decoded once (torchrun-aware)",
-        description="The generative metrics of FAKE against REAL (image folders, globs or files): every backbone "
-        "they need from one decode of each image, one line per metric in the order asked.",
-        epilog=_EPILOG,
-    )
+    parser = add_command(commands, "eval", _EVAL_ABOUT, _EPILOG)
     parser.add_argument(
         "real",
         metavar="REAL",
@@ -121,13 +122,7 @@ def add_eval_command(commands: Any) -> None:
         metavar="NAME",
         help=f"the DINOv2 of fd_dinov2: {', '.join(FD_DINOV2_MODELS)} (default: vitl14, FD_DINOv2's)",
     )
-    parser.add_argument(
-        "--kid-subset-size",
-        type=at_least(2),
-        default=1000,
-        metavar="N",
-        help="images per KID subset; each set needs at least N (default: 1000)",
-    )
+    add_kid_subset_option(parser, "images")
     parser.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="PRDC's nearest neighbour (default: 5)")
     parser.add_argument(
         "--is-splits", type=positive, default=10, metavar="N", help="parts of the Inception Score (default: 10)"

@@ -77,16 +77,17 @@ singular case exactly; above 2048 images both agree to rounding.
 Side = Union["FeatureStatistics", "tuple[torch.Tensor, torch.Tensor]"]
 
 
+_FID_ABOUT = """\
+FID between two image sets (or statistics files), the number python -m pytorch_fid prints
+
+Fréchet Inception Distance between two image sets (folders, globs or files) or statistics files, on the TensorFlow
+Inception network of pytorch-fid, with its preprocessing.
+"""
+
+
 def add_fid_command(commands: Any) -> None:
     """Add ``fid`` to the ``featurehooks`` command's subparsers."""
-    fid = add_command(
-        commands,
-        "fid",
-        help="FID between two image sets (or statistics files), the number python -m pytorch_fid prints",
-        description="Fréchet Inception Distance between two image sets (folders, globs or files) or statistics "
-        "files, on the TensorFlow Inception network of pytorch-fid, with its preprocessing.",
-        epilog=_EPILOG,
-    )
+    fid = add_command(commands, "fid", _FID_ABOUT, _EPILOG)
     fid.add_argument("set_a", metavar="A", help="image folder (recursive), glob or file; or a statistics .npz")
     fid.add_argument(
         "set_b",

@@ -33,17 +33,17 @@ an interrupted merge of dumps is finished by running it again.
 """
 
 
+_MERGE_ABOUT = """\
+join the parts of --shard jobs: dump folders into one dump, statistics files into one file
+
+Join the parts that jobs of `extract --shard I/N` (dump folders), `stats --shard I/N` (statistics files) or `eval
+--save-stats --shard I/N` (statistics sets) wrote, one per shard, into what one run over the whole set writes.
+"""
+
+
 def add_merge_command(commands: Any) -> None:
     """Add ``merge`` to the ``featurehooks`` command's subparsers."""
-    merge = add_command(
-        commands,
-        "merge",
-        help="join the parts of --shard jobs: dump folders into one dump, statistics files into one file",
-        description="Join the parts that jobs of `extract --shard I/N` (dump folders), `stats --shard I/N` "
-        "(statistics files) or `eval --save-stats --shard I/N` (statistics sets) wrote, one per shard, into what "
-        "one run over the whole set writes.",
-        epilog=_EPILOG,
-    )
+    merge = add_command(commands, "merge", _MERGE_ABOUT, _EPILOG)
     merge.add_argument("out", metavar="OUT", help="the merged dump's folder, or the merged statistics .npz")
     merge.add_argument("parts", nargs="+", metavar="PART", help="every shard's dump folder or statistics file")
     merge.add_argument(

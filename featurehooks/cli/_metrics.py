@@ -14,10 +14,10 @@ from .._layout import Pool, as_pool
 from ._common import (
     UserError,
     add_command,
+    add_kid_subset_option,
     add_model_options,
     add_shard_option,
     add_stream_options,
-    at_least,
     build_extractor,
     check_output_file,
     check_precision,
@@ -86,16 +86,31 @@ installed lpips (or torchmetrics) package, or from --heads FILE.
 """
 
 
+_LPIPS_ABOUT = """\
+LPIPS between the images of two folders, paired by relative path
+
+Score every pair of images with the same relative path in two folders with calibrated LPIPS; print the mean ± std
+and the count, and write the per-pair scores with --out.
+"""
+
+_FD_ABOUT = """\
+Fréchet distance (and KID) between the features of two image sets
+
+Fréchet distance between the pooled features of two image sets (folders, globs or statistics files), per layer, from
+streaming statistics: no feature file is written.
+"""
+
+_STATS_ABOUT = """\
+save the feature statistics of an image set (a reference for fd)
+
+Stream an image set through a backbone and save the mean and covariance of one layer's pooled features (and a sample
+of them for KID) to a .npz file that `featurehooks fd` reads.
+"""
+
+
 def add_metric_commands(commands: Any) -> None:
     """Add ``lpips``, ``fd`` and ``stats`` to the ``featurehooks`` command's subparsers."""
-    lpips = add_command(
-        commands,
-        "lpips",
-        help="LPIPS between the images of two folders, paired by relative path",
-        description="Score every pair of images with the same relative path in two folders with calibrated "
-        "LPIPS; print the mean ± std and the count, and write the per-pair scores with --out.",
-        epilog=_LPIPS_EPILOG,
-    )
+    lpips = add_command(commands, "lpips", _LPIPS_ABOUT, _LPIPS_EPILOG)
     add_pair_options(lpips)
     lpips.add_argument("--net", choices=("alex", "vgg", "squeeze"), default="alex", help="backbone (default: alex)")
     lpips.add_argument("--version", choices=("0.0", "0.1"), default="0.1", help="LPIPS version (default: 0.1)")
@@ -103,14 +118,7 @@ def add_metric_commands(commands: Any) -> None:
     lpips.add_argument("--heads", metavar="FILE", default=None, help="a file with the calibrated linear heads")
     lpips.set_defaults(run=_lpips)
 
-    fd = add_command(
-        commands,
-        "fd",
-        help="Fréchet distance (and KID) between the features of two image sets",
-        description="Fréchet distance between the pooled features of two image sets (folders, globs or "
-        "statistics files), per layer, from streaming statistics: no feature file is written.",
-        epilog=_FD_EPILOG,
-    )
+    fd = add_command(commands, "fd", _FD_ABOUT, _FD_EPILOG)
     fd.add_argument("set_a", metavar="A", help="image folder, glob or file; or a statistics .npz")
     fd.add_argument("set_b", metavar="B", help="image folder, glob or file; or a statistics .npz")
     _statistics_options(fd)
@@ -118,13 +126,7 @@ def add_metric_commands(commands: Any) -> None:
     fd.add_argument(
         "--kid-keep", type=positive, default=10_000, metavar="N", help="vectors kept per set for KID (default: 10000)"
     )
-    fd.add_argument(
-        "--kid-subset-size",
-        type=at_least(2),
-        default=1000,
-        metavar="N",
-        help="vectors per KID subset; each set needs at least N (default: 1000)",
-    )
+    add_kid_subset_option(fd, "vectors")
     fd.add_argument(
         "--prdc",
         action="store_true",
@@ -141,14 +143,7 @@ def add_metric_commands(commands: Any) -> None:
     add_sample_size_options(fd)
     fd.set_defaults(run=_fd)
 
-    stats = add_command(
-        commands,
-        "stats",
-        help="save the feature statistics of an image set (a reference for fd)",
-        description="Stream an image set through a backbone and save the mean and covariance of one layer's "
-        "pooled features (and a sample of them for KID) to a .npz file that `featurehooks fd` reads.",
-        epilog=_FD_EPILOG,
-    )
+    stats = add_command(commands, "stats", _STATS_ABOUT, _FD_EPILOG)
     stats.add_argument("sources", nargs="+", metavar="SRC", help="image folders (recursive), files or glob patterns")
     stats.add_argument("--out", required=True, metavar="NPZ", help="where to write the statistics")
     _statistics_options(stats)

@@ -386,21 +386,6 @@ class FeatureLoss(nn.Module):
             )
         return self._masked_statistics(self._channels_first(self.target_features(target), "target"), mask)[0]
 
-    @overload
-    def forward(
-        self,
-        input: Tensor,
-        target: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        return_layers: Literal[False] = False,
-    ) -> Tensor: ...
-
-    @overload
-    def forward(
-        self, input: Tensor, target: Tensor | None = None, *, mask: Tensor | None = None, return_layers: Literal[True]
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
-
     def forward(
         self, input: Tensor, target: Tensor | None = None, *, mask: Tensor | None = None, return_layers: bool = False
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:

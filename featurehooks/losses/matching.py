@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, Union, cast, overload
+from typing import Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -137,26 +137,6 @@ class FeatureMatchingLoss(nn.Module):
         self.reduction: functional.Reduction = reduction
         functional.check_mask_normalization(mask_normalization)
         self.mask_normalization: functional.MaskNormalization = mask_normalization
-
-    @overload
-    def forward(
-        self,
-        fake: MultiScaleFeatures,
-        real: MultiScaleFeatures,
-        *,
-        mask: Tensor | None = None,
-        return_layers: Literal[False] = False,
-    ) -> Tensor: ...
-
-    @overload
-    def forward(
-        self,
-        fake: MultiScaleFeatures,
-        real: MultiScaleFeatures,
-        *,
-        mask: Tensor | None = None,
-        return_layers: Literal[True],
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def forward(
         self,

@@ -19,7 +19,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Union, overload
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -372,16 +372,6 @@ class DISTS(KeepsPrecision):
         """The images in [0, 1], DISTS' first term."""
         low, high = self.input_range
         return images if (low, high) == (0.0, 1.0) else (images - low) / (high - low)
-
-    @overload
-    def forward(
-        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[False] = False
-    ) -> Tensor: ...
-
-    @overload
-    def forward(
-        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[True]
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def forward(
         self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: bool = False

@@ -12,6 +12,7 @@ for FID (``fid_statistics(..., keep=N)``), and ``inception_score_of_logits`` the
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
@@ -161,14 +162,10 @@ def inception_score(
     check_count(splits, "splits", least=1)
     if options.get("shard") is not None:
         raise InvalidValueError("the Inception Score is of a whole set: shard= is for statistics and dumps")
-    extractor = given_or_built(
-        extractor,
-        lambda: fid_extractor(weights, mode=mode or "legacy_tensorflow", device=device, precision=precision),
-        weights,
-        device,
-        precision,
-        mode=False,
+    build = functools.partial(
+        fid_extractor, weights, mode=mode or "legacy_tensorflow", device=device, precision=precision
     )
+    extractor = given_or_built(extractor, build, weights, device, precision, mode=False)
     network = fid_network(extractor)
     if [tap.path for tap in extractor.taps] != [FID_LAYERS[2048]]:
         raise InvalidValueError(

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, overload
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -402,16 +402,6 @@ class LPIPS(KeepsPrecision):
         if self.reduction == "sum":
             return values.sum(dim=0)
         return values
-
-    @overload
-    def forward(
-        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[False] = False
-    ) -> Tensor: ...
-
-    @overload
-    def forward(
-        self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: Literal[True]
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
     def forward(
         self, input: Tensor, target: Tensor, *, mask: Tensor | None = None, return_layers: bool = False

@@ -11,6 +11,7 @@ by TensorFlow 1's bilinear rule: the ``"legacy_tensorflow"`` lineage, the defaul
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,14 +151,10 @@ def sfid_statistics(
     for name in ("resize_size", "crop_size"):
         if name in options:
             raise InvalidValueError(f"sFID takes no {name}: the network resizes each image to 299x299 itself")
-    extractor = given_or_built(
-        extractor,
-        lambda: sfid_extractor(weights, mode=mode or "legacy_tensorflow", device=device, precision=precision),
-        weights,
-        device,
-        precision,
-        mode=False,
+    build = functools.partial(
+        sfid_extractor, weights, mode=mode or "legacy_tensorflow", device=device, precision=precision
     )
+    extractor = given_or_built(extractor, build, weights, device, precision, mode=False)
     fid_network(extractor)  # refuses another network
     if [tap.path for tap in extractor.taps] != [SFID_LAYER] or (mode is not None and mode != fid_mode(extractor)):
         raise InvalidValueError(

@@ -22,24 +22,10 @@ from featurehooks.cli import main
 from featurehooks.metrics import FeatureStatistics
 
 from dump_helpers import mark_unfinished, scribble
-from helpers import tiny_extractor
+from helpers import TINY_CLI_MODEL, tiny_extractor
 
 OPTIONS = {"batch_size": 2, "num_workers": 0, "progress": False, "resize_size": 36, "crop_size": 32}
-CLI = [
-    "--backbone",
-    "resnet18",
-    "--layers",
-    "layer1",
-    "--weights",
-    "none",
-    "--resize",
-    "36",
-    "--crop",
-    "32",
-    "--workers",
-    "0",
-    "-q",
-]
+CLI = [*TINY_CLI_MODEL, "--workers", "0", "-q"]
 
 
 def pixels(count: int = 5, seed: int = 0) -> np.ndarray:

@@ -27,7 +27,7 @@ from featurehooks.dump import dump_features
 from featurehooks.errors import InvalidValueError
 from featurehooks.losses import PerceptualLoss, StyleLoss
 
-from helpers import FlattensWithView, photos, tiny_extractor
+from helpers import TINY_CLI_MODEL, FlattensWithView, photos, tiny_extractor
 
 SEED = 0
 
@@ -411,23 +411,7 @@ def test_the_command_line_takes_a_memory_format(tmp_path: Path, capsys: pytest.C
     folder = tmp_path / "images"
     folder.mkdir()
     Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(folder / "a.png")
-    common = [
-        "extract",
-        str(folder),
-        "--backbone",
-        "resnet18",
-        "--layers",
-        "layer1",
-        "--weights",
-        "none",
-        "--resize",
-        "36",
-        "--crop",
-        "32",
-        "--device",
-        "cpu",
-        "-q",
-    ]
+    common = ["extract", str(folder), *TINY_CLI_MODEL, "--device", "cpu", "-q"]
     assert main([*common, "--out", str(tmp_path / "out"), "--memory-format", "contiguous"]) == 0
     assert np.load(tmp_path / "out" / "layer1.npy").shape == (1, 64, 8, 8)
     with pytest.raises(SystemExit):
