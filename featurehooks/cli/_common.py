@@ -316,6 +316,11 @@ def add_kid_subset_option(parser: argparse.ArgumentParser, unit: str) -> None:
     )
 
 
+def add_prdc_k_option(parser: argparse.ArgumentParser) -> None:
+    """``--prdc-k``: the k of PRDC's k-nearest-neighbour radii."""
+    parser.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="PRDC's nearest neighbour (default: 5)")
+
+
 def add_shard_option(parser: argparse.ArgumentParser, what: str = "dump") -> None:
     """``--shard I/N`` (or ``slurm``): the streaming option ``shard`` of a command that writes a part (``what``)."""
     parser.add_argument(

@@ -18,6 +18,7 @@ from ._common import (
     add_command,
     add_device_option,
     add_kid_subset_option,
+    add_prdc_k_option,
     add_seed_option,
     add_shard_option,
     add_stream_options,
@@ -123,7 +124,7 @@ def add_eval_command(commands: Any) -> None:
         help=f"the DINOv2 of fd_dinov2: {', '.join(FD_DINOV2_MODELS)} (default: vitl14, FD_DINOv2's)",
     )
     add_kid_subset_option(parser, "images")
-    parser.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="PRDC's nearest neighbour (default: 5)")
+    add_prdc_k_option(parser)
     parser.add_argument(
         "--is-splits", type=positive, default=10, metavar="N", help="parts of the Inception Score (default: 10)"
     )

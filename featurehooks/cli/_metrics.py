@@ -16,6 +16,7 @@ from ._common import (
     add_command,
     add_kid_subset_option,
     add_model_options,
+    add_prdc_k_option,
     add_shard_option,
     add_stream_options,
     build_extractor,
@@ -132,7 +133,7 @@ def add_metric_commands(commands: Any) -> None:
         action="store_true",
         help="also precision, recall, density and coverage, with A as the reference (real) set",
     )
-    fd.add_argument("--prdc-k", type=positive, default=5, metavar="K", help="nearest neighbours (default: 5)")
+    add_prdc_k_option(fd)
     fd.add_argument(
         "--prdc-keep",
         type=positive,
