@@ -101,9 +101,10 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
             ``"contiguous"``; ``memory_format_in_use`` says what the latest forward ran in.
         precision: what the backbone computes in: ``"float32"`` (default), ``"bf16"`` or ``"fp16"``.
 
-    ``output_layouts`` tells the layout of each returned output. Features keep their logical shape whatever the
-    memory format (a channels-last forward returns channels-last strides). Grayscale input is an error rather than
-    silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
+    ``input_size`` is the only ``(H, W)`` the backbone takes where it fixes one (timm ViTs with a strict image size,
+    torchvision's ViT), else None. ``output_layouts`` tells the layout of each returned output. Features keep their
+    logical shape whatever the memory format (a channels-last forward returns channels-last strides). Grayscale
+    input is an error rather than silently repeated: pass ``x.expand(-1, 3, -1, -1)``.
 
     Shape:
         input: ``(B, C, H, W)`` float in ``input_range``; output: dict of the requested features.
@@ -172,7 +173,8 @@ class FeatureExtractor(KeepsPrecision, ClosedOnExit):
         index = LayerIndex(model, loaded.name)
         self.taps = index.taps(layers)
         check_prefix_names(self.taps.names, return_prefix_tokens)
-        size = fixed_input_size(model) or self.preprocessing.crop_size or 224
+        self.input_size = fixed_input_size(model)
+        size = self.input_size or self.preprocessing.crop_size or 224
         # auto uses channels-last only without a graph (or in bf16/fp16), so only such an extractor under auto counts
         # the convolution work for it, in its one meta trace
         count_conv = policy.counts_conv(graph=mode == "grad")

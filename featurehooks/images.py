@@ -380,6 +380,18 @@ def checked_size(name: str, value: object) -> int | None:
     return value
 
 
+def check_input_size(extractor: FeatureExtractor, size: tuple[int, ...]) -> None:
+    """Refuse, before any forward, images prepared to another size than the only one the backbone takes."""
+    fixed = extractor.input_size
+    if fixed is None or tuple(size) == fixed:
+        return
+    fix = f"pass crop_size={fixed[0]} (--crop {fixed[0]})" if fixed[0] == fixed[1] else "prepare them to that size"
+    raise InvalidValueError(
+        f"{extractor.backbone_name} takes {fixed[0]}x{fixed[1]} images only (its patch embedding is fixed), and these "
+        f"are prepared to {size[0]}x{size[1]}: {fix}, or leave the resize and crop to the weights"
+    )
+
+
 def prepare_image(
     image: ImageSpec,
     extractor: FeatureExtractor,
@@ -421,5 +433,6 @@ def prepare_image(
         raise InvalidValueError(f"expected an image (C, H, W) or a batch (B, C, H, W), got shape {tuple(pixels.shape)}")
     transform = transform_for(extractor.preprocessing, extractor.input_range, resize_size, crop_size)
     batch = transform(pixels)
+    check_input_size(extractor, tuple(batch.shape[-2:]))
     reference = extractor.mean  # a buffer: it follows .to(), .cuda(), .double()
     return (batch if batch.dim() == 4 else batch[None]).to(device=reference.device, dtype=reference.dtype)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
 from ..errors import InputNotFoundError, InvalidTypeError, InvalidValueError
-from ..images import ImageTransform, to_input_range, transform_for
+from ..images import ImageTransform, check_input_size, to_input_range, transform_for
 from .archives import IMAGE_SUFFIXES, TarShard
 from .generated import GeneratedImages, GeneratedRows, fingerprint, row_names
 from .members import container_of, identity_path, opened, read_row, row_size
@@ -503,6 +503,8 @@ def resolve_inputs(
                 continue
         else:
             raise InvalidValueError(f"none of the {len(names)} inputs could be decoded")
+    if transform.crop_size is not None or pool is None:  # one size for every row
+        check_input_size(extractor, shape[-2:])
     return Inputs(names, None, shape, transform, file_identity(names), sizes_vary=pool is not None)
 
 
