@@ -7,7 +7,9 @@ brackets every forward of the model its caller runs (``HookSession``).
 
 A tap that the model changes in place later in the forward (an in-place ReLU, ``out += identity``) is stored as a
 clone; on a private copy (``owns_model``), in-place activations that change a tap are made out of place instead
-where that gives bitwise the same values and gradients (``release_inplace``), which spares the clone.
+where that gives bitwise the same values and gradients (``release_inplace``), which spares the clone; and its
+large CPU max pools run ATen's channels-last kernel on a channels-last copy of their input, their output made NCHW
+again: a max is exact, so the bytes are those of the NCHW kernel, only sooner (``pool_channels_last``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import FrameType
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -27,7 +30,14 @@ from ._taps import Site, Taps, call_name
 from ._trace import Trace, trace
 from .errors import LayerNotRunError
 
-__all__ = ["TapSession", "release_inplace"]
+__all__ = ["TapSession", "pool_channels_last", "release_inplace"]
+
+# dtypes whose channels-last max pool is bytewise the NCHW kernel's, NaNs and signed zeros included (bfloat16 is
+# not: its NaNs come back with another bit pattern)
+_EXACT_POOL_DTYPES = (torch.float32, torch.float16, torch.float64)
+# below these, the copies in and out cost more than the channels-last kernel saves (benchmarks/max_pool.py)
+POOL_MIN_CHANNELS = 8
+POOL_MIN_ELEMENTS = 1 << 16
 
 K = TypeVar("K")  # what a tap session keeps of each tapped output (capture's gradient slots)
 
@@ -116,6 +126,10 @@ class TapSession(HookSession[_Forward[K]], Generic[K]):
         try:
             for path in taps.paths:
                 self.adopt(model.get_submodule(path).register_forward_hook(_Collect(self, path)))
+            if owns_model:  # a forward of the instance, not a hook: small pools pay no hook dispatch
+                for module in model.modules():
+                    if type(module) is nn.MaxPool2d and not module.return_indices:
+                        vars(module)["forward"] = _ChannelsLastPool(module)
         except BaseException:
             self.remove()
             raise
@@ -293,6 +307,46 @@ def release_inplace(model: nn.Module, found: Trace, sites: list[Site], stop_earl
     for module in modules:
         module.inplace = True
     return found
+
+
+class _ChannelsLastPool:
+    """A private copy's max pool forward: a large NCHW input on the CPU through ATen's channels-last kernel
+    (``pool_channels_last``; the NCHW kernel also computes the indices nobody asked for, one element at a time), its
+    output made NCHW again, as the next layer and the taps expect; anything else, and under ``torch.compile`` (which
+    picks its own kernels), as ``nn.MaxPool2d`` does. An object, not a bound function: copies and pickles keep it."""
+
+    def __init__(self, pool: nn.MaxPool2d) -> None:
+        self.pool = pool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        pool = self.pool
+        channels_last = pool_channels_last(x) and not torch.compiler.is_compiling()
+        pooled: torch.Tensor = F.max_pool2d(
+            x.contiguous(memory_format=torch.channels_last) if channels_last else x,
+            pool.kernel_size,
+            pool.stride,
+            pool.padding,
+            pool.dilation,
+            ceil_mode=pool.ceil_mode,
+        )
+        return pooled.contiguous() if channels_last else pooled
+
+
+def pool_channels_last(x: Any) -> bool:
+    """Whether a max pool of ``x`` runs channels-last: an NCHW float32/float16/float64 batch on the CPU, outside a
+    graph, of at least ``POOL_MIN_CHANNELS`` channels and ``POOL_MIN_ELEMENTS`` values; there its bytes are those of
+    the NCHW kernel, and it is faster, the copies in and out included (``benchmarks/max_pool.py``)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.numel() >= POOL_MIN_ELEMENTS  # first: most small inputs stop here
+        and x.device.type == "cpu"
+        and x.dim() == 4
+        and x.shape[1] >= POOL_MIN_CHANNELS
+        and x.dtype in _EXACT_POOL_DTYPES
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.is_contiguous()
+        and not x.is_contiguous(memory_format=torch.channels_last)
+    )
 
 
 def _try_trace(root: nn.Module, args: Iterable[Any], kwargs: dict[str, Any], sites: list[Site]) -> Trace | None:

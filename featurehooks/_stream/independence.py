@@ -54,7 +54,7 @@ _PER_SAMPLE: tuple[type[nn.Module], ...] = (
     _BatchNorm,
 )
 _LIBRARIES = ("torchvision.", "timm.", "featurehooks.backbones.")  # forwards that keep rows apart in eval mode
-_OUR_HOOKS = "featurehooks._tap_session"  # the extractor's taps: they collect outputs, whatever the batch
+_OUR_HOOKS = "featurehooks._tap_session"  # the extractor's taps and max pools: per image, whatever the batch
 
 
 def rows_independent(model: nn.Module) -> bool:
@@ -89,5 +89,9 @@ def _keeps_batch_axis(module: nn.Module) -> bool:
 
 
 def _only_our_hooks(module: nn.Module) -> bool:
+    """No hook and no forward set on the instance (a patched ``module.forward``) but the extractor's own."""
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    patched = module.__dict__.get("forward")
+    if patched is not None:
+        hooks = (*hooks, getattr(patched, "__func__", patched))
     return all(getattr(hook, "__module__", None) == _OUR_HOOKS for hook in hooks)

@@ -246,6 +246,15 @@ def test_live_exit_quick(tmp_path: Path, torch_home: Path) -> None:
     assert [t["claim"] for t in payload["targets"]] == [f"{live.CUT} / {live.OURS} (speed)"]
 
 
+def test_max_pool_quick(tmp_path: Path, torch_home: Path) -> None:
+    max_pool, payload = _run_quick("max_pool", tmp_path, torch_home)
+    assert [g["case"] for g in payload["groups"]] == [*max_pool.POOLS, "ResNet-18 up to layer4"]
+    for group in payload["groups"]:
+        rows = {row["name"]: row for row in group["rows"]}
+        assert list(rows) == [max_pool.FLOOR, max_pool.OURS]
+        assert rows[max_pool.OURS]["max_abs_diff"] == 0.0  # the NCHW kernel's features, bitwise
+
+
 def test_probes_quick(tmp_path: Path, torch_home: Path) -> None:
     probes, payload = _run_quick("probes", tmp_path, torch_home)
     rows = _single_group_rows(payload)

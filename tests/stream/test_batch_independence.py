@@ -59,6 +59,13 @@ def _hooked(model: nn.Module) -> nn.Module:
     return model
 
 
+def _patched(model: nn.Module) -> nn.Module:
+    """A known module whose forward the user replaced on the instance, with one that mixes the batch."""
+    conv = model[0]
+    model[0].forward = lambda x: nn.Conv2d.forward(conv, x - x.mean(0))
+    return model
+
+
 class OwnForward(nn.Module):
     """A forward of the user's own: nothing proves that it keeps the rows apart."""
 
@@ -84,6 +91,7 @@ class OwnForward(nn.Module):
         (lambda: nn.Sequential(nn.Flatten(1), nn.Softmax()), False),  # dim=None: axis 0 of a 3-d tensor
         (lambda: nn.Sequential(OwnForward()), False),
         (lambda: _hooked(nn.Sequential(nn.Conv2d(3, 4, 3))), False),
+        (lambda: _patched(nn.Sequential(nn.Conv2d(3, 4, 3))), False),
     ],
 )
 def test_rows_are_independent_only_where_every_module_is_known_to_keep_them_apart(
