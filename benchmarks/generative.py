@@ -455,12 +455,16 @@ def fd_contenders(job: Job, weights: Path) -> dict[str, Callable[[], Numbers]]:
 
 def relative_differences(found: Numbers, reference: Numbers) -> Numbers:
     """``|found - reference| / |reference|`` per number of ``found``; a number named after one of ``reference``'s
-    (``cmmd_float64_mmd`` after ``cmmd``) is compared with that one."""
-    return {
-        name: abs(value - reference[base]) / abs(reference[base]) if reference[base] else abs(value)
-        for name, value in found.items()
-        for base in [next(key for key in reference if name.startswith(key))]
-    }
+    (``cmmd_float64_mmd`` after ``cmmd``) is compared with that one. A ``<x>_std`` is divided by ``|<x>_mean|``
+    instead: the spread of a few split scores is their difference, so its error is the scores' own (IS at two
+    images a split: a std of 0.004 whose float32 rounding would read 1e-4 relative to itself)."""
+    differences = {}
+    for name, value in found.items():
+        base = next(key for key in reference if name.startswith(key))
+        mean = base.removesuffix("_std") + "_mean" if base.endswith("_std") else base
+        scale = reference.get(mean, reference[base])
+        differences[name] = abs(value - reference[base]) / abs(scale) if scale else abs(value)
+    return differences
 
 
 def run_group(

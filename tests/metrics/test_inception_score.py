@@ -67,7 +67,9 @@ def test_inception_score_is_torch_fidelitys(weights: Path, folder: Path) -> None
     mean, std = inception_score(folder, weights=weights, splits=SPLITS, device="cpu", num_workers=0, batch_size=4)
     expected_mean, expected_std = theirs["inception_score_mean"], theirs["inception_score_std"]
     assert expected_mean > 1.05, expected_mean  # a score that says something (1.08)
-    assert mean == pytest.approx(expected_mean, rel=1e-5) and std == pytest.approx(expected_std, rel=1e-5)
+    # the std of a few split scores is their difference: its error is the scores' own, so it is measured against the
+    # mean (seen on an AVX-512 EPYC: 2.9e-7 apart, 1.5e-5 of the std, 2.7e-7 of the mean)
+    assert mean == pytest.approx(expected_mean, rel=1e-5) and std == pytest.approx(expected_std, abs=1e-5 * mean)
 
 
 def test_logits_score_is_torch_fidelitys_arithmetic() -> None:
