@@ -46,7 +46,7 @@ docs: $(STAMP)
 	$(PYTEST) tests/docs
 
 # the CPU benchmarks, one after another (about an hour on 2 quiet cores); results land in benchmarks/results/
-BENCHMARKS := extraction losses memory_formats metrics generative probes dump_throughput dump_memory compile attention live_exit max_pool
+BENCHMARKS := extraction losses memory_formats metrics generative probes dump_throughput dump_command dump_memory compile attention live_exit max_pool
 bench: $(STAMP)
 	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
 

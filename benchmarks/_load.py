@@ -27,6 +27,7 @@ PROCESSES = 2  # background processes per load
 READY_S = 300.0  # the longest a load process may take to start computing (torch's import on a busy machine)
 STOP_S = 10.0  # the longest a load process may take to exit on SIGTERM before it is killed
 QUICK_NICENESS = 19  # the load of a quick run: the lowest priority
+OPENMP_WAITS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # a load never inherits these: other jobs wait as OpenMP's default
 
 # Each program takes the pid of the process that started it and stops once that process is gone (its parent
 # changes), so a parent killed without cleanup leaves nothing running. "ready" says the work has begun.
@@ -123,8 +124,9 @@ def _threads() -> int:
 
 def _start(kind: str, log: IO[str], niceness: int) -> subprocess.Popen[str]:
     """One load process in a session of its own (Ctrl-C at the terminal reaches only the benchmark, which stops it),
-    at ``niceness`` (0: as the benchmark's own)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(_threads()), "PYTHONWARNINGS": "ignore"}
+    at ``niceness`` (0: as the benchmark's own), with GNU OpenMP's default waits whatever the benchmark's are."""
+    env = {key: value for key, value in os.environ.items() if key not in OPENMP_WAITS}
+    env.update(OMP_NUM_THREADS=str(_threads()), PYTHONWARNINGS="ignore")
     process = subprocess.Popen(
         [sys.executable, "-c", PROGRAMS[kind], str(os.getpid()), str(_threads())],
         stdin=subprocess.DEVNULL,

@@ -7,7 +7,7 @@ count, timed in interleaved rounds (``A B C``, ``B C A``, ...) after one untimed
 the first images (one full batch and one of the last batch's size); rounds stop at ``--rounds`` or
 when the next one would end past ``--budget`` seconds:
 
-- *hand-written NCHW loop* (the baseline): ``torchvision.datasets.ImageFolder`` with
+- *hand-written NCHW loop* (the baseline, ``_hand_loop.py``): ``torchvision.datasets.ImageFolder`` with
   ``weights.transforms()``, a ``DataLoader``, a plain torchvision ResNet-18 truncated by hand
   (``conv1`` .. ``layer4``, ``adaptive_avg_pool2d``, ``flatten``) under ``torch.no_grad()``, the rows
   collected and saved with one ``np.save`` at the end;
@@ -22,7 +22,9 @@ when the next one would end past ``--budget`` seconds:
 With ``--load`` the rounds run again under each background load (``_load.py``: ``torch``, two processes of
 multi-threaded torch convolutions; ``python``, two busy pure-Python processes; ``none``, quiet), one group per load,
 each row recording the load it ran under, the load average and the cores the load kept busy; in every group the
-default dump should be at least as fast as the hand loop (issue 39).
+default dump should be at least as fast as the hand loop (issue 39). All contenders share this process, so its
+OpenMP waits: torch's defaults, as in a user's script. ``dump_command.py`` asks the same of the commands a user runs,
+``featurehooks extract`` against the hand loop as a script, each a fresh process with its own defaults.
 
 A dump's time is the whole call: listing, planning, worker start-up, decoding, forwards, writing the
 rows, the per-batch commit (with its fsync) and the manifest. Every contender's saved features are
@@ -79,6 +81,7 @@ from featurehooks.images import read_image, transform_for
 import _harness as H
 import _load as L
 import _report as R
+from _hand_loop import hand_loop
 from _machine import loadavg, reduced_precisions
 from _weights import load_seeded, seeded_hub_weights, seeded_torch_home
 
@@ -145,33 +148,6 @@ def make_photos(root: Path, count: int, seed: int = H.SEED) -> list[Path]:
 # the contenders
 
 
-def truncated_resnet(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What a user writes: the stem and the four stages of a torchvision ResNet, then a global average pool."""
-
-    def features(x: torch.Tensor) -> torch.Tensor:
-        x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
-        x = model.layer4(model.layer3(model.layer2(model.layer1(x))))
-        return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
-
-    return features
-
-
-def hand_loop(root: Path, out: Path, transform: Any, model: torch.nn.Module, batch_size: int, workers: int) -> Path:
-    """The baseline: ImageFolder + DataLoader + the truncated model, rows saved by one ``np.save``."""
-    from torchvision.datasets import ImageFolder
-
-    dataset = ImageFolder(str(root), transform=transform)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers, shuffle=False)
-    forward = truncated_resnet(model)
-    rows = []
-    with torch.no_grad():
-        for images, _ in loader:
-            rows.append(forward(images))
-    out.mkdir(parents=True, exist_ok=True)
-    np.save(out / "layer4.npy", torch.cat(rows).numpy())
-    return out / "layer4.npy"
-
-
 def extractors(precisions: Sequence[str]) -> dict[str, FeatureExtractor]:
     """The dump contenders' extractors: contiguous, default, and the default in each of ``precisions``."""
     made = {
@@ -192,15 +168,15 @@ def dump(ext: FeatureExtractor, root: Path, out: Path, batch_size: int, workers:
 
 
 def time_rounds(
-    contenders: dict[str, Callable[[Path], Any]], root: Path, warm_root: Path, rounds: int, budget: float
+    contenders: dict[str, Callable[[Path], Any]], root: Path, warm_root: Path | None, rounds: int, budget: float
 ) -> H.Timing:
-    """One untimed call per contender on ``warm_root``, then interleaved rounds on ``root`` (the order
-    rotates each round), as many as ``rounds`` but no more than fit in ``budget`` seconds (at least one).
+    """One untimed call per contender on ``warm_root`` (none: no warm-up), then interleaved rounds on ``root`` (the
+    order rotates each round), as many as ``rounds`` but no more than fit in ``budget`` seconds (at least one).
 
     Not ``_harness.time_interleaved``: its warm-up calls would be whole dumps of ``root``, doubling the run.
     """
     names = list(contenders)
-    for name in names:
+    for name in names if warm_root is not None else ():
         contenders[name](warm_root)
     samples: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
@@ -409,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "photos at 333..640 px, landscape and portrait; resize 256, center crop 224 (the weights' own).",
         f"Every contender: batch {batch}, {workers} DataLoader worker(s), {cfg.threads} torch thread(s); "
         "dumps include planning, worker start-up, writing and the per-batch commit with its fsync.",
+        f"OpenMP waits of this process (all contenders; never the load's): {openmp_waits()}.",
         "*load* (params): the background load a group ran under: none (quiet), torch (two processes of "
         "multi-threaded torch convolutions), python (two busy pure-Python processes), started before and stopped "
         "after the group; *load average* the 1/5/15-minute load average at the group's end; *load cores busy* "
@@ -434,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "pool": "avg", "resize": 256, "crop": 224, "jpeg_quality": JPEG_QUALITY,
               "input_max_abs_diff": pixels, "target_speedup": TARGET_SPEEDUP,
               "max_relative_diff": MAX_RELATIVE_DIFF, "reduced_precisions": reduced, "rounds_asked": args.rounds,
-              "budget_s": args.budget, "loads": args.load,
+              "budget_s": args.budget, "loads": args.load, "openmp_waits": openmp_waits(),
               "load_average_at_start": load_at_start}  # fmt: skip
     columns = [
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
@@ -443,6 +420,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ("load_average", "load average", ""), ("load_cores_busy", "load cores busy", ".2f"),
     ]  # fmt: skip
     return R.publish(cfg, R.save(NAME, TITLE, cfg, groups, targets, config, notes, extra_columns=columns))
+
+
+def openmp_waits() -> str:
+    """How this process's idle OpenMP threads wait: the variables set in its environment, or GNU OpenMP's default."""
+    found = [f"{name}={os.environ[name]}" for name in L.OPENMP_WAITS if name in os.environ]
+    return ", ".join(found) or "GNU OpenMP's default (no GOMP_SPINCOUNT, no OMP_WAIT_POLICY)"
 
 
 def group_under(

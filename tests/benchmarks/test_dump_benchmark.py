@@ -105,3 +105,40 @@ def test_rounds_rotate_and_stop_at_the_budget(tmp_path: Path) -> None:
     calls.clear()
     timing = bench.time_rounds(contenders, tmp_path / "all", tmp_path / "warm", rounds=3, budget=0.0)
     assert timing.rounds == 1 and len(calls) == 6  # one round always runs
+
+
+@pytest.mark.slow
+def test_dump_command_quick(tmp_path: Path, torch_home: Path, resnet18_cached: Path) -> None:
+    bench = load_script("benchmarks/dump_command.py")
+    argv = ["--quick", "--threads", "1", "--workers", "1", "--out", str(tmp_path), "--torch-home", str(torch_home)]
+    payload = bench.main(argv)
+
+    saved = json.loads((tmp_path / "dump_command.json").read_text())
+    assert saved == json.loads(json.dumps(payload)) and saved["quick"] is True
+    assert saved["command"] == "python benchmarks/dump_command.py " + " ".join(argv)
+    config = saved["config"]
+    assert config["images"] == 18 and config["batch_size"] == 8 and config["loads"] == ["none"]
+    commands = config["commands"]  # each a fresh process: the hand loop script and the featurehooks command
+    assert "_hand_loop.py --batch-size 8 --workers 1 PHOTOS " in commands[bench.HAND]
+    assert "-m featurehooks extract" in commands[bench.SAME_WORKERS] and "--workers 1" in commands[bench.SAME_WORKERS]
+    assert "--workers" not in commands[bench.OWN_DEFAULTS]
+    (group,) = saved["groups"]
+    assert group["baseline"] == bench.HAND and group["params"]["load"] == "none" and group["params"]["threads"] == 1
+    rows = {row["name"]: row for row in group["rows"]}
+    assert list(rows) == [bench.HAND, bench.OWN_DEFAULTS, bench.SAME_WORKERS]
+    for row in rows.values():
+        assert row["images_per_s"] == pytest.approx(18 / (row["median_ms"] / 1e3)) and row["speedup"] > 0
+        assert row["max_abs_diff"] == 0.0  # the same features, bitwise, as the hand loop's, row for row
+    speed = [t for t in saved["targets"] if "images/s" in t["claim"]]  # the command as a user runs it, per load
+    assert [t["claim"] for t in speed] == [f"{bench.OWN_DEFAULTS} / {bench.HAND} images/s (at least as fast)"]
+    assert speed[0]["measured"] == pytest.approx(rows[bench.OWN_DEFAULTS]["speedup"]) and speed[0]["limit"] == 1.0
+    assert "| hand-written loop script |" in (tmp_path / "dump_command.md").read_text()
+
+
+def test_dump_command_runs_each_command_with_its_own_thread_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_script("benchmarks/dump_command.py")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.setenv(name, "7")
+    env = bench.environment(None)
+    assert not {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(env)
+    assert bench.environment(3)["OMP_NUM_THREADS"] == "3" and "GOMP_SPINCOUNT" not in bench.environment(3)

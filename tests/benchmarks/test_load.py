@@ -96,3 +96,15 @@ def test_load_names_are_checked() -> None:
         load_module.parse_loads("gpu")
     with pytest.raises(SystemExit, match="unknown load 'gpu'"), load_module.background("gpu"):
         pass
+
+
+def test_load_runs_with_openmp_default_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the benchmark's own short spin waits (GOMP_SPINCOUNT) would make the other jobs lighter than they are
+    load_module = load_script("benchmarks/_load.py")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "3000")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with load_module.background("python") as load:
+        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in load.pids]
+    for environment in environments:
+        names = {entry.split(b"=", 1)[0] for entry in environment}
+        assert b"OMP_NUM_THREADS" in names and not names & {b"GOMP_SPINCOUNT", b"OMP_WAIT_POLICY"}
