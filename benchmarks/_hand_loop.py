@@ -1,5 +1,6 @@
-"""The loop a user writes by hand to dump ResNet-18's average-pooled ``layer4`` features of an image folder: the
-baseline of ``dump_throughput.py`` (called in its process) and of ``dump_command.py`` (run as a script, a fresh
+"""The loop a user writes by hand to dump ResNet-18's average-pooled ``layer4`` features of an image folder.
+
+The baseline of ``dump_throughput.py`` (called in its process) and of ``dump_command.py`` (run as a script, a fresh
 process each call, as a user runs it).
 
 ``torchvision.datasets.ImageFolder`` with ``weights.transforms()``, a ``DataLoader``, a plain torchvision ResNet-18
