@@ -57,6 +57,17 @@ while os.getppid() == parent:
 }
 
 
+NOTE = (
+    "*load* (params): the background load a group ran under: none (quiet), torch (two processes of multi-threaded "
+    "torch convolutions), python (two busy pure-Python processes), started before and stopped after the group; "
+    "*load average* the 1/5/15-minute load average at the group's end; *load cores busy* the cores the load "
+    "processes kept busy during it (their CPU seconds over the wall seconds)."
+)
+"""The results' note on what a row's load fields say."""
+COLUMNS = [("load_average", "load average", ""), ("load_cores_busy", "load cores busy", ".2f")]
+"""The results' table columns of a row's load fields (``Load.record``)."""
+
+
 def parse_loads(text: str) -> list[str]:
     """``"none,torch"`` -> ``["none", "torch"]``; a clear error for any other name."""
     loads = [name.strip() for name in text.split(",") if name.strip()]

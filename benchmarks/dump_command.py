@@ -38,8 +38,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import _harness as H
 import _load as L
 import _report as R
@@ -53,7 +51,7 @@ HAND = "hand-written loop script"
 SAME_WORKERS = "featurehooks extract, same workers"
 OWN_DEFAULTS = "featurehooks extract, own defaults"
 HAND_SCRIPT = Path(__file__).with_name("_hand_loop.py")
-CLEARED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+CLEARED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *L.OPENMP_WAITS)  # each command with its own defaults
 
 
 def environment(threads: int | None) -> dict[str, str]:
@@ -110,15 +108,7 @@ def arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(H.RESULTS), help="folder for dump_command.json and .md")
     p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--load", default="none", type=L.parse_loads, help=L.load_option_help())
-    args = p.parse_args(argv)
-    quick = {"images": 18, "rounds": 1, "batch_size": 8}
-    full = {"images": 200, "rounds": 7, "batch_size": 32}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    for key in ("images", "rounds", "batch_size"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')} must be at least 1")
+    args = D.fill_sizes(p.parse_args(argv), {"images": 200, "rounds": 7, "batch_size": 32})
     if args.workers < 0 or (args.threads is not None and args.threads < 1):
         raise SystemExit("--workers must be at least 0 and --threads at least 1")
     return args
@@ -145,11 +135,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = environment(args.threads)
     with seeded_torch_home(args.torch_home), tempfile.TemporaryDirectory(prefix="fh_dump_command_") as tmp:
         work = Path(tmp)
-        root, warm_root = work / "photos", work / "warm-up"
-        H.log(f"writing {args.images} JPEGs")
-        classes = len({path.parent.name for path in D.make_photos(root, args.images)})
-        if not args.quick:  # quick: no warm-up call
-            D.make_photos(warm_root, min(args.images, args.batch_size + args.images % args.batch_size))
+        root, warm_root, classes = D.photo_folders(work, args.images, args.batch_size, warm=not args.quick)
         seeded_hub_weights("resnet18")
         env["TORCH_HOME"] = os.environ["TORCH_HOME"]
         outs = {name: work / f"out{i}" for i, name in enumerate((HAND, OWN_DEFAULTS, SAME_WORKERS))}
@@ -163,23 +149,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 timing = D.time_rounds(contenders, root, warm, args.rounds, args.budget)
                 measured[load] = (timing, running.record())
         order = D.folder_order(root)
-        reference = np.load(outs[HAND] / "layer4.npy")
-        checks: dict[str, dict[str, Any]] = {HAND: {"max_abs_diff": 0.0, "rel_diff": 0.0}}
-        for name in (OWN_DEFAULTS, SAME_WORKERS):
-            rows, invalid = D.dump_rows(outs[name], order)
-            if invalid:
-                raise SystemExit(f"{name}: some images were not decoded (see {outs[name] / 'manifest.json'})")
-            checks[name] = D.compare(reference, np.load(outs[name] / "layer4.npy")[rows])
+        checks = D.checked_against(HAND, outs, order)
 
     count = len(order)
     params = {"images": count, "batch": args.batch_size, "workers": args.workers, "threads": args.threads or "own"}
-    groups = []
-    for load, (timing, during) in measured.items():
-        rows = {
-            name: {**check, **during, "samples_images_per_s": [count / s for s in timing.samples[name]]}
-            for name, check in checks.items()
-        }
-        groups.append(D.rate_group(D.CASE, timing, HAND, {**params, "load": load}, rows))
+    groups = [D.group_under(load, timing, during, params, checks, HAND) for load, (timing, during) in measured.items()]
     targets = [
         R.Target(f"{name}: max abs diff / max abs feature, vs the hand loop", D.CASE, checks[name]["rel_diff"],
                  D.MAX_RELATIVE_DIFF, "<=", unit="")
@@ -206,9 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else "no thread or OpenMP variable set: torch's thread count for all, featurehooks' commands with their "
             "short OpenMP spin waits (GOMP_SPINCOUNT=3000), the hand loop with GNU OpenMP's default."
         ),
-        "*load* (params): none (quiet), torch (two processes of multi-threaded torch convolutions), python (two busy "
-        "pure-Python processes), started before and stopped after the group; *load average* at the group's end; "
-        "*load cores busy* the cores the load processes kept busy during it.",
+        L.NOTE,
         "Outputs: each command's rows matched to the hand loop's by file path; *max abs diff* over all "
         f"{count}x512 features, *diff / max abs* over the largest |feature| of the hand loop.",
     ]
@@ -222,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
         ("speedup", "× baseline", ".2f"), ("best_speedup", "× baseline (best)", ".2f"),
         R.ABS_DIFF_COLUMN, ("rel_diff", "diff / max abs", ".1e"),
-        ("load_average", "load average", ""), ("load_cores_busy", "load cores busy", ".2f"),
+        *L.COLUMNS,
     ]  # fmt: skip
     return R.publish(cfg, R.save(NAME, TITLE, cfg, groups, targets, config, notes, extra_columns=columns))
 

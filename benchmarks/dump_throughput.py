@@ -144,6 +144,17 @@ def make_photos(root: Path, count: int, seed: int = H.SEED) -> list[Path]:
     return paths
 
 
+def photo_folders(work: Path, images: int, batch_size: int, warm: bool = True) -> tuple[Path, Path, int]:
+    """``images`` photos in ``work/photos``, and (unless not ``warm``) the first of them again in ``work/warm-up``
+    for the untimed calls (one full batch and one of the last batch's size); both folders and the class count."""
+    root, warm_root = work / "photos", work / "warm-up"
+    H.log(f"writing {images} JPEGs")
+    classes = len({path.parent.name for path in make_photos(root, images)})
+    if warm:
+        make_photos(warm_root, min(images, batch_size + images % batch_size))
+    return root, warm_root, classes
+
+
 # --------------------------------------------------------------------------------------------------
 # the contenders
 
@@ -215,6 +226,25 @@ def dump_rows(out: Path, order: Sequence[str]) -> tuple[np.ndarray, bool]:
     return np.array([row for row, _ in matched]), not all(valid for _, valid in matched)
 
 
+def checked_against(hand: str, outs: dict[str, Path], order: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each contender's ``layer4.npy`` in ``outs`` against ``hand``'s (saved in ``order``), row by row matched by file
+    path (``dump_rows``): ``compare``'s numbers and whether the dump kept the folder's order; an exit where an
+    image was not decoded."""
+    reference = np.load(outs[hand] / "layer4.npy")
+    checks: dict[str, dict[str, Any]] = {hand: {"max_abs_diff": 0.0, "rel_diff": 0.0}}
+    for name, out in outs.items():
+        if name == hand:
+            continue
+        rows, invalid = dump_rows(out, order)
+        if invalid:
+            raise SystemExit(f"{name}: some images were not decoded (see {out / 'manifest.json'})")
+        checks[name] = {
+            **compare(reference, np.load(out / "layer4.npy")[rows]),
+            "rows_in_folder_order": bool(np.array_equal(rows, np.arange(len(rows)))),
+        }
+    return checks
+
+
 def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
     """Max absolute difference, and that difference over the largest feature magnitude."""
     if reference.shape != other.shape:
@@ -272,17 +302,22 @@ def arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="time sources at scale (ZIP, WebDataset shards) and 2 shard jobs + merge against 1 job instead",
     )
-    args = p.parse_args(argv)
+    args = fill_sizes(p.parse_args(argv), {"images": 400, "rounds": 5, "batch_size": 32})
+    if args.workers < 0:
+        raise SystemExit("--workers must be at least 0")
+    return args
+
+
+def fill_sizes(args: argparse.Namespace, full: dict[str, int]) -> argparse.Namespace:
+    """``args`` with ``images``, ``rounds`` and ``batch_size`` left unset filled in (``full``'s, or 18 images, 1 round
+    and batches of 8 with ``--quick``); a clear exit for any below 1."""
     quick = {"images": 18, "rounds": 1, "batch_size": 8}
-    full = {"images": 400, "rounds": 5, "batch_size": 32}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     for key in ("images", "rounds", "batch_size"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')} must be at least 1")
-    if args.workers < 0:
-        raise SystemExit("--workers must be at least 0")
     return args
 
 
@@ -310,11 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     transform = weights.transforms()
     with seeded_torch_home(args.torch_home), tempfile.TemporaryDirectory(prefix="fh_dump_bench_") as tmp:
         work = Path(tmp)
-        root = work / "photos"
-        H.log(f"writing {args.images} JPEGs")
-        classes = len({path.parent.name for path in make_photos(root, args.images)})
-        warm_root = work / "warm-up"  # the first images again: one full batch and one of the last batch's size
-        make_photos(warm_root, min(args.images, args.batch_size + args.images % args.batch_size))
+        root, warm_root, classes = photo_folders(work, args.images, args.batch_size)
         seeded_hub_weights("resnet18")
         if args.scale:
             return at_scale(args, cfg, work, root, warm_root)
@@ -339,17 +370,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 timing = time_rounds(contenders, root, warm_root, args.rounds, args.budget)
                 measured[load] = (timing, running.record())
         order = folder_order(root)
-        reference = np.load(outs[HAND] / "layer4.npy")
-        checks: dict[str, dict[str, Any]] = {HAND: {"max_abs_diff": 0.0, "rel_diff": 0.0}}
-        for name in dumpers:
-            rows, invalid = dump_rows(outs[name], order)
-            if invalid:
-                raise SystemExit(f"{name}: some images were not decoded (see {outs[name] / 'manifest.json'})")
-            features = np.load(outs[name] / "layer4.npy")
-            checks[name] = {
-                **compare(reference, features[rows]),
-                "rows_in_folder_order": bool(np.array_equal(rows, np.arange(len(rows)))),
-            }
+        checks = checked_against(HAND, outs, order)
         formats = {HAND: "contiguous (NCHW)", **{name: ext.memory_format_in_use for name, ext in dumpers.items()}}
         for ext in dumpers.values():
             ext.close()
@@ -386,10 +407,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"Every contender: batch {batch}, {workers} DataLoader worker(s), {cfg.threads} torch thread(s); "
         "dumps include planning, worker start-up, writing and the per-batch commit with its fsync.",
         f"OpenMP waits of this process (all contenders; never the load's): {openmp_waits()}.",
-        "*load* (params): the background load a group ran under: none (quiet), torch (two processes of "
-        "multi-threaded torch convolutions), python (two busy pure-Python processes), started before and stopped "
-        "after the group; *load average* the 1/5/15-minute load average at the group's end; *load cores busy* "
-        "the cores the load processes kept busy during it (their CPU seconds over the wall seconds).",
+        L.NOTE,
         "Outputs: each dump's rows matched to the hand loop's by file path; *max abs diff* over all "
         f"{count}x512 features; *diff / max abs* divides it by the largest |feature| of the hand loop "
         f"({checks[DEFAULT]['feature_scale']:.3g} with these seeded random weights).",
@@ -417,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ("images_per_s", "images/s (median)", ".1f"), ("best_images_per_s", "images/s (best)", ".1f"),
         ("speedup", "× hand loop", ".2f"), ("best_speedup", "× hand loop (best)", ".2f"),
         R.ABS_DIFF_COLUMN, ("rel_diff", "diff / max abs", ".1e"),
-        ("load_average", "load average", ""), ("load_cores_busy", "load cores busy", ".2f"),
+        *L.COLUMNS,
     ]  # fmt: skip
     return R.publish(cfg, R.save(NAME, TITLE, cfg, groups, targets, config, notes, extra_columns=columns))
 
@@ -429,21 +447,17 @@ def openmp_waits() -> str:
 
 
 def group_under(
-    load: str, timing: H.Timing, during: dict[str, Any], params: dict[str, Any], checks: dict[str, dict[str, Any]]
-) -> R.Group:
-    """The group of one load: images/s and speed-ups over the hand loop of the same rounds, each row with the
-    load it ran under (``during``: ``_load.Load.record``) and its output checks."""
+    load: str, timing: H.Timing, during: dict[str, Any], params: dict[str, Any], checks: dict[str, dict[str, Any]],
+    baseline: str = HAND,
+) -> R.Group:  # fmt: skip
+    """The group of one load: images/s and speed-ups over ``baseline`` of the same rounds (``rate_group``), each row
+    with every round's images/s, the load it ran under (``during``: ``_load.Load.record``) and its output checks."""
     count = params["images"]
-    base, base_best = timing.median(HAND), min(timing.samples[HAND])
-    extras = {}
-    for name in timing.samples:
-        median, best = timing.median(name), min(timing.samples[name])
-        extras[name] = {
-            "images_per_s": count / median, "best_images_per_s": count / best,
-            "speedup": base / median, "best_speedup": base_best / best,
-            "samples_images_per_s": [count / s for s in timing.samples[name]], **checks[name], **during,
-        }  # fmt: skip
-    return R.make_group(CASE, {**params, "load": load}, timing, HAND, extras)
+    extras = {
+        name: {"samples_images_per_s": [count / s for s in samples], **checks[name], **during}
+        for name, samples in timing.samples.items()
+    }
+    return rate_group(CASE, timing, baseline, {**params, "load": load}, extras)
 
 
 def speed_targets(group: R.Group, reduced: Sequence[str]) -> list[R.Target]:

@@ -450,10 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak MiB: memory allocated during one call above what was allocated before it "
         + ("(CUDA caching allocator peak)." if cfg.cuda else "(CPU: profiler allocation events).")
         + " peak RSS MiB (FID): the largest process's peak resident memory, median over the calls.",
-        "FID groups: *load* (params) is the background load they ran under: none (quiet), torch (two processes of "
-        "multi-threaded torch convolutions), python (two busy pure-Python processes), started before and stopped "
-        "after the group; *load average* the 1/5/15-minute load average at the group's end; *load cores busy* the "
-        "cores the load processes kept busy during it (their CPU seconds over the wall seconds). "
+        f"FID groups: {L.NOTE} "
         + (
             "Each command with its own default workers and threads."
             if args.fid_defaults
@@ -490,8 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("max_abs_diff", "max abs diff", ".2g"),
             ("distance", "distance", ".4g"),
             ("forward", "forward", ""),
-            ("load_average", "load average", ""),
-            ("load_cores_busy", "load cores busy", ".2f"),
+            *L.COLUMNS,
         ],
     )
     with seeded_torch_home(args.torch_home) as home:
